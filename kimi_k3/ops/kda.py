@@ -1,0 +1,164 @@
+"""Kimi Delta Attention: one public function, several implementations of the same equation.
+
+Layout follows flash-linear-attention's ``chunk_kda`` so code moves between the two:
+
+    q, k         [B, T, H, K]     queries, keys (L2-normalised upstream, in the layer)
+    v            [B, T, HV, V]    values; HV = G * H, q/k head h serves value heads h*G .. h*G+G-1
+    g            [B, T, HV, K]    per-channel log-decay, g <= 0
+    beta         [B, T, HV]       write strength
+    state        [B, HV, K, V]    always float32
+
+Per token: S <- Diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t).
+
+Implementations (``impl=``):
+    "recurrent"  token by token with lax.scan: the definition.
+    "xla"        the chunked (WY) form in plain JAX; any T; differentiable; O(T) memory.
+    "pallas"     the Pallas kernel (pallas_kernels/); interpret mode on CPU.
+    "auto"       the fastest one available on the current backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from kimi_k3.ops.kda_chunked import kda_chunked
+from kimi_k3.ops.kda_recurrent import kda_recurrent
+
+IMPLS = ("auto", "recurrent", "xla", "pallas")
+
+
+def _shape_error(name: str, got, allowed: str) -> ValueError:
+    return ValueError(f"kda: {name} {allowed}, got {got}")
+
+
+def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl, lower_bound):
+    if impl not in IMPLS:
+        raise ValueError(f"kda: impl must be one of {IMPLS}, got {impl!r}")
+    if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size & (chunk_size - 1) == 0):
+        raise ValueError(f"kda: chunk_size must be a positive power of two, got {chunk_size!r}")
+    if lower_bound is not None and not (
+        isinstance(lower_bound, int | float) and math.isfinite(lower_bound) and lower_bound < 0
+    ):
+        raise ValueError(
+            f"kda: lower_bound must be None (unbounded gate) or a finite negative number, "
+            f"got {lower_bound!r}"
+        )
+    if q.ndim != 4:
+        raise _shape_error("q", q.shape, "must be [B, T, H, K]")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise _shape_error("k", k.shape, f"must match q's shape {q.shape}")
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise _shape_error("v", v.shape, f"must be [B={B}, T={T}, HV, V]")
+    HV, V = v.shape[2:]
+    if HV % H != 0:
+        raise ValueError(
+            f"kda: v's head count HV={HV} must be a multiple of q/k's head count H={H}"
+        )
+    if g.shape != (B, T, HV, K):
+        raise _shape_error("g", g.shape, f"must be [B, T, HV, K] = {(B, T, HV, K)}")
+    if beta.shape != (B, T, HV):
+        raise _shape_error("beta", beta.shape, f"must be [B, T, HV] = {(B, T, HV)}")
+    if initial_state is not None:
+        if initial_state.shape != (B, HV, K, V):
+            raise _shape_error(
+                "initial_state", initial_state.shape, f"must be [B, HV, K, V] = {(B, HV, K, V)}"
+            )
+        if initial_state.dtype != jnp.float32:
+            raise ValueError(f"kda: initial_state must be float32, got {initial_state.dtype}")
+    if segment_ids is not None:
+        if segment_ids.shape != (B, T):
+            raise _shape_error("segment_ids", segment_ids.shape, f"must be [B, T] = {(B, T)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"kda: segment_ids must be integer, got {segment_ids.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"kda: {name} must be a floating dtype, got {x.dtype}")
+
+
+@functools.cache
+def _pallas_impl():
+    """The Pallas kernel entry point, or None when this JAX cannot provide it."""
+    try:
+        from pallas_kernels.kda import kda_pallas
+    except ImportError as err:  # pragma: no cover - depends on the installed JAX
+        warnings.warn(f"kda: Pallas kernel unavailable ({err}); using impl='xla'", stacklevel=3)
+        return None
+    return kda_pallas
+
+
+def resolve_impl(impl: str) -> str:
+    """The concrete implementation ``impl='auto'`` stands for on the current backend."""
+    if impl != "auto":
+        return impl
+    if jax.default_backend() in ("gpu", "tpu") and _pallas_impl() is not None:
+        from pallas_kernels.kda import pallas_supported
+
+        if pallas_supported(jax.default_backend()):
+            return "pallas"
+    return "xla"
+
+
+def kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = 64,
+    lower_bound: float | None = None,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array | None]:
+    """Kimi Delta Attention over a whole sequence.
+
+    Args:
+      q, k: [B, T, H, K]. v: [B, T, HV, V], HV a multiple of H. g: [B, T, HV, K] log-decay (<= 0).
+      beta: [B, T, HV]. scale: multiplies q; defaults to K ** -0.5.
+      initial_state: [B, HV, K, V] float32, the state before token 0 (of each row's first segment).
+      output_final_state: return the state after the last token.
+      segment_ids: [B, T] int, packed documents; the state restarts from zero at each new id.
+      chunk_size: chunk length of the chunked forms, a positive power of two.
+      lower_bound: a promise that every g >= lower_bound (the bounded gate's g_min, e.g. -5); the
+        Pallas kernel then uses its tensor-core path. None: gates may be arbitrarily negative.
+      impl: "auto" | "recurrent" | "xla" | "pallas".
+
+    Returns:
+      (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32 or None).
+    """
+    _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl, lower_bound)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    impl = resolve_impl(impl)
+    if impl == "recurrent":
+        o, S = kda_recurrent(
+            q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=initial_state,
+            segment_ids_BxT=segment_ids,
+        )
+    elif impl == "xla":
+        o, S = kda_chunked(
+            q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=initial_state,
+            segment_ids_BxT=segment_ids, chunk_size=chunk_size,
+        )
+    else:
+        kernel = _pallas_impl()
+        if kernel is None:
+            o, S = kda_chunked(
+                q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=initial_state,
+                segment_ids_BxT=segment_ids, chunk_size=chunk_size,
+            )
+        else:
+            o, S = kernel(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                segment_ids=segment_ids, chunk_size=chunk_size, lower_bound=lower_bound,
+            )
+    return o.astype(v.dtype), (S if output_final_state else None)
