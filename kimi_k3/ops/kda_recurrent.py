@@ -3,7 +3,7 @@
 For each token t of a row, per value head, with the state S of shape [K, V] (float32):
 
     S <- Diag(exp g_t) S                                  fade (row d scaled by exp g_t[d])
-    S <- S + beta_t k_t (v_t - S^T k_t)^T                 delta rule: erase what S returns for k_t, write v_t
+    S <- S + beta_t k_t (v_t - S^T k_t)^T                 delta rule: erase, then write
     o_t = S^T (scale q_t)                                 read, after the write
 
 Closed form: S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T, alpha = exp(g).
