@@ -1,0 +1,246 @@
+"""KDA kernel speed: forward and forward+backward, ours (impl="pallas") vs impl="xla" and fla.
+
+    python benchmarks/kda_kernel.py                      # the table of BENCHMARKS.md (GPU)
+    python benchmarks/kda_kernel.py --shapes 8x4096 --no-xla --breakdown --sweep
+
+Inputs: bf16 q, k (L2-normalised), v, beta (sigmoid); float32 bounded gate g = -5 sigmoid(x)
+(K3's gate); H = HV = 16, K = V = 128. Forward+backward is the gradient of sum(o * do) with
+respect to all five inputs. Each time is the median of device-synchronised runs after warm-up.
+fla's ``chunk_kda(..., safe_gate=True, lower_bound=-5)`` runs in the same process on the same
+card when fla-core is importable. Writes a markdown table (--out) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kimi_k3.ops.kda import kda
+from pallas_kernels import kda as pk
+
+SHAPES = {"8x4096": (8, 4096), "2x16384": (2, 16384), "1x65536": (1, 65536),
+          "1x262144": (1, 262144), "smoke": (1, 128)}
+H, D, LOWER = 16, 128, -5.0
+
+
+def make_inputs(B, T, seed=0):
+    """Device arrays: q, k, v, beta, do in bf16 (q, k L2-normalised), g float32 in [-5, 0)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    shape = (B, T, H, D)
+
+    def unit(key):
+        x = jax.random.normal(key, shape, jnp.float32)
+        return (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+
+    q, k = unit(ks[0]), unit(ks[1])
+    v = jax.random.normal(ks[2], shape, jnp.bfloat16)
+    g = LOWER * jax.nn.sigmoid(jax.random.normal(ks[3], shape, jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), jnp.float32)).astype(jnp.bfloat16)
+    do = jax.random.normal(ks[5], shape, jnp.bfloat16)
+    return jax.block_until_ready((q, k, v, g, beta, do))
+
+
+def time_jax(fn, args, *, min_reps=3, max_reps=30, budget_s=1.5):
+    out = fn(*args)
+    jax.block_until_ready(out)  # compile + warm-up
+    jax.block_until_ready(fn(*args))
+    times = []
+    t_start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or
+                                     time.perf_counter() - t_start < budget_s):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def jax_fns(impl):
+    def fwd(q, k, v, g, beta):
+        return kda(q, k, v, g, beta, lower_bound=LOWER, impl=impl)[0]
+
+    def loss(q, k, v, g, beta, do):
+        o = fwd(q, k, v, g, beta)
+        return jnp.sum(o.astype(jnp.float32) * do)
+
+    fwdbwd = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def bench_jax(impl, arrays):
+    fwd, fwdbwd = jax_fns(impl)
+    q, k, v, g, beta, do = arrays
+    t_f = time_jax(fwd, (q, k, v, g, beta))
+    t_fb = time_jax(fwdbwd, (q, k, v, g, beta, do))
+    return t_f, t_fb
+
+
+def bench_fla(arrays):
+    try:
+        import torch
+        import triton
+        from fla.ops.kda import chunk_kda
+    except Exception as err:
+        print(f"fla unavailable: {err}")
+        return None
+    # The same device buffers, shared through DLPack (copied so autograd owns its leaves).
+    tq, tk, tv, tg, tb = (torch.from_dlpack(x).clone().requires_grad_() for x in arrays[:5])
+    tdo = torch.from_dlpack(arrays[5]).clone()
+
+    def fwd():
+        with torch.no_grad():
+            return chunk_kda(tq, tk, tv, tg, tb, safe_gate=True, lower_bound=LOWER)[0]
+
+    def fwdbwd():
+        o = chunk_kda(tq, tk, tv, tg, tb, safe_gate=True, lower_bound=LOWER)[0]
+        return torch.autograd.grad(o, (tq, tk, tv, tg, tb), tdo)
+
+    t_f = triton.testing.do_bench(fwd, warmup=100, rep=500, return_mode="median")
+    t_fb = triton.testing.do_bench(fwdbwd, warmup=100, rep=500, return_mode="median")
+    torch.cuda.empty_cache()
+    return t_f, t_fb
+
+
+def breakdown(name, arrays):
+    """Median ms of each kernel of impl="pallas" (printed as each one finishes)."""
+    from pallas_kernels import kda_calls as calls
+
+    q, k, v, g, beta, do = arrays
+    B = q.shape[0]
+    cfg = pk.make_config(q, v, scale=D ** -0.5, segment_ids=None, chunk_size=64,
+                         lower_bound=LOWER, mode=pk._resolve_mode(None, None))
+    h0t = pk._state_to_kernel(jnp.zeros((B, H, D, D), jnp.float32), cfg)
+    qp, kp, vp, gp, bp, _ = pk._prep(q, k, v, g, beta, None, cfg)
+    dop = do.astype(v.dtype)
+
+    def timed(label, fn, *a):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*a))
+        first = time.perf_counter() - t0
+        print(f"  {name} {label}: {time_jax(fn, a):.3f} ms (first call {first:.1f} s)",
+              flush=True)
+        return out
+
+    W, U, QG, Kg, Aqk, gam = timed("intra_fwd", jax.jit(
+        lambda *a: calls.intra_fwd(cfg, *a, ())), qp, kp, vp, gp, bp)
+    timed("state_fwd", jax.jit(lambda *a: calls.state_fwd(
+        cfg, *a, out_dtype=v.dtype, residuals=False)), W, U, QG, Kg, Aqk, gam, h0t)
+    _, _, h, Vp = timed("state_fwd+residuals", jax.jit(lambda *a: calls.state_fwd(
+        cfg, *a, out_dtype=v.dtype, residuals=True)), W, U, QG, Kg, Aqk, gam, h0t)
+    dh, dVp, _ = timed("state_bwd", jax.jit(lambda *a: calls.state_bwd(cfg, *a)),
+                       dop, W, QG, Kg, Aqk, gam, h0t)
+    timed("intra_bwd", jax.jit(lambda *a: calls.intra_bwd(
+        cfg, qp, kp, vp, gp, bp, (), *a, dqk_dtype=q.dtype, dv_dtype=v.dtype,
+        dg_dtype=g.dtype)), W, U, h, dh, Vp, dVp, dop)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="8x4096,2x16384,1x65536,1x262144",
+                    help="comma list of keys of SHAPES")
+    ap.add_argument("--no-xla", action="store_true", help="skip impl='xla'")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla")
+    ap.add_argument("--breakdown", action="store_true", help="per-kernel times of ours")
+    ap.add_argument("--breakdown-only", action="store_true", help="only the per-kernel times")
+    ap.add_argument("--sweep", default="", help="a shape key: try launch parameters there")
+    ap.add_argument("--tune", default="", help="TUNING overrides, e.g. bv_seq=16,warps_seq=4")
+    ap.add_argument("--out", default="", help="write the markdown table here")
+    args = ap.parse_args(argv)
+    for kv in filter(None, args.tune.split(",")):
+        key, val = kv.split("=")
+        pk.TUNING[key] = int(val)
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}, jax {jax.__version__}, TUNING {pk.TUNING}", flush=True)
+
+    names = args.shapes.split(",")
+    results = {n: {"ours": None, "xla": None, "fla": None} for n in names}
+
+    def report():
+        table = format_table(dev, results)
+        print(table, flush=True)
+        if args.out:
+            Path(args.out).write_text(table + "\n")
+
+    if args.breakdown_only:
+        for name in names:
+            breakdown(name, make_inputs(*SHAPES[name]))
+        return
+    for name in names:  # ours first: the numbers that matter most, and quick to compile
+        arrays = make_inputs(*SHAPES[name])
+        results[name]["ours"] = bench_jax("pallas", arrays)
+        print(f"{name}: ours fwd / fwd+bwd {fmt(results[name]['ours'])} ms", flush=True)
+        if args.breakdown:
+            breakdown(name, arrays)
+    report()
+    if not args.no_fla:  # fla autotunes its kernels on first use: slow to start
+        for name in names:
+            results[name]["fla"] = bench_fla(make_inputs(*SHAPES[name]))
+            print(f"{name}: fla fwd / fwd+bwd {fmt(results[name]['fla'])} ms", flush=True)
+        report()
+    if not args.no_xla:
+        for name in names:
+            try:
+                results[name]["xla"] = bench_jax("xla", make_inputs(*SHAPES[name]))
+            except Exception as err:
+                print(f"  xla {name} failed: {str(err).splitlines()[0][:200]}")
+            print(f"{name}: xla fwd / fwd+bwd {fmt(results[name]['xla'])} ms", flush=True)
+        report()
+    if args.sweep:  # last: a run cut short still has the table
+        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]))
+
+
+SWEEP = ({"inverse_x3": 0}, {"bv_seq": 32}, {"bv_seq": 64}, {"warps_seq": 8},
+         {"bk": 64}, {"warps_grad": 8}, {"stages_seq": 3})
+
+
+def sweep(name, arrays):
+    base = dict(pk.TUNING)
+    for var in SWEEP:
+        pk.TUNING.update(var)
+        try:
+            t = bench_jax("pallas", arrays)
+            print(f"  sweep {name} {var}: fwd {t[0]:.3f} ms, fwd+bwd {t[1]:.3f} ms", flush=True)
+        except Exception as err:
+            print(f"  sweep {name} {var}: failed {str(err).splitlines()[0][:200]}")
+        pk.TUNING.clear()
+        pk.TUNING.update(base)
+
+
+def fmt(t):
+    return "—" if t is None else f"{t[0]:.2f} / {t[1]:.2f}"
+
+
+def format_table(dev, results):
+    lines = [
+        f"Card: {dev.device_kind}; JAX {jax.__version__}; bf16 q/k/v/beta, fp32 bounded gate "
+        f"(lower_bound={LOWER}); H=16, K=V=128. Times in ms (median); Mtok/s = B*T / time; "
+        "vs fla = fla time / our time.",
+        "",
+        "| B x T | ours fwd | ours fwd+bwd | xla fwd | xla fwd+bwd | fla fwd | fla fwd+bwd "
+        "| ours Mtok/s fwd / fwd+bwd | fwd vs fla | fwd+bwd vs fla |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        B, T = SHAPES[name]
+        ours, xla, fla = r["ours"], r["xla"], r["fla"]
+        if ours is None:
+            continue
+        x = ("—", "—") if xla is None else (f"{xla[0]:.2f}", f"{xla[1]:.2f}")
+        f = ("—", "—") if fla is None else (f"{fla[0]:.2f}", f"{fla[1]:.2f}")
+        rr = ("—", "—") if fla is None else (f"{fla[0] / ours[0]:.2f}x",
+                                             f"{fla[1] / ours[1]:.2f}x")
+        mt = f"{B * T / ours[0] / 1e3:.0f} / {B * T / ours[1] / 1e3:.0f}"
+        lines.append(f"| {B} x {T} | {ours[0]:.2f} | {ours[1]:.2f} | {x[0]} | {x[1]} | {f[0]} "
+                     f"| {f[1]} | {mt} | {rr[0]} | {rr[1]} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""KDA as Pallas kernels: forward and backward joined by ``jax.custom_vjp``.
+
+Public entry points (``kimi_k3.ops.kda.kda(..., impl="pallas")`` calls the first):
+
+    kda_pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, lower_bound,
+               interpret=None, backend=None) -> (o [B, T, HV, V], final_state [B, HV, K, V] f32)
+    pallas_supported(backend) -> bool
+
+Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; state
+[B, HV, K, V] float32; HV a multiple of H. Per token, per value head:
+
+    S <- Diag(exp g_t) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = S^T (scale q_t)
+
+computed in chunks of C tokens (the WY form; pallas_kernels/kda_body.py has the equations).
+
+Forward:  intra_fwd (parallel over chunks) -> state_fwd (sequential over chunks).
+Backward: state_bwd (reverse, sequential) -> intra_bwd (parallel over chunks). The forward
+saves the per-chunk states (O(T K V / C) memory, never O(T^2)) so the backward does not
+replay the state pass; everything else intra-chunk is recomputed.
+
+Backends (``backend=``, default from ``interpret`` and ``jax.default_backend()``):
+    "gpu"            Pallas-Triton, compiled.          "tpu"  Pallas-Mosaic, compiled.
+    "interpret"      the GPU kernels in Pallas' interpret mode (any machine; the CPU default).
+    "tpu_interpret"  the TPU kernels in TPU interpret mode (pltpu.InterpretParams) on CPU.
+
+Gates: ``lower_bound`` in [-5, 0) promises g >= lower_bound and selects the factored
+tensor-core path for the diagonal sub-blocks of the intra-chunk scores; None (or a bound below
+-5) selects the safe path, exact for arbitrarily negative gates.
+
+Tests: ``poison_outputs()`` starts every kernel output as NaN. ``python -m
+pallas_kernels.triton_report`` prints the GPU kernels' shared memory, registers and spills for
+sm_90 without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kda_calls as calls
+from pallas_kernels.kda_body import MAX_FACTORED_EXPONENT, KdaConfig
+from pallas_kernels.kda_calls import poison_outputs
+
+__all__ = ["kda_pallas", "pallas_supported", "poison_outputs", "make_config", "TUNING"]
+
+f32 = jnp.float32
+MODES = ("gpu", "tpu", "interpret", "tpu_interpret")
+SAFE_SUB = 16  # sub-chunk rows of the unbounded-gate path (its diagonal blocks cost ~SUB)
+
+# Launch parameters of the compiled GPU kernels; benchmarks may override them. bv_seq 0: the
+# widest V tile that still gives the state passes TARGET_PROGRAMS programs (they are the
+# sequential part: at small batch, finer V tiles are the only parallelism left).
+TUNING = {"bv_seq": 0, "bv_intra": 64, "bk": 32, "warps_intra": 4, "warps_seq": 4,
+          "warps_grad": 8, "stages_seq": 2, "stages_intra": 1, "inverse_x3": 1}
+TARGET_PROGRAMS = 256
+
+
+def _next_pow2(x: int, lo: int = 16) -> int:
+    return max(lo, 1 << (x - 1).bit_length())
+
+
+def _resolve_mode(interpret, backend) -> str:
+    if backend is not None:
+        if backend not in MODES:
+            raise ValueError(f"kda_pallas: backend must be one of {MODES}, got {backend!r}")
+        return backend
+    platform = jax.default_backend()
+    if interpret is None:
+        interpret = platform not in ("gpu", "tpu")
+    if interpret:
+        return "interpret"
+    if platform not in ("gpu", "tpu"):
+        raise ValueError(f"kda_pallas: no compiled Pallas kernel for backend {platform!r}; "
+                         "use interpret=True")
+    return platform
+
+
+def _sub_rows(lower_bound, C: int) -> tuple[bool, int]:
+    """(bounded, sub-chunk rows). The factored diagonal block needs (sub-1)*|lower_bound| <=
+    MAX_FACTORED_EXPONENT; for a bound below -5 (or none) the safe path is used."""
+    if lower_bound is None or lower_bound < -5:
+        return False, min(SAFE_SUB, C)
+    sub = 16
+    while 2 * sub <= C and (2 * sub - 1) * (-lower_bound) <= MAX_FACTORED_EXPONENT:
+        sub *= 2
+    return True, min(sub, C)
+
+
+def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode) -> KdaConfig:
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    C = max(16, chunk_size)  # dots need >= 16 rows; the result does not depend on C
+    bounded, sub = _sub_rows(lower_bound, C)
+    cd = jnp.result_type(q.dtype, v.dtype)
+    cd = "float32" if cd not in (jnp.bfloat16, jnp.float16) else jnp.dtype(cd).name
+    Kp, Vp = _next_pow2(K), _next_pow2(V)
+    platform = {"gpu": "gpu", "tpu": "tpu"}.get(mode, "cpu")
+    if mode in ("tpu", "tpu_interpret"):
+        # Mosaic: lane-dim tiles of 128 (or the whole dim)
+        bv_seq = bv_intra = Vp if Vp <= 128 else 128
+        bk = Kp if Kp <= 128 else 128
+    else:
+        bv_seq = TUNING["bv_seq"] or Vp
+        while not TUNING["bv_seq"] and bv_seq > 16 and B * HV * (Vp // bv_seq) < TARGET_PROGRAMS:
+            bv_seq //= 2
+        bv_seq, bv_intra = min(bv_seq, Vp), min(TUNING["bv_intra"], Vp)
+        bk = min(TUNING["bk"], Kp)
+    return KdaConfig(
+        B=B, T=T, H=H, HV=HV, K=Kp, V=Vp, k_dim=K, v_dim=V, C=C, sub=sub, scale=float(scale), bounded=bounded,
+        has_seg=segment_ids is not None, cd=cd, platform=platform, mode=mode, bv_seq=bv_seq,
+        bv_intra=bv_intra, bk=bk, warps_intra=TUNING["warps_intra"], warps_seq=TUNING["warps_seq"],
+        warps_grad=TUNING["warps_grad"], stages_seq=TUNING["stages_seq"],
+        stages_intra=TUNING["stages_intra"],
+        inverse_x3=bool(TUNING["inverse_x3"]),
+    )
+
+
+def kda_pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, lower_bound,
+               interpret=None, backend=None):
+    """KDA with the Pallas kernels. Inputs are validated by ``kimi_k3.ops.kda.kda``.
+
+    Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32). Differentiable in
+    q, k, v, g, beta and initial_state.
+    """
+    mode = _resolve_mode(interpret, backend)
+    cfg = make_config(q, v, scale=scale, segment_ids=segment_ids, chunk_size=chunk_size,
+                      lower_bound=lower_bound, mode=mode)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if initial_state is None:
+        initial_state = jnp.zeros((B, HV, K, V), f32)
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return _kda(q, k, v, g, beta, initial_state.astype(f32), seg, cfg)
+
+
+# ----------------------------------------------------------------------------- layout glue
+
+
+def _pad_tokens(x, cfg: KdaConfig, last: int):
+    """[B, T, heads, X] -> padded to [B, N*C, heads, last], then into the kernel layout."""
+    T, X = x.shape[1], x.shape[3]
+    pad_t, pad_x = cfg.N * cfg.C - T, last - X
+    if pad_t or pad_x:
+        x = jnp.pad(x, [(0, 0), (0, pad_t), (0, 0), (0, pad_x)])
+    return jnp.swapaxes(x, 1, 2) if calls.head_major(cfg) else x
+
+
+def _unpad_tokens(x, cfg: KdaConfig, X: int):
+    """Kernel layout -> [B, T, heads, X]."""
+    if calls.head_major(cfg):
+        x = jnp.swapaxes(x, 1, 2)
+    return x[:, : cfg.T, :, :X]
+
+
+def _state_to_kernel(S, cfg: KdaConfig):
+    """[B, HV, K, V] -> transposed and padded [B*HV, Vp, Kp] float32."""
+    B, HV, K, V = S.shape
+    St = jnp.swapaxes(S.astype(f32), 2, 3)
+    St = jnp.pad(St, [(0, 0), (0, 0), (0, cfg.V - V), (0, cfg.K - K)])
+    return St.reshape(B * HV, cfg.V, cfg.K)
+
+
+def _state_from_kernel(St, cfg: KdaConfig, K: int, V: int):
+    St = St.reshape(cfg.B, cfg.HV, cfg.V, cfg.K)[:, :, :V, :K]
+    return jnp.swapaxes(St, 2, 3)
+
+
+def _segment_arrays(seg, cfg: KdaConfig):
+    """a, lm, segc [B, N, C, 1] and segr [B, N, 1, C] (see kda_body) from ids [B, T]."""
+    B, N, C = cfg.B, cfg.N, cfg.C
+    seg = jnp.pad(seg, [(0, 0), (0, N * C - cfg.T)], mode="edge").reshape(B, N, C)
+    # The state entering chunk n belongs to the segment of token n*C - 1 (row 0's for n = 0).
+    prev = jnp.concatenate([seg[:, :1, 0], seg[:, :-1, -1]], axis=1)  # [B, N]
+    a = (seg == prev[..., None]).astype(f32)
+    lm = (seg == seg[:, :, -1:]).astype(f32)
+    return a[..., None], lm[..., None], seg[..., None], seg[:, :, None, :]
+
+
+def _prep(q, k, v, g, beta, seg, cfg: KdaConfig):
+    qk = [_pad_tokens(x, cfg, cfg.K) for x in (q, k)]
+    vv = _pad_tokens(v, cfg, cfg.V)
+    gg = _pad_tokens(g, cfg, cfg.K)
+    bb = _pad_tokens(beta[..., None], cfg, 1)
+    segs = _segment_arrays(seg, cfg) if cfg.has_seg else ()
+    return qk[0], qk[1], vv, gg, bb, segs
+
+
+def _forward(q, k, v, g, beta, h0, seg, cfg: KdaConfig, residuals: bool):
+    K, V = q.shape[3], v.shape[3]
+    qp, kp, vp, gp, bp, segs = _prep(q, k, v, g, beta, seg, cfg)
+    W, U, QG, Kg, Aqk, gam = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, segs)
+    out = calls.state_fwd(cfg, W, U, QG, Kg, Aqk, gam, _state_to_kernel(h0, cfg),
+                          out_dtype=v.dtype, residuals=residuals)
+    o = _unpad_tokens(out[0], cfg, V)
+    ST = _state_from_kernel(out[1], cfg, K, V)
+    res = None
+    if residuals:
+        h, Vp = out[2:]
+        res = (qp, kp, vp, gp, bp, segs, W, U, QG, Kg, Aqk, gam, h, Vp)
+    return (o, ST), res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _kda(q, k, v, g, beta, h0, seg, cfg):
+    return _forward(q, k, v, g, beta, h0, seg, cfg, residuals=False)[0]
+
+
+def _kda_fwd(q, k, v, g, beta, h0, seg, cfg):
+    return _forward(q, k, v, g, beta, h0, seg, cfg, residuals=True)
+
+
+def _kda_bwd(cfg, residuals, cotangents):
+    qp, kp, vp, gp, bp, segs, W, U, QG, Kg, Aqk, gam, h, Vp = residuals
+    q_dt, k_dt, v_dt, g_dt, b_dt = (x.dtype for x in (qp, kp, vp, gp, bp))
+    K, V = cfg.k_dim, cfg.v_dim
+    do, dST = cotangents
+    dop = _pad_tokens(do.astype(v_dt), cfg, cfg.V)
+    dh, dVp, dS0t = calls.state_bwd(cfg, dop, W, QG, Kg, Aqk, gam, _state_to_kernel(dST, cfg))
+    grouped = cfg.G > 1
+    dq, dk, dv, dg, db = calls.intra_bwd(
+        cfg, qp, kp, vp, gp, bp, segs, W, U, h, dh, Vp, dVp, dop,
+        dqk_dtype=f32 if grouped or q_dt != k_dt else q_dt, dv_dtype=v_dt, dg_dtype=g_dt)
+    dq, dk = (_unpad_tokens(x, cfg, K) for x in (dq, dk))
+    if grouped:  # q/k head h served value heads h*G .. h*G+G-1
+        B, T = dq.shape[:2]
+        dq, dk = (x.reshape(B, T, cfg.H, cfg.G, K).sum(axis=3) for x in (dq, dk))
+    dv = _unpad_tokens(dv, cfg, V)
+    dg = _unpad_tokens(dg, cfg, K)
+    db = _unpad_tokens(db, cfg, 1)[..., 0]
+    dh0 = _state_from_kernel(dS0t, cfg, K, V)
+    return (dq.astype(q_dt), dk.astype(k_dt), dv.astype(v_dt), dg.astype(g_dt), db.astype(b_dt),
+            dh0, None)
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+# ----------------------------------------------------------------------------- support probe
+
+
+def _probe_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    o_ref[...] = jnp.dot(x, x, preferred_element_type=f32)
+
+
+@functools.cache
+def pallas_supported(backend: str) -> bool:
+    """Whether the compiled kernels can lower on ``backend`` ("gpu" / "tpu") with this JAX.
+
+    Never raises: an unavailable lowering gives False and one warning line.
+    """
+    from jax.experimental import pallas as pl
+
+    try:
+        if backend == "gpu":
+            if not calls.triton_available():
+                raise ImportError("jax.experimental.pallas.triton has no CompilerParams")
+            params = calls._compiler_params(_probe_cfg("gpu"), warps=4, stages=None, dims=())
+        elif backend == "tpu":
+            if not calls.mosaic_available():
+                raise ImportError("jax.experimental.pallas.tpu has no CompilerParams")
+            params = calls._compiler_params(_probe_cfg("tpu"), warps=4, stages=None,
+                                            dims=("parallel",))
+        else:
+            raise ValueError(f"no compiled Pallas kernel for backend {backend!r}")
+        platform = {"gpu": "cuda", "tpu": "tpu"}[backend]
+        if backend == "gpu" and jax.default_backend() == "gpu":
+            platform = jax.devices("gpu")[0].client.platform  # "cuda" or "rocm"
+        fn = pl.pallas_call(_probe_kernel, out_shape=jax.ShapeDtypeStruct((16, 16), f32),
+                            grid=(1,), compiler_params=params)
+        jax.jit(fn).trace(jnp.zeros((16, 16), f32)).lower(lowering_platforms=(platform,))
+    except Exception as err:  # any failure means "not supported"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        warnings.warn(f"kda: Pallas lowering for {backend!r} unavailable ({first}); "
+                      "falling back to impl='xla'", stacklevel=2)
+        return False
+    return True
+
+
+def _probe_cfg(mode: str) -> KdaConfig:
+    return KdaConfig(B=1, T=16, H=1, HV=1, K=16, V=16, k_dim=16, v_dim=16, C=16, sub=16,
+                     scale=1.0, bounded=True, has_seg=False, cd="float32", platform=mode,
+                     mode=mode, bv_seq=16, bv_intra=16, bk=16)
+

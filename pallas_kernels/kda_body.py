@@ -1,0 +1,538 @@
+"""Per-chunk KDA math shared by every kernel layout (GPU-Triton, TPU-Mosaic, interpret mode).
+
+Everything here works on *values* already loaded from refs, one chunk of C rows of one value
+head, and uses only operations that lower on both Pallas backends: 2-D dots (NN, NT, TN),
+elementwise math, iota masks, reductions and power-of-two reshapes. No slicing of values and
+no concatenation (Triton lowers neither); rows are picked with masks instead.
+
+Notation (per chunk, rows i, j = 0..C-1, channels d; all float32 unless said):
+
+    G_i     = sum_{r<=i} g_r                     chunk-local cumulative log-decay, Gam = exp(G)
+    E_ijd   = exp(G_id - G_jd)                   pairwise decay, <= 1 for j <= i
+    Aqk_ij  = sum_d qs_id k_jd E_ijd             j <= i, same segment   (qs = scale * q)
+    Akk_ij  = sum_d k_id  k_jd E_ijd             j <  i, same segment
+    L       = Diag(beta) Akk,  T = (I + L)^-1    (unit lower triangular)
+    W       = T Diag(beta) (Gam * K * a),  U = T Diag(beta) V
+    QG      = qs * Gam * a,  Kg = k * exp(G_last - G) * lm,  gam = exp(G_last) * a_last
+
+with ``a`` = row still in the segment of the incoming state and ``lm`` = row in the segment of
+the chunk's last row (both 1 without packed segments). With the state S (kept transposed,
+St = S^T of shape [BV, K]) entering the chunk:
+
+    V' = U - W S,   O = QG S + Aqk V',   S <- Diag(gam) S + Kg^T V'
+
+Scores with the pairwise decay are matmuls by factoring E_ijd = exp(G_id - G_ad) exp(G_ad - G_jd)
+around an anchor row a of each sub-chunk of ``sub`` rows (see ``decayed_scores``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+f32 = jnp.float32
+
+# Exponents of the factored decay stay below this (exp(88) overflows float32).
+MAX_FACTORED_EXPONENT = 80.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaConfig:
+    """Static description of one kernel call (hashable: it keys jit caches)."""
+
+    B: int
+    T: int  # valid tokens per row (the kernel sees T rounded up to whole chunks)
+    H: int  # q/k heads
+    HV: int  # value heads, a multiple of H
+    K: int  # key dim inside the kernels (padded to a power of two >= 16)
+    V: int  # value dim inside the kernels (padded likewise)
+    k_dim: int  # the caller's key dim (<= K)
+    v_dim: int  # the caller's value dim (<= V)
+    C: int  # chunk rows
+    sub: int  # rows of one anchored sub-chunk
+    scale: float
+    bounded: bool  # gate bounded below: diagonal sub-blocks factored too
+    has_seg: bool  # packed segments present
+    cd: str  # dtype of fast dot operands and stored intermediates ("bfloat16" / "float32")
+    platform: str  # "gpu" | "tpu" | "cpu": where the body runs (decides dot precision)
+    mode: str  # "gpu" | "tpu" | "interpret" | "tpu_interpret"
+    bv_seq: int  # V tile of the sequential (state-carrying) kernels
+    bv_intra: int  # V tile of the loops inside the intra-chunk kernels
+    bk: int  # K slice of the intra-chunk kernels
+    inverse_x3: bool = True  # GPU: tf32x3 (else plain tf32) for the triangular inverse
+    warps_intra: int = 4
+    warps_seq: int = 4
+    warps_grad: int = 8
+    stages_seq: int = 2
+    # Triton software pipelining multiplies the shared memory of the intra kernels' slice loops
+    # (3 stages overflowed the H200's 227 KB in the backward); they are not load-bound.
+    stages_intra: int = 1
+
+    @property
+    def N(self) -> int:
+        return -(-self.T // self.C)
+
+    @property
+    def G(self) -> int:
+        return self.HV // self.H
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cd)
+
+
+# ----------------------------------------------------------------------------- dots
+
+
+def _fast_precision(cfg: KdaConfig):
+    if cfg.dtype == f32 and cfg.platform != "gpu":
+        return lax.Precision.HIGHEST
+    return None  # bf16 operands, or tf32 on GPU for float32 operands
+
+
+def _exact_precision(cfg: KdaConfig, cheap: bool = False):
+    # The chunk cumsum and the triangular inverse need float32 accuracy. On GPU three tf32
+    # passes give it on tensor cores (``cheap``: one pass); CPU and TPU take HIGHEST.
+    if cfg.platform == "gpu":
+        return None if cheap else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return lax.Precision.HIGHEST
+
+
+def mm(a, b, cfg: KdaConfig, *, ta: bool = False, tb: bool = False, exact: bool = False,
+       split_b: bool = False, cheap: bool = False):
+    """a @ b (a^T if ta, b^T if tb) with float32 accumulation.
+
+    Fast dots take operands in ``cfg.cd`` (bf16 tensor cores for bf16 inputs); exact ones stay
+    float32. ``split_b`` carries b as bf16 hi + lo (two dots): the pairwise-decay gradients need
+    it, because dG adds their row and column sides, which cancel up to rounding.
+    """
+    dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
+    if exact:
+        a, b, prec = a.astype(f32), b.astype(f32), _exact_precision(cfg, cheap)
+    elif split_b and cfg.dtype != f32:
+        a, prec = a.astype(cfg.dtype), _fast_precision(cfg)
+        b_hi = b.astype(cfg.dtype)
+        b_lo = (b - b_hi.astype(f32)).astype(cfg.dtype)
+        return (lax.dot_general(a, b_hi, dims, precision=prec, preferred_element_type=f32)
+                + lax.dot_general(a, b_lo, dims, precision=prec, preferred_element_type=f32))
+    else:
+        a, b, prec = a.astype(cfg.dtype), b.astype(cfg.dtype), _fast_precision(cfg)
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=f32)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def iota(shape, axis):
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def row_at(x, r):
+    """Row r (a traced or static scalar) of x [R, X] as [1, X], by a masked reduction."""
+    return jnp.sum(jnp.where(iota(x.shape, 0) == r, x, 0.0), axis=0, keepdims=True)
+
+
+def last_valid_row(n, cfg: KdaConfig):
+    """Index inside chunk n of its last real token (later rows are padding)."""
+    return jnp.minimum(cfg.C - 1, cfg.T - 1 - n * cfg.C)
+
+
+def tril_ones(C, strict=False):
+    ri, cj = iota((C, C), 0), iota((C, C), 1)
+    return ((cj < ri) if strict else (cj <= ri)).astype(f32)
+
+
+def pair_masks(segc, segr, cfg: KdaConfig):
+    """(j <= i, j < i) masks [C, C], restricted to pairs of one segment."""
+    C = cfg.C
+    ri, cj = iota((C, C), 0), iota((C, C), 1)
+    incl, strict = cj <= ri, cj < ri
+    if cfg.has_seg:
+        same = segc == segr  # [C, 1] == [1, C]
+        incl, strict = incl & same, strict & same
+    return incl, strict
+
+
+def chunk_cumsum(g, cfg: KdaConfig):
+    """G = inclusive cumsum over rows of g [C, K]: a scan where the backend lowers one
+    (Triton), else an exact dot with a triangle of ones (Mosaic has no cumsum)."""
+    if cfg.mode in ("tpu", "tpu_interpret"):
+        return mm(tril_ones(cfg.C), g.astype(f32), cfg, exact=True)
+    return jnp.cumsum(g.astype(f32), axis=0)
+
+
+def reverse_cumsum(dG, cfg: KdaConfig):
+    """dg_i = sum_{r >= i} dG_r: the transpose of ``chunk_cumsum``."""
+    return mm(tril_ones(cfg.C), dG, cfg, ta=True, exact=True)
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def _block_ids(cfg: KdaConfig):
+    s = cfg.sub
+    ri = iota((cfg.C, 1), 0)
+    return ri, lax.div(ri, s)
+
+
+def _block_bcast_row(x, t, s):
+    """For each sub-chunk of s rows, row t of that sub-chunk broadcast over its rows: [C, X]."""
+    C, X = x.shape
+    x3 = x.reshape(C // s, s, X)
+    sel = jnp.sum(jnp.where(iota((C // s, s, 1), 1) == t, x3, 0.0), axis=1, keepdims=True)
+    return jnp.broadcast_to(sel, (C // s, s, X)).reshape(C, X)
+
+
+def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
+    """For each x in xs: A[i, j] = sum_d x_id y_jd exp(G_id - G_jd) for j <= i (garbage above).
+
+    Row sub-chunk ib (rows ib*s .. ib*s+s-1) uses the anchor a = min(ib*s, lv) (never a row past
+    the chunk's last real token): A[i, j] = sum_d [x_id e^(G_id - G_ad)] [y_jd e^(G_ad - G_jd)].
+    For j < a <= i both factors are <= 1 whatever the gates, so the off-diagonal sub-blocks are
+    always one tensor-core matmul. For j inside the sub-chunk the second factor is up to
+    e^((s-1)|lower_bound|): allowed only for a bounded gate (``cfg.bounded``); otherwise the
+    diagonal sub-blocks are summed exactly by ``_diag_scores``. The sub-chunks are a loop, not
+    unrolled, to keep one sub-chunk's temporaries live at a time.
+    """
+    C, s = cfg.C, cfg.sub
+    ri, blk = _block_ids(cfg)
+
+    def sub_chunk(ib, outs):
+        jlim = (ib + 1) * s if cfg.bounded else ib * s  # columns j < jlim in this dot
+        Ga = row_at(G, jnp.minimum(ib * s, lv))  # [1, K]
+        in_blk = blk == ib
+        col_ok = ri < jlim
+        y_t = jnp.where(col_ok, y * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
+        e_row = jnp.exp(jnp.where(in_blk, G - Ga, 0.0))
+        return tuple(o + mm(jnp.where(in_blk, x * e_row, 0.0), y_t, cfg, tb=True)
+                     for o, x in zip(outs, xs, strict=True))
+
+    first = 0 if cfg.bounded else 1  # the safe path has no off-diagonal block in sub-chunk 0
+    outs = lax.fori_loop(first, C // s, sub_chunk, tuple(jnp.zeros((C, C), f32) for _ in xs))
+    if not cfg.bounded:
+        diag = _diag_scores(xs, y, G, cfg)
+        outs = [o + d for o, d in zip(outs, diag, strict=True)]
+    return list(outs)
+
+
+def _diag_scores(xs, y, G, cfg: KdaConfig):
+    """Diagonal s x s sub-blocks of ``decayed_scores``, exact for any gate (elementwise, f32).
+
+    Column offset t of every sub-chunk at once: A[i, b(i)+t] = sum_d x_id y_{b+t,d}
+    exp(min(G_id - G_{b+t,d}, 0)), b(i) the first row of i's sub-chunk. The clamp only touches
+    pairs above the diagonal, which the caller masks out.
+    """
+    C, s = cfg.C, cfg.sub
+    ri = iota((C, 1), 0)
+    cj = iota((1, C), 1)
+    col0 = lax.div(ri, s) * s
+
+    def body(t, outs):
+        y_t = _block_bcast_row(y, t, s)
+        e = jnp.exp(jnp.minimum(G - _block_bcast_row(G, t, s), 0.0))
+        ye = y_t * e
+        hit = cj == col0 + t  # [C, C]
+        return tuple(
+            o + jnp.where(hit, jnp.sum(x * ye, axis=1, keepdims=True), 0.0)
+            for o, x in zip(outs, xs, strict=True)
+        )
+
+    return lax.fori_loop(0, s, body, tuple(jnp.zeros((C, C), f32) for _ in xs))
+
+
+def rowside(dA, X, G, lv, cfg: KdaConfig):
+    """R_i = sum_j dA_ij X_j exp(G_i - G_j), dA zero outside j <= i. [C, K]."""
+    C, s = cfg.C, cfg.sub
+    ri, blk = _block_ids(cfg)
+
+    def sub_chunk(ib, out):
+        jlim = (ib + 1) * s if cfg.bounded else ib * s
+        Ga = row_at(G, jnp.minimum(ib * s, lv))
+        in_blk = blk == ib
+        col_ok = ri < jlim
+        X_t = jnp.where(col_ok, X * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
+        r = mm(dA, X_t, cfg, split_b=True)
+        return out + jnp.where(in_blk, r * jnp.exp(jnp.where(in_blk, G - Ga, 0.0)), 0.0)
+
+    out = lax.fori_loop(0 if cfg.bounded else 1, C // s, sub_chunk, jnp.zeros(X.shape, f32))
+    if not cfg.bounded:
+        cj = iota((1, C), 1)
+        col0 = lax.div(ri, s) * s
+
+        def body(t, acc):
+            dA_col = jnp.sum(jnp.where(cj == col0 + t, dA, 0.0), axis=1, keepdims=True)
+            e = jnp.exp(jnp.minimum(G - _block_bcast_row(G, t, s), 0.0))
+            return acc + dA_col * _block_bcast_row(X, t, s) * e
+
+        out = lax.fori_loop(0, s, body, out)
+    return out
+
+
+def colside(dA, Y, G, lv, cfg: KdaConfig):
+    """R_j = sum_i dA_ij Y_i exp(G_i - G_j), dA zero outside j <= i. [C, K].
+
+    Column sub-chunk jb uses the anchor b = min(jb*s + s - 1, lv), its last real row.
+    """
+    C, s = cfg.C, cfg.sub
+    ri, blk = _block_ids(cfg)
+
+    def sub_chunk(jb, out):
+        ilo = jb * s if cfg.bounded else (jb + 1) * s  # rows i >= ilo in this dot
+        Gb = row_at(G, jnp.minimum(jb * s + s - 1, lv))
+        in_blk = blk == jb
+        row_ok = ri >= ilo
+        Y_t = jnp.where(row_ok, Y * jnp.exp(jnp.where(row_ok, G - Gb, 0.0)), 0.0)
+        r = mm(dA, Y_t, cfg, ta=True, split_b=True)
+        return out + jnp.where(in_blk, r * jnp.exp(jnp.where(in_blk, Gb - G, 0.0)), 0.0)
+
+    last = C // s if cfg.bounded else C // s - 1  # the safe path: no block below the last
+    out = lax.fori_loop(0, last, sub_chunk, jnp.zeros(Y.shape, f32))
+    if not cfg.bounded:
+        nb = C // s
+        cj = iota((1, C), 1)
+        col0 = lax.div(ri, s) * s
+        t3 = iota((nb, s, 1), 1)
+
+        def body(t, acc):
+            dA_col = jnp.sum(jnp.where(cj == col0 + t, dA, 0.0), axis=1, keepdims=True)
+            e = jnp.exp(jnp.minimum(G - _block_bcast_row(G, t, s), 0.0))
+            z = (dA_col * Y * e).reshape(nb, s, -1)
+            z = jnp.broadcast_to(jnp.sum(z, axis=1, keepdims=True), z.shape)
+            return acc + jnp.where(t3 == t, z, 0.0).reshape(acc.shape)
+
+        out = lax.fori_loop(0, s, body, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- WY pieces
+
+
+def tril_inverse(L, cfg: KdaConfig):
+    """(I + L)^-1 for strictly lower-triangular L [C, C], matmul only.
+
+    With N = -L nilpotent (N^C = 0): (I - N)^-1 = prod_m (I + N^(2^m)), m = 0..log2(C)-1.
+    """
+    C = cfg.C
+    eye = (iota((C, C), 0) == iota((C, C), 1)).astype(f32)
+    P = -L
+    Tinv = eye + P
+    m = 1
+    while 2 * m < C:
+        cheap = not cfg.inverse_x3
+        P = mm(P, P, cfg, exact=True, cheap=cheap)
+        Tinv = Tinv + mm(Tinv, P, cfg, exact=True, cheap=cheap)
+        m *= 2
+    return Tinv
+
+
+class Slice:
+    """Per-channel chunk quantities of one K slice [C, BK] (the math is separable in d).
+
+    Computed on first use, so that each lives only from there to its last use (registers)."""
+
+    def __init__(self, q, k, g, a, lm, cfg: KdaConfig):
+        self._q, self._k, self._g, self.a, self.lm, self.cfg = q, k, g, a, lm, cfg
+
+    @functools.cached_property
+    def G(self):
+        return chunk_cumsum(self._g, self.cfg)
+
+    @functools.cached_property
+    def qs(self):
+        return self._q.astype(f32) * self.cfg.scale
+
+    @functools.cached_property
+    def kf(self):
+        return self._k.astype(f32)
+
+    @functools.cached_property
+    def Gam(self):
+        return jnp.exp(self.G)
+
+    @functools.cached_property
+    def gl(self):  # [1, BK]
+        return row_at(self.G, self.cfg.C - 1)
+
+    @functools.cached_property
+    def decay_to_end(self):  # exponent <= 0
+        return jnp.exp(self.gl - self.G)
+
+    def _seg(self, x, mask):
+        return x * mask if self.cfg.has_seg else x
+
+    @functools.cached_property
+    def QG(self):
+        return self._seg(self.qs * self.Gam, self.a)
+
+    @functools.cached_property
+    def KGa(self):
+        return self._seg(self.kf * self.Gam, self.a)
+
+    @functools.cached_property
+    def Kg(self):
+        return self._seg(self.kf * self.decay_to_end, self.lm)
+
+    @functools.cached_property
+    def gam(self):
+        gam = jnp.exp(self.gl)
+        return gam * row_at(self.a, self.cfg.C - 1) if self.cfg.has_seg else gam
+
+
+def _loop(n: int, fn, carry):
+    """fori_loop over n K slices; a single slice stays a static Python call (static offsets)."""
+    if n == 1:
+        return fn(0, carry)
+    return lax.fori_loop(0, n, fn, carry)
+
+
+def _rowsum(x):
+    return jnp.sum(x, axis=1, keepdims=True)
+
+
+def fwd_intra(io, n, cfg: KdaConfig):
+    """One chunk's state-independent work, K slice by K slice (registers hold [C, C] and
+    [C, BK] tiles, never [C, K]).
+
+    ``io`` loads: qkg(s) -> q, k, g slices [C, BK]; v(t) -> v tile [C, BV]; beta [C, 1];
+    seg = (a, lm, segc, segr) or Nones. ``io.put(name, index, value)`` stores QG, Kg, gam, W
+    (by K slice), U (by V tile) and Aqk (masked).
+    """
+    C, nk, nv = cfg.C, cfg.K // cfg.bk, cfg.V // cfg.bv_intra
+    lv = last_valid_row(n, cfg)
+    a, lm, segc, segr = io.seg
+    beta = io.beta.astype(f32)
+
+    def scores(s, acc):
+        p = Slice(*io.qkg(s), a, lm, cfg)
+        Aqk, Akk = decayed_scores([p.qs, p.kf], p.kf, p.G, lv, cfg)
+        io.put("QG", s, p.QG)
+        io.put("Kg", s, p.Kg)
+        io.put("gam", s, p.gam)
+        return acc[0] + Aqk, acc[1] + Akk
+
+    zero = jnp.zeros((C, C), f32)
+    Aqk, Akk = _loop(nk, scores, (zero, zero))
+    # Masks are rebuilt where used (iota compares): kept live they cost registers.
+    io.put("Aqk", 0, jnp.where(pair_masks(segc, segr, cfg)[0], Aqk, 0.0))
+    Tinv = tril_inverse(jnp.where(pair_masks(segc, segr, cfg)[1], Akk, 0.0) * beta, cfg)
+
+    def w_slice(s, carry):
+        p = Slice(*io.qkg(s), a, lm, cfg)
+        io.put("W", s, mm(Tinv, beta * p.KGa, cfg))
+        return carry
+
+    _loop(nk, w_slice, ())
+    for t in range(nv):
+        io.put("U", t, mm(Tinv, beta * io.v(t).astype(f32), cfg))
+
+
+def state_step(St, W, U, QG, Kg, Aqk, gam, cfg: KdaConfig):
+    """One chunk of the state pass for one V tile. St = S^T [BV, K] float32.
+
+    Returns (St after the chunk, V' [C, BV], O [C, BV])."""
+    Vp = U.astype(f32) - mm(W, St, cfg, tb=True)
+    O = mm(QG, St, cfg, tb=True) + mm(Aqk, Vp, cfg)
+    St_next = St * gam.astype(f32) + mm(Vp, Kg, cfg, ta=True)
+    return St_next, Vp, O
+
+
+def reverse_step(dSt, dO, W, QG, Kg, Aqk, gam, cfg: KdaConfig):
+    """One chunk of the reverse (gradient) state pass for one V tile.
+
+    dSt = (dL/dS after the chunk)^T [BV, K]. Returns (dSt before the chunk, dV' [C, BV])."""
+    dO = dO.astype(f32)
+    dVp = mm(Aqk, dO, cfg, ta=True) + mm(Kg, dSt, cfg, tb=True)
+    dSt_prev = dSt * gam.astype(f32) + mm(dO, QG, cfg, ta=True) - mm(dVp, W, cfg, ta=True)
+    return dSt_prev, dVp
+
+
+def bwd_intra(io, n, cfg: KdaConfig):
+    """Gradients of one chunk with respect to q, k, v, g and beta, K slice by K slice.
+
+    ``io`` loads: qkg(s), beta, seg as in ``fwd_intra``; W(s) [C, BK]; vt(name, t) for name in
+    v, U, Vp, dVp, dO -> [C, BV]; st(name, t, s) for name in St (state entering the chunk) and
+    dSt (gradient of the state leaving it), both transposed -> [BV, BK]. ``io.put`` stores dv
+    (by V tile), dq, dk, dg (by K slice) and dbeta.
+
+    Three sweeps: (A) over V tiles, the [C, C] gradients that need all of V; (B) over K slices,
+    the W part of dL and dbeta; (C) over K slices, dq, dk, dg.
+    """
+    C, nk, nv = cfg.C, cfg.K // cfg.bk, cfg.V // cfg.bv_intra
+    lv = last_valid_row(n, cfg)
+    a, lm, segc, segr = io.seg
+    beta = io.beta.astype(f32)
+    zero = jnp.zeros((C, C), f32)
+
+    def akk(s, acc):
+        p = Slice(*io.qkg(s), a, lm, cfg)
+        return acc + decayed_scores([p.kf], p.kf, p.G, lv, cfg)[0]
+
+    Akk = jnp.where(pair_masks(segc, segr, cfg)[1], _loop(nk, akk, zero), 0.0)
+    Tinv = tril_inverse(Akk * beta, cfg)
+
+    # (A) dAqk = dO V'^T; dU = dV' -> dR_v = T^T dV', dL = -dR_v U^T, dv = beta dR_v.
+    dAqk, dL, dbeta = zero, zero, jnp.zeros((C, 1), f32)
+    for t in range(nv):
+        dVp = io.vt("dVp", t).astype(f32)
+        dAqk = dAqk + mm(io.vt("dO", t), io.vt("Vp", t), cfg, tb=True)
+        dRv = mm(Tinv, dVp, cfg, ta=True)
+        dL = dL - mm(dRv, io.vt("U", t), cfg, tb=True)
+        dbeta = dbeta + _rowsum(dRv * io.vt("v", t).astype(f32))
+        io.put("dv", t, beta * dRv)
+
+    def dW_slice(s):  # dW = -dV' S^T, columns of slice s
+        dW = jnp.zeros((C, cfg.bk), f32)
+        for t in range(nv):
+            dW = dW - mm(io.vt("dVp", t), io.st("St", t, s), cfg)
+        return dW
+
+    # (B) dW -> dR_k = T^T dW: dL -= dR_k W^T, dbeta += rowsum(dR_k * Gam K a).
+    def sweep_b(s, carry):
+        dL, dbeta = carry
+        p = Slice(*io.qkg(s), a, lm, cfg)
+        dRk = mm(Tinv, dW_slice(s), cfg, ta=True)
+        return dL - mm(dRk, io.W(s), cfg, tb=True), dbeta + _rowsum(dRk * p.KGa)
+
+    dL, dbeta = _loop(nk, sweep_b, (dL, dbeta))
+    dL = jnp.where(pair_masks(segc, segr, cfg)[1], dL, 0.0)
+    io.put("dbeta", 0, dbeta + _rowsum(dL * Akk))
+    dAkk = beta * dL
+    dAqk = jnp.where(pair_masks(segc, segr, cfg)[0], dAqk, 0.0)
+
+    # (C) everything per channel.
+    def sweep_c(s, carry):
+        p = Slice(*io.qkg(s), a, lm, cfg)
+        zk = jnp.zeros((C, cfg.bk), f32)
+        dQG, dKg, dW, dgam = zk, zk, zk, jnp.zeros((1, cfg.bk), f32)
+        for t in range(nv):
+            St = io.st("St", t, s).astype(f32)
+            dSt = io.st("dSt", t, s).astype(f32)
+            dQG = dQG + mm(io.vt("dO", t), St, cfg)
+            dKg = dKg + mm(io.vt("Vp", t), dSt, cfg)
+            dW = dW - mm(io.vt("dVp", t), St, cfg)
+            dgam = dgam + jnp.sum(St * dSt, axis=0, keepdims=True)
+        dKGa = beta * mm(Tinv, dW, cfg, ta=True)
+        rq = rowside(dAqk, p.kf, p.G, lv, cfg)
+        cq = colside(dAqk, p.qs, p.G, lv, cfg)
+        rk = rowside(dAkk, p.kf, p.G, lv, cfg)
+        ck = colside(dAkk, p.kf, p.G, lv, cfg)
+        dk = cq + rk + ck
+        dG = p.qs * rq + p.kf * (rk - cq - ck)
+        if cfg.has_seg:
+            dqs = dQG * p.Gam * a
+            dk = dk + dKGa * p.Gam * a + dKg * p.decay_to_end * lm
+        else:
+            dqs = dQG * p.Gam
+            dk = dk + dKGa * p.Gam + dKg * p.decay_to_end
+        dG = dG + dQG * p.QG + dKGa * p.KGa - dKg * p.Kg
+        dG_last = jnp.sum(dKg * p.Kg, axis=0, keepdims=True) + dgam * p.gam
+        dG = dG + jnp.where(iota((C, 1), 0) == C - 1, dG_last, 0.0)
+        io.put("dq", s, (dqs + rq) * cfg.scale)
+        io.put("dk", s, dk)
+        io.put("dg", s, reverse_cumsum(dG, cfg))
+        return carry
+
+    _loop(nk, sweep_c, ())

@@ -1,0 +1,439 @@
+"""The four KDA pallas_calls, each with a GPU driver and a TPU driver around ``kda_body``.
+
+    intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk.
+    state_fwd   the state pass: O (and, for the backward, the states h and V' of every chunk).
+    state_bwd   the reverse state pass: dh (gradient of each chunk's outgoing state) and dV'.
+    intra_bwd   grid (B*HV, N), all parallel: dq, dk, dv, dg, dbeta of every chunk.
+
+The state passes carry S across chunks. On GPU (Pallas-Triton) grid programs run in parallel,
+so one program per (B*HV, V tile) walks all chunks in a ``fori_loop`` with the state in
+registers. On TPU (Mosaic) the chunk index is the last, "arbitrary" grid axis and the state
+lives in a VMEM scratch buffer across grid steps. Plain interpret mode runs the GPU driver,
+TPU interpret mode the TPU one.
+
+Layouts. Inputs and the outputs users see are token-major [B, T, heads, X] on GPU (the layout
+callers have: no transposes) and head-major [B, heads, T, X] on TPU (Mosaic wants the two
+minor block dims to be tiles). Intermediates are ours: [B*HV, N, C, X] for per-chunk rows and
+[B*HV, N, V, K] for per-chunk (transposed) states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import kda_body as body
+from pallas_kernels.kda_body import KdaConfig
+
+try:  # Pallas-Triton (deprecated in JAX 0.11, may disappear)
+    from jax.experimental.pallas import triton as pl_triton
+except ImportError:  # pragma: no cover - depends on the installed JAX
+    pl_triton = None
+try:
+    from jax.experimental.pallas import tpu as pltpu
+except ImportError:  # pragma: no cover
+    pltpu = None
+
+f32 = jnp.float32
+
+_POISON = [False]
+
+
+@contextlib.contextmanager
+def poison_outputs():
+    """Inside this context every kernel output starts as NaN (an aliased NaN-filled buffer), so
+    an element a kernel forgets to write shows up as NaN downstream. For tests."""
+    _POISON[0], old = True, _POISON[0]
+    try:
+        yield
+    finally:
+        _POISON[0] = old
+
+
+def _compiler_params(cfg: KdaConfig, *, warps: int, stages: int | None, dims: tuple[str, ...]):
+    if cfg.mode == "gpu":
+        cls = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
+        kw = {"num_warps": warps}
+        if stages is not None:
+            kw["num_stages"] = stages
+        return cls(**kw)
+    if cfg.mode in ("tpu", "tpu_interpret"):
+        cls = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
+        return cls(dimension_semantics=dims)
+    return None
+
+
+def _interpret_arg(cfg: KdaConfig):
+    if cfg.mode == "interpret":
+        return True
+    if cfg.mode == "tpu_interpret":
+        return pltpu.InterpretParams()
+    return False
+
+
+def _call(kernel, cfg: KdaConfig, *, grid, in_specs, out_specs, out_shape, name,
+          warps=4, stages=None, dims=None, scratch=()):
+    """pallas_call with backend-specific parameters chosen at call time (and optional poison)."""
+    poison = _POISON[0]
+    n_in, n_out = len(in_specs), len(out_specs)
+    if poison:
+        def kernel_fn(*refs):
+            return kernel(*refs[:n_in], *refs[n_in + n_out:])
+        in_specs = list(in_specs) + list(out_specs)
+        aliases = {n_in + i: i for i in range(n_out)}
+    else:
+        kernel_fn, aliases = kernel, {}
+    kwargs = {}
+    params = _compiler_params(cfg, warps=warps, stages=stages,
+                              dims=dims or ("parallel",) * len(grid))
+    if params is not None:
+        kwargs["compiler_params"] = params
+    if scratch:
+        kwargs["scratch_shapes"] = scratch
+    fn = pl.pallas_call(
+        kernel_fn, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        input_output_aliases=aliases, interpret=_interpret_arg(cfg), name=name, **kwargs,
+    )
+    if not poison:
+        return fn
+
+    def poisoned(*args):
+        nans = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+        return fn(*args, *nans)
+
+    return poisoned
+
+
+def _div(i, d: int):
+    """i // d for the non-negative grid indices of index maps (floor_divide's sign logic does
+    not lower everywhere)."""
+    return lax.div(i, jnp.int32(d)) if d != 1 else i
+
+
+def _rem(i, d: int):
+    return lax.rem(i, jnp.int32(d)) if d != 1 else jnp.zeros_like(i)
+
+
+def head_major(cfg: KdaConfig) -> bool:
+    return cfg.mode in ("tpu", "tpu_interpret")
+
+
+def _tok_spec(cfg: KdaConfig, last: int, head_of, chunk_of, *, rows=None):
+    """BlockSpec of a user-layout array [B, T, heads, X] / [B, heads, T, X].
+
+    Block: ``rows`` tokens (default C) of one head and all of X (or ``last`` columns, tile
+    ``tile_of``). ``head_of(*grid)`` -> (b, head); ``chunk_of(*grid)`` -> (token block, X block).
+    """
+    rows = cfg.C if rows is None else rows
+    if head_major(cfg):
+        def index(*gi):
+            b, h = head_of(*gi)
+            t, x = chunk_of(*gi)
+            return (b, h, t, x)
+        return pl.BlockSpec((None, None, rows, last), index)
+
+    def index(*gi):
+        b, h = head_of(*gi)
+        t, x = chunk_of(*gi)
+        return (b, t, h, x)
+    return pl.BlockSpec((None, rows, None, last), index)
+
+
+def _tok_shape(cfg: KdaConfig, heads: int, last: int, dtype):
+    Tp = cfg.N * cfg.C
+    shape = (cfg.B, heads, Tp, last) if head_major(cfg) else (cfg.B, Tp, heads, last)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _seg_specs(cfg: KdaConfig, chunk_of):
+    """a, lm, segc [B, N, C, 1] and segr [B, N, 1, C]; chunk_of(*grid) -> (b, n)."""
+    col = pl.BlockSpec((None, None, cfg.C, 1), lambda *gi: (*chunk_of(*gi), 0, 0))
+    row = pl.BlockSpec((None, None, 1, cfg.C), lambda *gi: (*chunk_of(*gi), 0, 0))
+    return [col, col, col, row]
+
+
+# ----------------------------------------------------------------------------- intra (fwd)
+
+
+def _split_refs(cfg: KdaConfig, refs):
+    """(q, k, v, g, beta refs, loaded segment arrays or Nones, the remaining refs)."""
+    if cfg.has_seg:
+        return (*refs[:5], tuple(r[...] for r in refs[5:9]), refs[9:])
+    return (*refs[:5], (None,) * 4, refs[5:])
+
+
+def _slicers(cfg: KdaConfig):
+    """Column slices of K slice s and of V tile t (static when s, t are Python ints)."""
+    return (lambda s: pl.ds(s * cfg.bk, cfg.bk)), (lambda t: pl.ds(t * cfg.bv_intra, cfg.bv_intra))
+
+
+def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs):
+    """W, U, QG, Kg [B*HV, N, C, X] (cfg.cd), Aqk [B*HV, N, C, C] (cfg.cd), gam [B*HV, N, 1, K] f32."""
+    BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
+    qk_head = lambda bh, n: (_div(bh, HV), _div(_rem(bh, HV), cfg.G))
+    v_head = lambda bh, n: (_div(bh, HV), _rem(bh, HV))
+    chunk = lambda bh, n: (n, 0)
+    in_specs = [
+        _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
+        _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
+        _tok_spec(cfg, 1, v_head, chunk),
+    ]
+    if cfg.has_seg:
+        in_specs += _seg_specs(cfg, lambda bh, n: (_div(bh, HV), n))
+    per_chunk = lambda x: pl.BlockSpec((None, None, C, x), lambda bh, n: (bh, n, 0, 0))
+    out_specs = [per_chunk(K), per_chunk(V), per_chunk(K), per_chunk(K), per_chunk(C),
+                 pl.BlockSpec((None, None, 1, K), lambda bh, n: (bh, n, 0, 0))]
+    dt = cfg.dtype
+    out_shape = [jax.ShapeDtypeStruct((BHV, N, C, x), dt) for x in (K, V, K, K, C)]
+    out_shape.append(jax.ShapeDtypeStruct((BHV, N, 1, K), f32))
+
+    def kernel(*refs):
+        q_r, k_r, v_r, g_r, b_r, seg, (W_r, U_r, QG_r, Kg_r, A_r, gam_r) = _split_refs(cfg, refs)
+        ks, vs = _slicers(cfg)
+        by_k = {"QG": QG_r, "Kg": Kg_r, "W": W_r, "gam": gam_r}
+
+        def put(name, i, x):
+            if name == "Aqk":
+                A_r[...] = x.astype(A_r.dtype)
+            elif name == "U":
+                U_r[:, vs(i)] = x.astype(U_r.dtype)
+            else:
+                by_k[name][:, ks(i)] = x.astype(by_k[name].dtype)
+
+        io = SimpleNamespace(
+            qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
+            v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put)
+        body.fwd_intra(io, pl.program_id(1), cfg)
+
+    args = (q, k, v, g, beta) + (tuple(segs) if cfg.has_seg else ())
+    return _call(kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
+                 out_shape=out_shape, name="kda_intra_fwd", warps=cfg.warps_intra,
+                 stages=cfg.stages_intra)(*args)
+
+
+# ----------------------------------------------------------------------------- state passes
+
+
+def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residuals: bool):
+    """O in the user layout (out_dtype), final St [B*HV, V, K] f32 and, if ``residuals``, the
+    state entering every chunk h [B*HV, N, V, K] and V' [B*HV, N, C, V] (both cfg.cd)."""
+    BHV, N, C, K, V, HV, BV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV, cfg.bv_seq
+    nv = V // BV
+    dt = cfg.dtype
+    out_shape = [_tok_shape(cfg, HV, V, out_dtype), jax.ShapeDtypeStruct((BHV, V, K), f32)]
+    if residuals:
+        out_shape += [jax.ShapeDtypeStruct((BHV, N, V, K), dt),
+                      jax.ShapeDtypeStruct((BHV, N, C, V), dt)]
+    args = (W, U, QG, Kg, Aqk, gam, h0t)
+    o_head = lambda bh, vt, *n: (_div(bh, HV), _rem(bh, HV))
+
+    if head_major(cfg):  # TPU: grid over chunks, state in VMEM scratch
+        chunk = lambda x, last_block=False: pl.BlockSpec(
+            (None, None, C, x), lambda bh, vt, n: (bh, n, 0, vt if last_block else 0))
+        in_specs = [chunk(K), chunk(BV, True), chunk(K), chunk(K), chunk(C),
+                    pl.BlockSpec((None, None, 1, K), lambda bh, vt, n: (bh, n, 0, 0)),
+                    pl.BlockSpec((None, BV, K), lambda bh, vt, n: (bh, vt, 0))]
+        out_specs = [_tok_spec(cfg, BV, o_head, lambda bh, vt, n: (n, vt)),
+                     pl.BlockSpec((None, BV, K), lambda bh, vt, n: (bh, vt, 0))]
+        if residuals:
+            out_specs += [pl.BlockSpec((None, None, BV, K), lambda bh, vt, n: (bh, n, vt, 0)),
+                          chunk(BV, True)]
+
+        def kernel(W_r, U_r, QG_r, Kg_r, A_r, gam_r, h0_r, o_r, ST_r, *rest):
+            *res_r, St_r = rest
+            n = pl.program_id(2)
+
+            @pl.when(n == 0)
+            def _():
+                St_r[...] = h0_r[...]
+
+            St = St_r[...]
+            St_next, Vp, O = body.state_step(St, W_r[...], U_r[...], QG_r[...], Kg_r[...],
+                                             A_r[...], gam_r[...], cfg)
+            o_r[...] = O.astype(o_r.dtype)
+            if residuals:
+                res_r[0][...] = St.astype(dt)
+                res_r[1][...] = Vp.astype(dt)
+            St_r[...] = St_next
+
+            @pl.when(n == N - 1)
+            def _():
+                ST_r[...] = St_next
+
+        return _call(kernel, cfg, grid=(BHV, nv, N), in_specs=in_specs, out_specs=out_specs,
+                     out_shape=out_shape, name="kda_state_fwd",
+                     dims=("parallel", "parallel", "arbitrary"),
+                     scratch=[pltpu.VMEM((BV, K), f32)])(*args)
+
+    # GPU / interpret: one program per (B*HV, V tile) loops over all chunks.
+    whole = lambda x, last_block=False: pl.BlockSpec(
+        (None, N, C, x), lambda bh, vt: (bh, 0, 0, vt if last_block else 0))
+    in_specs = [whole(K), whole(BV, True), whole(K), whole(K), whole(C),
+                pl.BlockSpec((None, N, 1, K), lambda bh, vt: (bh, 0, 0, 0)),
+                pl.BlockSpec((None, BV, K), lambda bh, vt: (bh, vt, 0))]
+    out_specs = [_tok_spec(cfg, BV, o_head, lambda bh, vt: (0, vt), rows=N * C),
+                 pl.BlockSpec((None, BV, K), lambda bh, vt: (bh, vt, 0))]
+    if residuals:
+        out_specs += [pl.BlockSpec((None, N, BV, K), lambda bh, vt: (bh, 0, vt, 0)),
+                      whole(BV, True)]
+
+    def kernel(W_r, U_r, QG_r, Kg_r, A_r, gam_r, h0_r, o_r, ST_r, *res_r):
+        def step(n, St):
+            St_next, Vp, O = body.state_step(St, W_r[n], U_r[n], QG_r[n], Kg_r[n], A_r[n],
+                                             gam_r[n], cfg)
+            o_r[pl.ds(n * C, C), :] = O.astype(o_r.dtype)
+            if residuals:
+                res_r[0][n] = St.astype(dt)
+                res_r[1][n] = Vp.astype(dt)
+            return St_next
+
+        ST_r[...] = lax.fori_loop(0, N, step, h0_r[...].astype(f32))
+
+    return _call(kernel, cfg, grid=(BHV, nv), in_specs=in_specs, out_specs=out_specs,
+                 out_shape=out_shape, name="kda_state_fwd", warps=cfg.warps_seq,
+                 stages=cfg.stages_seq)(*args)
+
+
+def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt):
+    """Reverse pass. dO in the user layout, dSTt [B*HV, V, K] (gradient of the final state,
+    transposed). Returns dh [B*HV, N, V, K], dV' [B*HV, N, C, V] (cfg.cd) and dS0t [B*HV, V, K]."""
+    BHV, N, C, K, V, HV, BV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV, cfg.bv_seq
+    nv = V // BV
+    dt = cfg.dtype
+    out_shape = [jax.ShapeDtypeStruct((BHV, N, V, K), dt),
+                 jax.ShapeDtypeStruct((BHV, N, C, V), dt),
+                 jax.ShapeDtypeStruct((BHV, V, K), f32)]
+    args = (dO, W, QG, Kg, Aqk, gam, dSTt)
+    o_head = lambda bh, vt, *n: (_div(bh, HV), _rem(bh, HV))
+
+    if head_major(cfg):
+        rev = lambda n: N - 1 - n
+        chunk = lambda x: pl.BlockSpec((None, None, C, x), lambda bh, vt, n: (bh, rev(n), 0, 0))
+        in_specs = [_tok_spec(cfg, BV, o_head, lambda bh, vt, n: (rev(n), vt)),
+                    chunk(K), chunk(K), chunk(K), chunk(C),
+                    pl.BlockSpec((None, None, 1, K), lambda bh, vt, n: (bh, rev(n), 0, 0)),
+                    pl.BlockSpec((None, BV, K), lambda bh, vt, n: (bh, vt, 0))]
+        out_specs = [pl.BlockSpec((None, None, BV, K), lambda bh, vt, n: (bh, rev(n), vt, 0)),
+                     pl.BlockSpec((None, None, C, BV), lambda bh, vt, n: (bh, rev(n), 0, vt)),
+                     pl.BlockSpec((None, BV, K), lambda bh, vt, n: (bh, vt, 0))]
+
+        def kernel(dO_r, W_r, QG_r, Kg_r, A_r, gam_r, dST_r, dh_r, dVp_r, dS0_r, dSt_r):
+            i = pl.program_id(2)
+
+            @pl.when(i == 0)
+            def _():
+                dSt_r[...] = dST_r[...]
+
+            dSt = dSt_r[...]
+            dh_r[...] = dSt.astype(dt)
+            dSt_prev, dVp = body.reverse_step(dSt, dO_r[...], W_r[...], QG_r[...], Kg_r[...],
+                                              A_r[...], gam_r[...], cfg)
+            dVp_r[...] = dVp.astype(dt)
+            dSt_r[...] = dSt_prev
+
+            @pl.when(i == N - 1)
+            def _():
+                dS0_r[...] = dSt_prev
+
+        return _call(kernel, cfg, grid=(BHV, nv, N), in_specs=in_specs, out_specs=out_specs,
+                     out_shape=out_shape, name="kda_state_bwd",
+                     dims=("parallel", "parallel", "arbitrary"),
+                     scratch=[pltpu.VMEM((BV, K), f32)])(*args)
+
+    whole = lambda x: pl.BlockSpec((None, N, C, x), lambda bh, vt: (bh, 0, 0, 0))
+    in_specs = [_tok_spec(cfg, BV, o_head, lambda bh, vt: (0, vt), rows=N * C),
+                whole(K), whole(K), whole(K), whole(C),
+                pl.BlockSpec((None, N, 1, K), lambda bh, vt: (bh, 0, 0, 0)),
+                pl.BlockSpec((None, BV, K), lambda bh, vt: (bh, vt, 0))]
+    out_specs = [pl.BlockSpec((None, N, BV, K), lambda bh, vt: (bh, 0, vt, 0)),
+                 pl.BlockSpec((None, N, C, BV), lambda bh, vt: (bh, 0, 0, vt)),
+                 pl.BlockSpec((None, BV, K), lambda bh, vt: (bh, vt, 0))]
+
+    def kernel(dO_r, W_r, QG_r, Kg_r, A_r, gam_r, dST_r, dh_r, dVp_r, dS0_r):
+        def step(i, dSt):
+            n = N - 1 - i
+            dh_r[n] = dSt.astype(dt)
+            dSt_prev, dVp = body.reverse_step(dSt, dO_r[pl.ds(n * C, C), :], W_r[n], QG_r[n],
+                                              Kg_r[n], A_r[n], gam_r[n], cfg)
+            dVp_r[n] = dVp.astype(dt)
+            return dSt_prev
+
+        dS0_r[...] = lax.fori_loop(0, N, step, dST_r[...].astype(f32))
+
+    return _call(kernel, cfg, grid=(BHV, nv), in_specs=in_specs, out_specs=out_specs,
+                 out_shape=out_shape, name="kda_state_bwd", warps=cfg.warps_seq,
+                 stages=cfg.stages_seq)(*args)
+
+
+# ----------------------------------------------------------------------------- intra (bwd)
+
+
+def intra_bwd(cfg: KdaConfig, q, k, v, g, beta, segs, W, U, h, dh, Vp, dVp, dO, *,
+              dqk_dtype, dv_dtype, dg_dtype):
+    """dq, dk (per value head) and dg [.., K], dv [.., V], dbeta [.., 1], all in the user layout."""
+    BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
+    qk_head = lambda bh, n: (_div(bh, HV), _div(_rem(bh, HV), cfg.G))
+    v_head = lambda bh, n: (_div(bh, HV), _rem(bh, HV))
+    chunk = lambda bh, n: (n, 0)
+    per_chunk = lambda x: pl.BlockSpec((None, None, C, x), lambda bh, n: (bh, n, 0, 0))
+    state = pl.BlockSpec((None, None, V, K), lambda bh, n: (bh, n, 0, 0))
+    in_specs = [
+        _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
+        _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
+        _tok_spec(cfg, 1, v_head, chunk),
+    ]
+    if cfg.has_seg:
+        in_specs += _seg_specs(cfg, lambda bh, n: (_div(bh, HV), n))
+    in_specs += [per_chunk(K), per_chunk(V), state, state, per_chunk(V), per_chunk(V),
+                 _tok_spec(cfg, V, v_head, chunk)]
+    out_specs = [_tok_spec(cfg, K, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
+                 _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
+                 _tok_spec(cfg, 1, v_head, chunk)]
+    out_shape = [_tok_shape(cfg, HV, K, dqk_dtype), _tok_shape(cfg, HV, K, dqk_dtype),
+                 _tok_shape(cfg, HV, V, dv_dtype), _tok_shape(cfg, HV, K, dg_dtype),
+                 _tok_shape(cfg, HV, 1, f32)]
+
+    def kernel(*refs):
+        q_r, k_r, v_r, g_r, b_r, seg, rest = _split_refs(cfg, refs)
+        W_r, U_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dv_r, dg_r, db_r = rest
+        ks, vs = _slicers(cfg)
+        by_v = {"v": v_r, "U": U_r, "Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
+        by_k = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
+
+        def put(name, i, x):
+            if name == "dbeta":
+                db_r[...] = x.astype(db_r.dtype)
+            elif name == "dv":
+                dv_r[:, vs(i)] = x.astype(dv_r.dtype)
+            else:
+                by_k[name][:, ks(i)] = x.astype(by_k[name].dtype)
+
+        io = SimpleNamespace(
+            qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
+            beta=b_r[...], seg=seg, put=put, W=lambda s: W_r[:, ks(s)],
+            vt=lambda name, t: by_v[name][:, vs(t)],
+            st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), ks(s)])
+        body.bwd_intra(io, pl.program_id(1), cfg)
+
+    args = (q, k, v, g, beta) + (tuple(segs) if cfg.has_seg else ()) + (W, U, h, dh, Vp, dVp, dO)
+    return _call(kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
+                 out_shape=out_shape, name="kda_intra_bwd", warps=cfg.warps_grad,
+                 stages=cfg.stages_intra)(*args)
+
+
+@functools.cache
+def triton_available() -> bool:
+    return pl_triton is not None and (
+        hasattr(pl_triton, "CompilerParams") or hasattr(pl_triton, "TritonCompilerParams"))
+
+
+@functools.cache
+def mosaic_available() -> bool:
+    return pltpu is not None and (
+        hasattr(pltpu, "CompilerParams") or hasattr(pltpu, "TPUCompilerParams"))

@@ -1,0 +1,341 @@
+"""The Pallas KDA kernel against the definition: forward, final state and every gradient.
+
+Backends: "interpret" (the GPU kernels in Pallas interpret mode) and "tpu_interpret" (the TPU
+kernels in TPU interpret mode) run everywhere; "gpu" (compiled Pallas-Triton) is added when a
+GPU is present. Every kernel output is poisoned with NaN before the call (``poison_outputs``),
+so an element a kernel never writes fails the finiteness checks.
+
+Tolerances, relative ||x - ref|| / ||ref||: float32 arithmetic (CPU interpret) 1e-5 against a
+float64 NumPy recurrence; bf16 inputs 5e-3. On GPU the in-kernel dots use bf16/tf32 tensor
+cores, so GPU runs are held to fla's test tolerances: 5e-3 outputs, 8e-3 dq/dk/dv, 2e-2 dg/dbeta.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_k3.ops.kda import kda
+from kimi_k3.ops.kda_recurrent import kda_recurrent
+from pallas_kernels import kda as pk
+from pallas_kernels.kda import kda_pallas, pallas_supported, poison_outputs
+
+ON_GPU = jax.default_backend() == "gpu"
+GPU = ["gpu"] if ON_GPU else []
+# TPU interpret mode is slow on CPU: it runs a subset of the cases (both gate paths, segments).
+ALL, NO_TPU = ["interpret", "tpu_interpret", *GPU], ["interpret", *GPU]
+HIGHEST = jax.lax.Precision.HIGHEST
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "h0")
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def numpy_kda(q, k, v, g, beta, scale, h0=None, seg=None):
+    """The recurrence, token by token, in float64 NumPy (written from the equations)."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    G = HV // H
+    o = np.zeros((B, T, HV, V))
+    S_final = np.zeros((B, HV, K, V))
+    for b in range(B):
+        for hv in range(HV):
+            h = hv // G
+            S = np.zeros((K, V)) if h0 is None else np.asarray(h0[b, hv], np.float64).copy()
+            for t in range(T):
+                if seg is not None and t > 0 and seg[b, t] != seg[b, t - 1]:
+                    S = np.zeros((K, V))
+                kt = k[b, t, h]
+                S = np.exp(g[b, t, hv])[:, None] * S
+                S = S + beta[b, t, hv] * np.outer(kt, v[b, t, hv] - S.T @ kt)
+                o[b, t, hv] = S.T @ (scale * q[b, t, h])
+            S_final[b, hv] = S
+    return o, S_final
+
+
+def make_inputs(seed, B, T, H, HV, K, V, *, gate="bounded", dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    q, k = unit((B, T, H, K)), unit((B, T, H, K))
+    v = rng.standard_normal((B, T, HV, V))
+    if gate == "bounded":  # K3's gate: -5 sigmoid(.)
+        g = -5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((B, T, HV, K))))
+    elif gate == "softplus":  # Kimi Linear's: -exp(A) softplus(.), unbounded
+        g = -np.exp(0.5 * rng.standard_normal((1, 1, HV, 1))) * np.log1p(
+            np.exp(rng.standard_normal((B, T, HV, K)) - 2.0))
+    else:  # extreme: half the channels near -1000 per step, the rest near 0
+        g = np.where(np.arange(K) % 2 == 0, -1000.0 + rng.standard_normal((B, T, HV, K)),
+                     -1e-3 * rng.random((B, T, HV, K)))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV))))
+    h0 = 0.3 * rng.standard_normal((B, HV, K, V))
+    arrs = [jnp.asarray(x, dtype) for x in (q, k, v, g, beta)]
+    return arrs + [jnp.asarray(h0, jnp.float32)]
+
+
+def segments(B, T, seed):
+    """Packed documents: a few random cut points per row, ids increasing."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = rng.choice(np.arange(1, T), size=min(3, T - 1), replace=False) if T > 1 else []
+        for c in cuts:
+            seg[b, c:] += 1
+    return jnp.asarray(seg)
+
+
+def rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run_pallas(backend, q, k, v, g, beta, h0, *, seg=None, lower_bound=-5.0, chunk_size=64):
+    with poison_outputs():
+        return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
+                          segment_ids=seg, chunk_size=chunk_size, lower_bound=lower_bound,
+                          backend=backend)
+
+
+def fwd_tol(backend, dtype):
+    if backend == "gpu":
+        return 5e-3
+    return 5e-3 if dtype == jnp.bfloat16 else 1e-5
+
+
+def grad_tols(backend):
+    if backend == "gpu":
+        return dict(q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, h0=8e-3)
+    return dict.fromkeys(GRAD_NAMES, 1e-5)
+
+
+def loss_fn(fn, o_w, S_w):
+    def loss(q, k, v, g, beta, h0):
+        o, S = fn(q, k, v, g, beta, h0)
+        return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S * S_w)
+    return loss
+
+
+def check_grads(backend, inputs, *, seg, lower_bound, chunk_size, names=GRAD_NAMES):
+    q = inputs[0]
+    scale = q.shape[-1] ** -0.5
+    rng = np.random.default_rng(7)
+    B, T, HV, V = inputs[2].shape
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
+    S_w = jnp.asarray(rng.standard_normal(inputs[5].shape), jnp.float32)
+
+    def ours(q, k, v, g, beta, h0):
+        return run_pallas(backend, q, k, v, g, beta, h0, seg=seg, lower_bound=lower_bound,
+                          chunk_size=chunk_size)
+
+    def ref(q, k, v, g, beta, h0):
+        with jax.default_matmul_precision("highest"):
+            return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=h0,
+                                 segment_ids_BxT=seg)
+
+    f32_inputs = [x.astype(jnp.float32) for x in inputs]
+    got = jax.jit(jax.grad(loss_fn(ours, o_w, S_w), argnums=range(6)))(*inputs)
+    want = jax.grad(loss_fn(ref, o_w, S_w), argnums=range(6))(*f32_inputs)
+    tols = grad_tols(backend)
+    for name, a, b in zip(GRAD_NAMES, got, want, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: d{name} not finite (unwritten?)"
+        if name in names:
+            err = rel(a, b)
+            assert err < tols[name], f"{backend}: d{name} rel err {err:.2e} > {tols[name]}"
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+FWD_CASES = [  # (T, H, HV, K, V, gate, lower_bound, chunk_size, segments), backends
+    ((1, 1, 1, 16, 16, "bounded", -5.0, 64, False), NO_TPU),
+    ((63, 1, 2, 32, 16, "softplus", None, 64, False), ALL),
+    ((64, 2, 2, 16, 32, "bounded", -5.0, 64, True), NO_TPU),
+    ((100, 1, 2, 16, 16, "bounded", -5.0, 32, True), ALL),
+    ((100, 1, 1, 32, 32, "softplus", None, 16, True), NO_TPU),
+]
+
+
+def _cases(cases):
+    return [pytest.param(backend, case, id=f"{backend}-T{case[0]}-{case[5]}-C{case[7]}-"
+                         f"seg{case[8]:d}") for case, backends in cases for backend in backends]
+
+
+@pytest.mark.parametrize(("backend", "case"), _cases(FWD_CASES))
+def test_forward_matches_float64_recurrence(backend, case):
+    T, H, HV, K, V, gate, lb, C, use_seg = case
+    B = 2
+    q, k, v, g, beta, h0 = make_inputs(T * 7 + K, B, T, H, HV, K, V, gate=gate)
+    seg = segments(B, T, seed=T) if use_seg else None
+    o, S = run_pallas(backend, q, k, v, g, beta, h0, seg=seg, lower_bound=lb, chunk_size=C)
+    assert o.shape == (B, T, HV, V) and S.shape == (B, HV, K, V) and S.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(S))), "unwritten output"
+    o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5, h0, None if seg is None else
+                             np.asarray(seg))
+    tol = fwd_tol(backend, jnp.float32)
+    assert rel(o, o_ref) < tol, rel(o, o_ref)
+    assert rel(S, S_ref) < tol, rel(S, S_ref)
+
+
+@pytest.mark.parametrize("backend", NO_TPU)
+def test_forward_long_sequence(backend):
+    """T = 1000: many chunks, a partial last one, bounded-gate tensor-core path."""
+    B, T, H, HV, K, V = 1, 1000, 1, 1, 16, 16
+    q, k, v, g, beta, h0 = make_inputs(3, B, T, H, HV, K, V)
+    o, S = run_pallas(backend, q, k, v, g, beta, h0)
+    o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5, h0)
+    assert rel(o, o_ref) < fwd_tol(backend, jnp.float32)
+    assert rel(S, S_ref) < fwd_tol(backend, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", NO_TPU)
+def test_forward_bf16_inputs(backend):
+    B, T, H, HV, K, V = 2, 100, 2, 2, 32, 32
+    q, k, v, g, beta, h0 = make_inputs(5, B, T, H, HV, K, V, dtype=jnp.bfloat16)
+    o, S = run_pallas(backend, q, k, v, g, beta, h0)
+    assert o.dtype == jnp.bfloat16
+    o_ref, S_ref = numpy_kda(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)),
+                             K ** -0.5, h0)
+    assert rel(o, o_ref) < 5e-3, rel(o, o_ref)
+    assert rel(S, S_ref) < 5e-3, rel(S, S_ref)
+
+
+def test_public_api_dispatches_to_kernel():
+    """kda(..., impl="pallas") runs the kernel (interpret mode on CPU) and casts to v's dtype."""
+    B, T, H, HV, K, V = 1, 40, 1, 1, 16, 16
+    q, k, v, g, beta, h0 = make_inputs(11, B, T, H, HV, K, V)
+    o, S = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, lower_bound=-5.0,
+               impl="pallas", chunk_size=16)
+    o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5, h0)
+    assert o.dtype == v.dtype
+    assert rel(o, o_ref) < fwd_tol("gpu" if ON_GPU else "interpret", jnp.float32)
+    assert rel(S, S_ref) < fwd_tol("gpu" if ON_GPU else "interpret", jnp.float32)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+GRAD_CASES = [  # (T, H, HV, K, V, gate, lower_bound, chunk_size, segments), backends
+    ((100, 1, 2, 16, 32, "bounded", -5.0, 64, True), ALL),
+    ((63, 1, 2, 16, 16, "softplus", None, 32, False), NO_TPU),
+]
+
+
+@pytest.mark.parametrize(("backend", "case"), _cases(GRAD_CASES))
+def test_gradients_match_reference(backend, case):
+    T, H, HV, K, V, gate, lb, C, use_seg = case
+    B = 2
+    inputs = make_inputs(T + 1, B, T, H, HV, K, V, gate=gate)
+    seg = segments(B, T, seed=T + 2) if use_seg else None
+    check_grads(backend, inputs, seg=seg, lower_bound=lb, chunk_size=C)
+
+
+@pytest.mark.parametrize("backend", NO_TPU)
+def test_gradients_bf16_inputs(backend):
+    """bf16 inputs: gradients come back in the inputs' dtypes and within fla's tolerances."""
+    B, T, H, HV, K, V = 1, 64, 1, 1, 32, 32
+    inputs = make_inputs(13, B, T, H, HV, K, V, dtype=jnp.bfloat16)
+    q, k, v, g, beta, h0 = inputs
+    o_w = jnp.ones((B, T, HV, V), jnp.float32)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * o_w)
+
+    got = jax.grad(loss(lambda *a: run_pallas(backend, *a)), argnums=range(6))(*inputs)
+    ref_fn = lambda q, k, v, g, b, h: kda_recurrent(
+        q, k, v, g, b, scale=K ** -0.5, initial_state_BxHVxKxV=h, segment_ids_BxT=None)
+    want = jax.grad(loss(ref_fn), argnums=range(6))(*(x.astype(jnp.float32) for x in inputs))
+    tols = dict(q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, h0=8e-3)
+    for name, a, b, x in zip(GRAD_NAMES, got, want, inputs, strict=True):
+        assert a.dtype == x.dtype, name
+        assert rel(a, b) < tols[name], (name, rel(a, b))
+
+
+@pytest.mark.parametrize("backend", NO_TPU)
+def test_extreme_gates_finite_and_exact(backend):
+    """Channels near -1000 per step next to channels near 0, no bound: the safe path stays finite
+    and matches the definition."""
+    B, T, H, HV, K, V = 1, 50, 1, 1, 16, 16
+    inputs = make_inputs(17, B, T, H, HV, K, V, gate="extreme")
+    o, S = run_pallas(backend, *inputs, lower_bound=None, chunk_size=32)
+    o_ref, S_ref = numpy_kda(*inputs[:5], K ** -0.5, inputs[5])
+    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(S)))
+    assert rel(o, o_ref) < fwd_tol(backend, jnp.float32)
+    check_grads(backend, inputs, seg=None, lower_bound=None, chunk_size=32)
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def test_lowers_for_gpu_and_tpu():
+    """The compiled kernels (forward and backward) lower to Triton and to Mosaic from CPU: this
+    catches lowering-rule and shape limits (power-of-two blocks, dot sizes) without a device."""
+    B, T, H, HV, K, V = 1, 130, 1, 2, 128, 128
+    q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
+    seg = segments(B, T, 1)
+    for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
+        for lb, s in ((-5.0, None), (None, seg)):
+            def loss(q, k, v, g, beta, h0, backend=backend, lb=lb, s=s):
+                o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=h0,
+                                  segment_ids=s, chunk_size=64, lower_bound=lb,
+                                  backend=backend)
+                return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
+
+            grad = jax.jit(jax.grad(loss, argnums=range(6)))
+            text = grad.trace(q, k, v, g, beta, h0).lower(
+                lowering_platforms=(platform,)).as_text()
+            assert text.count("custom_call") >= 4, (backend, lb)
+
+
+def test_gate_path_selection():
+    cfg = lambda lb: pk.make_config(jnp.zeros((1, 64, 1, 16)), jnp.zeros((1, 64, 1, 16)),
+                                    scale=1.0, segment_ids=None, chunk_size=64,
+                                    lower_bound=lb, mode="interpret")
+    assert cfg(-5.0).bounded and cfg(-5.0).sub == 16
+    assert cfg(-1.0).bounded and cfg(-1.0).sub == 64  # 63 * 1 <= 80: one anchor per chunk
+    assert not cfg(None).bounded and not cfg(-6.0).bounded
+
+
+def test_pallas_supported_never_raises(monkeypatch):
+    from pallas_kernels import kda_calls
+
+    for backend in ("gpu", "tpu"):
+        assert isinstance(pallas_supported(backend), bool)
+    pallas_supported.cache_clear()
+    monkeypatch.setattr(kda_calls, "triton_available", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert pallas_supported("gpu") is False
+        assert pallas_supported("cpu") is False
+    assert len(caught) == 2 and "unavailable" in str(caught[0].message)
+    pallas_supported.cache_clear()
+
+
+def test_poison_detects_unwritten_output():
+    """The poison harness itself: a kernel that skips a row leaves NaN behind."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.kda_calls import _call
+
+    cfg = pk._probe_cfg("interpret")
+
+    def kernel(x_ref, o_ref):
+        rows = jax.lax.broadcasted_iota(jnp.int32, (16, 16), 0)
+
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = jnp.where(rows < 15, x_ref[...], o_ref[...])
+
+    spec = pl.BlockSpec((16, 16), lambda i: (0, 0))
+    with poison_outputs():
+        fn = _call(kernel, cfg, grid=(1,), in_specs=[spec], out_specs=[spec],
+                   out_shape=[jax.ShapeDtypeStruct((16, 16), jnp.float32)], name="probe")
+        (out,) = fn(jnp.ones((16, 16), jnp.float32))
+    assert bool(jnp.all(jnp.isnan(out[15]))) and bool(jnp.all(out[:15] == 1.0))
