@@ -1,0 +1,66 @@
+"""Kimi K3 shapes (for shapes, parameter counts and FLOPs; far too large to train here).
+
+    python -m configs.k3          # prints the layer pattern and the parameter count (eval_shape)
+
+93 layers: 69 KDA + 24 Gated MLA (MLA at layers 4, 8, ..., 92 and 93); hidden 7168; KDA 96 heads
+x 128 with the bounded gate (g_min = -5) and width-4 short convolutions; MLA 96 heads, q_lora
+1536, kv_lora 512, head dims 128 (+64 shared) / 128; block Attention Residuals in blocks of 12
+layers (24 sublayers, 8 blocks).
+
+The FFN is DENSE here: K3's is a mixture of experts (896 experts, top-16, 2 shared), which this
+codebase does not have yet. The stand-in is one dense SwiGLU of width 18432 per layer (the dense
+width of the Kimi K2 / DeepSeek-V3 family), so parameter counts and FLOPs differ from K3's.
+The vocabulary (163840) is Kimi K2's.
+"""
+
+from kimi_k3.model import default_model_config
+from kimi_k3.train_lib import add_training_defaults
+
+
+def get_config(arg: str | None = None):
+    import ml_collections
+
+    if arg:
+        raise ValueError(f"configs/k3.py takes no argument, got {arg!r}")
+    m = default_model_config()
+    m.vocab_size = 163840
+    m.d_model = 7168
+    m.num_layers = 93
+    m.kda_per_mla = 3
+    m.final_mla = True
+    m.num_heads = 96
+    m.kda.head_dim = 128
+    m.kda.num_v_heads = 96
+    m.kda.conv_width = 4
+    m.kda.gate = "bounded"
+    m.kda.gate_lower_bound = -5.0
+    m.mla.num_heads = 96
+    m.mla.q_lora_rank = 1536
+    m.mla.kv_lora_rank = 512
+    m.mla.qk_nope_head_dim = 128
+    m.mla.shared_head_dim = 64
+    m.mla.v_head_dim = 128
+    m.mla.output_gate = True
+    m.mlp_dim = 18432  # dense stand-in for the MoE FFN (see the module docstring)
+    m.attn_res = "block"
+    m.attn_res_block_size = 24  # sublayers = 12 layers
+    m.tie_embeddings = False
+    m.dtype = "bfloat16"
+    m.remat = "full"
+    config = ml_collections.ConfigDict()
+    config.model = m
+    add_training_defaults(config)  # data, opt, mesh, checkpoint, train, seed
+    config.data.seq_len = 8192
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 8
+    return config
+
+
+if __name__ == "__main__":
+    from kimi_k3.model import count_params, flops_per_token, layer_pattern
+
+    cfg = get_config().model
+    pattern = layer_pattern(cfg)
+    print(f"pattern: {pattern}")
+    print(f"KDA layers: {pattern.count('K')}, MLA layers: {pattern.count('M')}")
+    print(f"parameters (dense FFN stand-in): {count_params(cfg):,}")
+    print(f"training FLOPs per token at 8192 tokens: {flops_per_token(cfg, 8192):.4g}")

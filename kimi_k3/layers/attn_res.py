@@ -1,0 +1,131 @@
+"""Attention Residuals: each sublayer reads a softmax mixture over depth instead of a plain sum.
+
+Sources: v_0 = the token embedding, v_i = the output of sublayer i (every attention/KDA mixer and
+every MLP is one sublayer). The input of sublayer l, per token:
+
+    h_l = sum_i a_{i->l} v_i,      a_{i->l} = softmax_i( w_l . RMSNorm(v_i) )
+
+w_l [D] is a learned pseudo-query per sublayer, initialised to zero, so training starts from the
+uniform average of the sources. No 1/sqrt(D); the keys are RMS-normalised, the values are raw.
+The final readout (before the last norm and the output head) is one more such mixture.
+
+The key norm has no learned scale: a scale g would only fold into the pseudo-query
+(w . (g * k) = (w * g) . k). So the reciprocal RMS of each source is computed once, when the
+source is stored, and every read costs one dot product per source.
+
+Modes:
+    "none"   standard pre-norm residual stream: h_l = v_0 + sum_{i<l} v_i.
+    "block"  sublayers are grouped into blocks of S (``block_size``, counted in sublayers). Kept
+             are b_0 = embedding, the sum of each finished block's outputs, and the partial sum
+             of the current block. A block's first sublayer attends over [b_0 ... b_{n-1}]; later
+             ones also over the partial sum. Memory and work per token: O(N D) for N blocks.
+    "full"   every sublayer output is its own source: "block" with S = 1, and computed as such.
+
+The state is a dict of arrays with a fixed structure, so it can be the carry of a scan over
+layers: ``sources`` [N, B, T, D] (slot 0 = b_0, then one slot per block, the current block's
+slot holding its partial sum), ``inv_rms`` [N, B, T], ``n`` (the current block's slot) and
+``count`` (sublayers already in it). A read mixes slots 0 .. n-1, and slot n when count > 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_k3.sharding import BTD, constrain, param
+
+ATTN_RES_MODES = ("none", "full", "block")
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+_SRC = (None, *BTD)
+
+
+class DepthQuery(nnx.Module):
+    """A pseudo-query w [D], initialised to zero."""
+
+    def __init__(self, d_model: int, *, param_dtype=jnp.float32):
+        self.w = param(jnp.zeros((d_model,), param_dtype), ("norm",))
+
+
+def _inv_rms(x_BxTxD: jax.Array, eps: float) -> jax.Array:
+    x = x_BxTxD.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthResidual:
+    """The residual stream of the whole stack, in one of the modes above.
+
+    num_sublayers: sublayers in the stack (2 per layer); fixes the number of source slots.
+    """
+
+    mode: str
+    num_sublayers: int
+    block_size: int = 1
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.mode not in ATTN_RES_MODES:
+            raise ValueError(f"attn_res must be one of {ATTN_RES_MODES}, got {self.mode!r}")
+        if self.block_size < 1:
+            raise ValueError(f"attn_res_block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def block(self) -> int:
+        return 1 if self.mode == "full" else self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        """b_0 plus one slot per block, the last one possibly partial."""
+        return 1 + -(-self.num_sublayers // self.block)
+
+    def init(self, embed_BxTxD: jax.Array) -> dict[str, jax.Array]:
+        """The state before the first sublayer: the embedding is the only source."""
+        if self.mode == "none":
+            return {"x": embed_BxTxD}
+        N = self.num_slots
+        sources = jnp.zeros((N, *embed_BxTxD.shape), embed_BxTxD.dtype).at[0].set(embed_BxTxD)
+        inv_rms = jnp.zeros((N, *embed_BxTxD.shape[:2]), jnp.float32)
+        inv_rms = inv_rms.at[0].set(_inv_rms(embed_BxTxD, self.eps))
+        return {
+            "sources": constrain(sources, _SRC),
+            "inv_rms": inv_rms,
+            "n": jnp.ones((), jnp.int32),
+            "count": jnp.zeros((), jnp.int32),
+        }
+
+    def read(self, state: dict[str, jax.Array], w_D: jax.Array | None) -> jax.Array:
+        """The input of the next sublayer (or the final readout), [B, T, D].
+
+        w_D: the reading sublayer's pseudo-query (``DepthQuery.w``); None in mode "none".
+        """
+        if self.mode == "none":
+            return state["x"]
+        sources = state["sources"]
+        slot = jnp.arange(sources.shape[0])
+        valid = (slot < state["n"]) | ((slot == state["n"]) & (state["count"] > 0))
+        logits_NxBxT = jnp.einsum("nbtd,d->nbt", sources, w_D.astype(sources.dtype),
+                                  preferred_element_type=jnp.float32) * state["inv_rms"]
+        a_NxBxT = jax.nn.softmax(jnp.where(valid[:, None, None], logits_NxBxT, _NEG), axis=0)
+        h = jnp.einsum("nbt,nbtd->btd", a_NxBxT, sources.astype(jnp.float32))
+        return constrain(h.astype(sources.dtype), BTD)
+
+    def write(self, state: dict[str, jax.Array], out_BxTxD: jax.Array) -> dict[str, jax.Array]:
+        """Adds a sublayer's output to the current block; a full block stays as a source."""
+        if self.mode == "none":
+            return {"x": constrain(state["x"] + out_BxTxD.astype(state["x"].dtype), BTD)}
+        sources, n = state["sources"], state["n"]
+        block = jax.lax.dynamic_index_in_dim(sources, n, 0, keepdims=False)
+        block = block + out_BxTxD.astype(block.dtype)
+        count = state["count"] + 1
+        full = count == self.block
+        return {
+            "sources": constrain(jax.lax.dynamic_update_index_in_dim(sources, block, n, 0), _SRC),
+            "inv_rms": jax.lax.dynamic_update_index_in_dim(
+                state["inv_rms"], _inv_rms(block, self.eps), n, 0),
+            "n": n + full.astype(jnp.int32),
+            "count": jnp.where(full, 0, count),
+        }

@@ -1,0 +1,53 @@
+"""Token embedding and the output head (tied to the embedding, or its own matrix).
+
+    x_t = E[token_t]                         E [V, D], init N(0, 1)
+    logits = h E^T / sqrt(D)   (tied)        the 1/sqrt(D) keeps initial logits O(1) with
+    logits = h W                (untied)     unit-variance embedding rows; W [D, V] fan-in init
+Logits are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_k3.layers.dense import Dense
+from kimi_k3.sharding import param
+
+
+class Embed(nnx.Module):
+    """tokens [B, T] int -> x [B, T, D] in ``dtype``."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        table = jax.random.normal(rngs.params(), (vocab_size, d_model), jnp.float32)
+        self.embedding = param(table.astype(param_dtype), ("vocab", "embed"))
+        self.vocab_size = vocab_size
+        self.dtype = dtype
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
+            raise ValueError(f"Embed: tokens must be integers, got {tokens_BxT.dtype}")
+        return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.dtype)
+
+    def attend(self, h_BxTxD: jax.Array) -> jax.Array:
+        """Tied output head: logits [B, T, V] float32 = h E^T / sqrt(D)."""
+        E = self.embedding[...].astype(self.dtype)
+        logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(self.dtype), E,
+                            preferred_element_type=jnp.float32)
+        return logits * (E.shape[-1] ** -0.5)
+
+
+class OutputHead(nnx.Module):
+    """Untied output head: logits [B, T, V] float32 = h W."""
+
+    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.proj = Dense(d_model, vocab_size, names=("embed", "vocab"), rngs=rngs, dtype=dtype,
+                          param_dtype=param_dtype)
+
+    def __call__(self, h_BxTxD: jax.Array) -> jax.Array:
+        W = self.proj.kernel[...].astype(self.proj.dtype)
+        return jnp.einsum("btd,dv->btv", h_BxTxD.astype(self.proj.dtype), W,
+                          preferred_element_type=jnp.float32)

@@ -1,0 +1,143 @@
+"""The KDA layer: Kimi Delta Attention with its short convolutions, gates and output gate.
+
+With x [B, T, D], H query/key heads, HV = G*H value heads, head dims K (q, k) and V (v):
+
+    q = L2Norm(SiLU(ShortConv_q(x W_q)))        [B, T, H, K]
+    k = L2Norm(SiLU(ShortConv_k(x W_k)))        [B, T, H, K]
+    v = SiLU(ShortConv_v(x W_v))                [B, T, HV, V]
+    f = x W_f_down W_f_up                       [B, T, HV, K]   (rank K bottleneck)
+    g = gate(f)                                 bounded: g_min * sigmoid(exp(A_log) (f + dt_bias))
+                                                softplus: -exp(A_log) softplus(f + dt_bias)
+    beta = sigmoid(x W_b)                       [B, T, HV]
+    o = KDA(q, k, v, g, beta)                   per token: S <- Diag(exp g) S;
+                                                S <- S + beta k (v - S^T k)^T;  o = S^T q / sqrt(K)
+    out = W_o ( RMSNorm_head(o) * sigmoid(x W_g_down W_g_up) )     [B, T, D]
+
+The recurrence carries order, so the layer needs no positional encoding. Packed documents
+(``segment_ids``) restart the state and mask the convolutions at each new document. For prefill
+in pieces and decoding, the layer carries a cache: the state S [B, HV, K, V] (float32) and the
+last W-1 pre-convolution inputs of q, k and v.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_k3.layers.dense import Dense
+from kimi_k3.layers.norms import RMSNorm, l2_normalize
+from kimi_k3.layers.short_conv import ShortConv
+from kimi_k3.ops import init_dt_bias, kda, kda_gate
+from kimi_k3.sharding import BTHK, constrain, param
+
+GATES = ("bounded", "softplus")
+
+
+class KDALayer(nnx.Module):
+    """x [B, T, D] -> [B, T, D], optionally continuing from and returning a cache."""
+
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        num_heads: int,
+        head_dim: int,
+        num_v_heads: int | None = None,
+        conv_width: int = 4,
+        gate: str = "bounded",
+        gate_lower_bound: float = -5.0,
+        chunk_size: int = 64,
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        HV = num_heads if num_v_heads is None else num_v_heads
+        if HV % num_heads != 0:
+            raise ValueError(f"KDALayer: num_v_heads={HV} must be a multiple of num_heads={num_heads}")
+        if gate not in GATES:
+            raise ValueError(f"KDALayer: gate must be one of {GATES}, got {gate!r}")
+        if not (math.isfinite(gate_lower_bound) and gate_lower_bound < 0):
+            raise ValueError(f"KDALayer: gate_lower_bound must be finite and < 0, got {gate_lower_bound}")
+        H, K, V = num_heads, head_dim, head_dim
+        self.num_heads, self.num_v_heads, self.head_dim = H, HV, K
+        self.lower_bound = gate_lower_bound if gate == "bounded" else None
+        self.chunk_size, self.impl, self.dtype = chunk_size, impl, dtype
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
+        self.k_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
+        self.v_proj = Dense(d_model, (HV, V), names=("embed", "heads", "kv"), **kw)
+        conv_kw = dict(names=("heads", "kv"), rngs=rngs, param_dtype=param_dtype)
+        self.q_conv = ShortConv((H, K), conv_width, **conv_kw)
+        self.k_conv = ShortConv((H, K), conv_width, **conv_kw)
+        self.v_conv = ShortConv((HV, V), conv_width, **conv_kw)
+        # Decay gate: low rank (rank = head dim) into per-channel logits.
+        self.f_down = Dense(d_model, K, names=("embed", "rank"), **kw)
+        self.f_up = Dense(K, (HV, K), names=("rank", "heads", "kv"), **kw)
+        # Bounded gate: A_log = 0 (notes/kda.md); softplus gate: A = U(1, 16) as in Kimi Linear.
+        if gate == "bounded":
+            A_log = jnp.zeros((HV,), jnp.float32)
+        else:
+            A_log = jnp.log(jax.random.uniform(rngs.params(), (HV,), jnp.float32, 1.0, 16.0))
+        self.A_log = param(A_log, ("heads",))
+        self.dt_bias = param(init_dt_bias(rngs.params(), (HV, K)), ("heads", "kv"))
+        self.b_proj = Dense(d_model, HV, names=("embed", "heads"), **kw)
+        # Output: per-head RMSNorm times a low-rank sigmoid gate.
+        self.o_norm = RMSNorm(V, name="kv", dtype=jnp.float32, param_dtype=param_dtype)
+        self.g_down = Dense(d_model, V, names=("embed", "rank"), **kw)
+        self.g_up = Dense(V, (HV, V), names=("rank", "heads", "kv"), **kw)
+        self.o_proj = Dense((HV, V), d_model, names=("heads", "kv", "embed"), **kw)
+
+    def init_cache(self, batch_size: int) -> dict[str, jax.Array]:
+        """Zero cache: state [B, HV, K, V] f32 and the conv tails [B, W-1, heads, dim]."""
+        HV, K = self.num_v_heads, self.head_dim
+        return {
+            "state": jnp.zeros((batch_size, HV, K, K), jnp.float32),
+            "conv_q": self.q_conv.init_tail(batch_size, self.dtype),
+            "conv_k": self.k_conv.init_tail(batch_size, self.dtype),
+            "conv_v": self.v_conv.init_tail(batch_size, self.dtype),
+        }
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        segment_ids_BxT: jax.Array | None = None,
+        cache: dict[str, jax.Array] | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """Returns (out [B, T, D], the cache after the last token or None when none was given).
+
+        With a cache, the sequence continues the cached one (one document per row:
+        ``segment_ids`` must then be None).
+        """
+        if cache is not None and segment_ids_BxT is not None:
+            raise ValueError("KDALayer: segment_ids must be None when continuing from a cache")
+        c = cache if cache is not None else {}
+        q, tail_q = self.q_conv(self.q_proj(x_BxTxD), segment_ids_BxT, c.get("conv_q"))
+        k, tail_k = self.k_conv(self.k_proj(x_BxTxD), segment_ids_BxT, c.get("conv_k"))
+        v, tail_v = self.v_conv(self.v_proj(x_BxTxD), segment_ids_BxT, c.get("conv_v"))
+        q_BxTxHxK = constrain(l2_normalize(jax.nn.silu(q)).astype(self.dtype), BTHK)
+        k_BxTxHxK = constrain(l2_normalize(jax.nn.silu(k)).astype(self.dtype), BTHK)
+        v_BxTxHVxV = constrain(jax.nn.silu(v), BTHK)
+
+        f_BxTxHVxK = self.f_up(self.f_down(x_BxTxD))
+        g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...], self.lower_bound)
+        beta_BxTxHV = jax.nn.sigmoid(self.b_proj(x_BxTxD).astype(jnp.float32))
+
+        o_BxTxHVxV, state = kda(
+            q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
+            initial_state=c.get("state"),
+            output_final_state=cache is not None,
+            segment_ids=segment_ids_BxT,
+            chunk_size=self.chunk_size,
+            lower_bound=self.lower_bound,
+            impl=self.impl,
+        )
+        gate_BxTxHVxV = jax.nn.sigmoid(self.g_up(self.g_down(x_BxTxD)).astype(jnp.float32))
+        o_BxTxHVxV = (self.o_norm(o_BxTxHVxV) * gate_BxTxHVxV).astype(self.dtype)
+        out_BxTxD = self.o_proj(constrain(o_BxTxHVxV, BTHK))
+        if cache is None:
+            return out_BxTxD, None
+        return out_BxTxD, {"state": state, "conv_q": tail_q, "conv_k": tail_k, "conv_v": tail_v}

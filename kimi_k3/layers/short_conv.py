@@ -1,0 +1,68 @@
+"""Causal depthwise short convolution over time (KDA's q, k and v each have one).
+
+    y_t[c] = sum_{w=0}^{W-1} weight[w, c] * x_{t-(W-1)+w}[c]                 (W = 4 in K3)
+
+Only taps inside the token's own document count: with packed documents a tap whose token has
+another segment id reads zero, so no document sees its neighbour's tail. Tokens before the start
+of the sequence come from ``tail`` (the last W-1 inputs of the previous piece, for prefill in
+pieces and decoding) or are zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_k3.sharding import param
+
+
+class ShortConv(nnx.Module):
+    """x [B, T, *channels] -> y [B, T, *channels]; weight [W, *channels], no bias.
+
+    Init as a PyTorch depthwise Conv1d: U(-1/sqrt(W), 1/sqrt(W)).
+    """
+
+    def __init__(self, channels: Sequence[int], width: int, *, names: Sequence[str | None],
+                 rngs: nnx.Rngs, param_dtype=jnp.float32):
+        if width < 1:
+            raise ValueError(f"ShortConv: width must be >= 1, got {width}")
+        self.channels = tuple(channels)
+        self.width = width
+        bound = 1.0 / math.sqrt(width)
+        w = jax.random.uniform(rngs.params(), (width, *self.channels), jnp.float32, -bound, bound)
+        self.weight = param(w.astype(param_dtype), ("conv", *names))
+
+    def init_tail(self, batch_size: int, dtype) -> jax.Array:
+        """Zeros [B, W-1, *channels]: the inputs before the first token."""
+        return jnp.zeros((batch_size, self.width - 1, *self.channels), dtype)
+
+    def __call__(
+        self,
+        x_BxTxC: jax.Array,
+        segment_ids_BxT: jax.Array | None = None,
+        tail_BxWm1xC: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Returns (y [B, T, *channels] in x's dtype, new tail [B, W-1, *channels])."""
+        B, T = x_BxTxC.shape[:2]
+        Wm1 = self.width - 1
+        if tail_BxWm1xC is None:
+            tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
+        x_ext = jnp.concatenate([tail_BxWm1xC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
+        w = self.weight[...].astype(jnp.float32)
+        feat = (1,) * (x_BxTxC.ndim - 2)
+        y = jnp.zeros(x_BxTxC.shape, jnp.float32)
+        for lag in range(self.width):
+            # Tap w = W-1-lag multiplies x_{t-lag}.
+            x_lag = jax.lax.slice_in_dim(x_ext, Wm1 - lag, Wm1 - lag + T, axis=1)
+            term = x_lag.astype(jnp.float32) * w[Wm1 - lag]
+            if segment_ids_BxT is not None and lag > 0:
+                prev = jnp.pad(segment_ids_BxT, ((0, 0), (lag, 0)), mode="edge")[:, :T]
+                same = (prev == segment_ids_BxT).reshape(B, T, *feat)
+                term = jnp.where(same, term, 0.0)
+            y = y + term
+        new_tail = x_ext[:, x_ext.shape[1] - Wm1:] if Wm1 > 0 else x_ext[:, :0]
+        return y.astype(x_BxTxC.dtype), new_tail

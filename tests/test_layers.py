@@ -1,0 +1,317 @@
+"""Layers: each fast form against its definition, causality by gradient, caches, depth mixing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_k3.layers import GatedMLA, KDALayer, ShortConv
+from kimi_k3.layers.attention import (
+    _splash_attention,
+    _triton_attention,
+    attention,
+    reference_attention,
+)
+from kimi_k3.layers.attn_res import DepthResidual
+
+D = 32
+
+
+def rngs(seed=0):
+    # rbg keys: the same initialisers, far less XLA compile time on CPU than threefry.
+    return nnx.Rngs(jax.random.key(seed, impl="rbg"))
+
+
+def normal(seed, shape, scale=1.0):
+    # NumPy, not jax.random: test inputs then cost no XLA compiles.
+    return jnp.asarray(scale * np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def packed_segments(B, T, seed=0):
+    """[B, T] ids with a few documents per row, starting at random places."""
+    starts = np.random.default_rng(seed).random((B, T)) < 0.25
+    starts[:, 0] = False
+    return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+
+
+# module(*args, **kwargs) under nnx.jit: one compile per shape instead of op-by-op dispatch.
+apply = nnx.jit(lambda module, *args, **kwargs: module(*args, **kwargs))
+
+
+def assert_causal_by_gradient(f, x_BxTxD, seg_BxT):
+    """d f(x)[b, t] / d x[b', s] is zero unless b' = b, s <= t and s, t share a document;
+    and the output does depend on earlier tokens of its own document.
+
+    "Zero" allows 1e-5 of the largest dependence: the chunked KDA core's gate gradient crosses
+    document boundaries at float32 rounding level (its in-chunk cumulative sum spans them; the
+    terms cancel exactly in exact arithmetic). A real leak is of the order of the dependence.
+    """
+    B, T, _ = x_BxTxD.shape
+    w = normal(99, jax.eval_shape(f, x_BxTxD).shape)
+    jac = jax.jit(jax.jacrev(lambda x: jnp.sum(f(x) * w, -1)))(x_BxTxD)  # [B, T, B, T, D]
+    dep = np.asarray(jnp.abs(jac).sum(-1))  # [B, T, B, T]
+    seg = np.asarray(seg_BxT)
+    b = np.arange(B)[:, None, None, None]
+    b2 = np.arange(B)[None, None, :, None]
+    t = np.arange(T)[None, :, None, None]
+    s = np.arange(T)[None, None, None, :]
+    same_doc = seg[:, :, None, None] == seg[None, None, :, :]
+    allowed = (b == b2) & (s <= t) & same_doc
+    assert dep[~allowed].max() <= 1e-5 * dep.max(), "depends on a later token or another document"
+    strictly_earlier = allowed & (s < t)
+    assert (dep[strictly_earlier] > 0).mean() > 0.9, "output ignores earlier tokens"
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "B,T,S,H,KH,Dq,Dv,q_offset,block,segments",
+    [
+        (2, 21, 21, 4, 2, 8, 6, 0, 8, True),  # grouped heads, packed documents, partial blocks
+        (2, 5, 20, 4, 1, 8, 4, 7, 4, False),  # multi-query decode-style: queries at positions 7..11
+    ],
+)
+def test_blockwise_attention_equals_plain_softmax(B, T, S, H, KH, Dq, Dv, q_offset, block, segments):
+    q, k, v = normal(1, (B, T, H, Dq)), normal(2, (B, S, KH, Dq)), normal(3, (B, S, KH, Dv))
+    seg = packed_segments(B, T) if segments else None
+
+    def run(impl):
+        return lambda q, k, v: attention(q, k, v, segment_ids=seg, q_offset=q_offset, impl=impl,
+                                         block_size=block)
+
+    w = normal(4, (B, T, H, Dv))
+
+    def output_and_grads(impl, q, k, v):
+        loss = lambda *a: jnp.sum(run(impl)(*a) * w)
+        return run(impl)(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    @jax.jit
+    def outputs_and_grads(q, k, v):
+        return [output_and_grads(impl, q, k, v) for impl in ("reference", "xla")]
+
+    (o_ref, g_ref), (o_blk, g_blk) = outputs_and_grads(q, k, v)
+    np.testing.assert_allclose(o_blk, o_ref, atol=2e-6)
+    for a, b in zip(g_blk, g_ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_splash_and_triton_kernels_in_interpret_mode_equal_plain_softmax():
+    """The TPU (splash) and GPU (Triton) kernel paths, run by Pallas' interpreter on CPU."""
+    B, T, H, Dq, Dv = 1, 128, 2, 24, 16
+    q, k, v = normal(1, (B, T, H, Dq)), normal(2, (B, T, H, Dq)), normal(3, (B, T, H, Dv))
+    seg = packed_segments(B, T, seed=3)
+    ref = jax.jit(lambda q, k, v: reference_attention(
+        q, k, v, scale=0.3, q_segment_ids=seg, kv_segment_ids=seg))(q, k, v)
+    np.testing.assert_allclose(_splash_attention(q, k, v, scale=0.3, segment_ids=seg), ref,
+                               atol=1e-5)
+    np.testing.assert_allclose(
+        _triton_attention(q, k, v, scale=0.3, segment_ids=seg, interpret=True), ref, atol=1e-5)
+
+
+def test_attention_rejects_bad_arguments():
+    q, k = normal(1, (1, 8, 2, 4)), normal(2, (1, 8, 2, 4))
+    with pytest.raises(ValueError, match="impl"):
+        attention(q, k, k, impl="flash9")
+    with pytest.raises(ValueError, match="k "):
+        attention(q, normal(2, (1, 8, 3, 4)), normal(2, (1, 8, 3, 4)))
+    with pytest.raises(ValueError, match="cudnn"):
+        attention(q, k, k, segment_ids=jnp.zeros((1, 8), jnp.int32), impl="cudnn")
+
+
+# ----------------------------------------------------------------------------------------------
+# KDA layer
+# ----------------------------------------------------------------------------------------------
+
+
+def kda_layer(gate="bounded", num_v_heads=4):
+    return KDALayer(D, num_heads=2, head_dim=8, num_v_heads=num_v_heads, gate=gate, chunk_size=8,
+                    impl="xla", rngs=rngs(1))
+
+
+def test_kda_layer_core_equals_recurrent_reference():
+    """The chunked core inside the layer against the token-by-token recurrence, with grouped
+    value heads (HV = 2 H), packed documents and the bounded gate."""
+    layer = kda_layer("bounded")
+    x = normal(5, (2, 19, D))
+    seg = packed_segments(2, 19, seed=1)
+    out_xla, _ = apply(layer, x, seg)
+    layer.impl = "recurrent"
+    out_rec, _ = apply(layer, x, seg)
+    np.testing.assert_allclose(out_xla, out_rec, atol=2e-5)
+    assert layer.lower_bound == -5.0
+
+
+def test_kda_layer_is_causal_by_gradient_across_documents():
+    """Chunked core, softplus (unbounded) gate."""
+    layer = kda_layer("softplus")
+    assert layer.lower_bound is None
+    A = np.exp(np.asarray(layer.A_log[...]))
+    assert ((A >= 1) & (A <= 16)).all()
+    x = normal(6, (2, 12, D))
+    seg = packed_segments(2, 12, seed=2)
+    assert_causal_by_gradient(lambda x: layer(x, seg)[0], x, seg)
+
+
+def test_kda_layer_prefill_in_pieces_equals_one_pass():
+    layer = kda_layer()
+    x = normal(7, (2, 13, D))
+    one, _ = apply(layer, x)
+    cache = layer.init_cache(2)
+    outs = []
+    for a, b in ((0, 6), (6, 7), (7, 13)):  # a piece shorter than the conv width too
+        o, cache = apply(layer, x[:, a:b], cache=cache)
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), one, atol=2e-5)
+    assert cache["state"].shape == (2, 4, 8, 8) and cache["state"].dtype == jnp.float32
+    assert cache["conv_q"].shape == (2, 3, 2, 8)
+
+
+def test_short_conv_matches_direct_convolution_and_masks_documents():
+    conv = ShortConv((3,), 4, names=(None,), rngs=rngs(2))
+    x = normal(8, (1, 9, 3))
+    w = np.asarray(conv.weight[...])
+    xn = np.asarray(x)[0]
+    want = np.stack([sum(w[3 - lag] * xn[t - lag] for lag in range(4) if t - lag >= 0)
+                     for t in range(9)])
+    y, tail = conv(x)
+    np.testing.assert_allclose(y[0], want, atol=1e-6)
+    np.testing.assert_array_equal(tail, x[:, -3:])
+    seg = jnp.array([[0, 0, 0, 0, 0, 1, 1, 1, 1]])
+    y_seg, _ = conv(x, seg)
+    y_doc2, _ = conv(x[:, 5:])
+    np.testing.assert_allclose(y_seg[:, 5:], y_doc2, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated MLA
+# ----------------------------------------------------------------------------------------------
+
+
+def mla_layer(q_lora_rank=0, impl="xla", block=8):
+    return GatedMLA(D, num_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=12, qk_nope_head_dim=8,
+                    shared_head_dim=4, v_head_dim=6, attn_impl=impl, attn_block_size=block,
+                    rngs=rngs(3))
+
+
+def test_mla_blockwise_path_equals_plain_softmax():
+    layer = mla_layer(q_lora_rank=10)
+    x = normal(9, (2, 20, D))
+    seg = packed_segments(2, 20, seed=4)
+    blockwise, _ = apply(layer, x, seg)
+    layer.attn_impl = "reference"
+    plain, _ = apply(layer, x, seg)
+    np.testing.assert_allclose(blockwise, plain, atol=2e-5)
+
+
+def test_mla_is_causal_by_gradient_across_documents():
+    layer = mla_layer(block=4)
+    x = normal(10, (2, 12, D))
+    seg = packed_segments(2, 12, seed=5)
+    assert_causal_by_gradient(lambda x: layer(x, seg)[0], x, seg)
+
+
+def test_mla_latent_cache_in_pieces_equals_one_pass():
+    """Absorbed attention over the latent cache == the expanded training path."""
+    layer = mla_layer(q_lora_rank=10, block=4)
+    x = normal(11, (2, 9, D))
+    one, _ = apply(layer, x)
+    cache = layer.init_cache(2, 16)
+    assert cache["latent_kv"].shape == (2, 16, 12 + 4)
+    outs = []
+    for a, b in ((0, 4), (4, 5), (5, 9)):
+        o, cache = apply(layer, x[:, a:b], cache=cache, pos=jnp.int32(a))
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), one, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention Residuals
+# ----------------------------------------------------------------------------------------------
+
+
+def naive_depth_mix(ws, outs, embed, block, eps=1e-6):
+    """Reference: explicit source lists; ws[l] is sublayer l's query, ws[-1] the final one."""
+    def rmsn(v):
+        return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + eps)
+
+    def mix(w, sources):
+        logits = np.stack([rmsn(v) @ w for v in sources])
+        a = np.exp(logits - logits.max(0))
+        a = a / a.sum(0)
+        return sum(ai[..., None] * v for ai, v in zip(a, sources, strict=True))
+
+    blocks, partial, count, inputs = [embed], np.zeros_like(embed), 0, []
+    for l, out in enumerate(outs):
+        inputs.append(mix(ws[l], blocks + ([partial] if count else [])))
+        partial, count = partial + out, count + 1
+        if count == block:
+            blocks, partial, count = blocks + [partial], np.zeros_like(embed), 0
+    inputs.append(mix(ws[-1], blocks + ([partial] if count else [])))
+    return inputs
+
+
+def run_depth(depth, ws, outs, embed):
+    """Sublayer inputs from DepthResidual, fed the given outputs (float32 throughout)."""
+
+    @jax.jit
+    def run(ws, outs, embed):
+        state, inputs = depth.init(embed), []
+        for w, out in zip(ws, outs, strict=False):
+            inputs.append(depth.read(state, w))
+            state = depth.write(state, out)
+        return inputs + [depth.read(state, ws[-1])]
+
+    f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
+    return [np.asarray(x) for x in run(f32(ws), f32(outs), jnp.asarray(embed, jnp.float32))]
+
+
+def test_attn_res_zero_queries_give_the_uniform_average_of_sources():
+    L, shape = 5, (2, 3, 8)
+    rng = np.random.default_rng(0)
+    embed, outs = rng.normal(size=shape), [rng.normal(size=shape) for _ in range(L)]
+    zeros = [np.zeros(8)] * (L + 1)
+    got = run_depth(DepthResidual("full", L), zeros, outs, embed)
+    for l in range(L + 1):
+        np.testing.assert_allclose(got[l], np.mean([embed] + outs[:l], axis=0), atol=1e-5)
+    # Block mode: uniform over b_0, the finished block sums and the partial sum.
+    got = run_depth(DepthResidual("block", L, block_size=2), zeros, outs, embed)
+    np.testing.assert_allclose(got[3], np.mean([embed, outs[0] + outs[1], outs[2]], 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 10])
+def test_attn_res_matches_explicit_source_lists(block):
+    L, shape = 7, (2, 3, 8)
+    rng = np.random.default_rng(block)
+    embed, outs = rng.normal(size=shape), [rng.normal(size=shape) for _ in range(L)]
+    ws = [rng.normal(size=8) for _ in range(L + 1)]
+    want = naive_depth_mix(ws, outs, embed, block)
+    got = run_depth(DepthResidual("block", L, block_size=block), ws, outs, embed)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    if block == 1:  # one block per sublayer is the full variant
+        full = run_depth(DepthResidual("full", L), ws, outs, embed)
+        for a, b in zip(full, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attn_res_none_is_the_plain_residual_stream():
+    depth = DepthResidual("none", 3)
+    x = normal(12, (1, 2, 4))
+    state = depth.init(x)
+    for i in range(3):
+        state = depth.write(state, normal(20 + i, (1, 2, 4)))
+    want = x + sum(normal(20 + i, (1, 2, 4)) for i in range(3))
+    np.testing.assert_allclose(depth.read(state, None), want, atol=1e-6)
+
+
+def test_attn_res_rejects_bad_settings():
+    with pytest.raises(ValueError, match="attn_res"):
+        DepthResidual("sideways", 4)
+    with pytest.raises(ValueError, match="attn_res_block_size"):
+        DepthResidual("block", 4, block_size=0)

@@ -1,0 +1,304 @@
+"""The whole stack: pattern, config validation, causality, prefill/step, scan, remat, sharding."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_k3.layers import Dense
+from kimi_k3.model import (
+    HybridLM,
+    default_model_config,
+    flops_per_token,
+    layer_pattern,
+    scan_plan,
+    validate_model_config,
+)
+from kimi_k3.sharding import LOGICAL_AXES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_cfg(**overrides):
+    """3 layers "KKM": a scanned "K" x 2 plus an unrolled "M"; grouped KDA value heads;
+    Attention Residual blocks of 3 sublayers, so a block closes inside the scan.
+
+    The KDA core runs token by token ("recurrent"): it compiles in half the time of the chunked
+    form, which test_layers holds to it.
+    """
+    c = default_model_config()
+    c.kda.impl = "recurrent"
+    c.vocab_size, c.d_model, c.num_layers, c.kda_per_mla = 64, 32, 3, 2
+    c.num_heads, c.kda.head_dim, c.kda.num_v_heads, c.kda.chunk_size = 2, 8, 4, 8
+    c.mla.num_heads, c.mla.kv_lora_rank, c.mla.qk_nope_head_dim = 2, 12, 8
+    c.mla.shared_head_dim, c.mla.v_head_dim, c.mla.attn_block_size = 4, 6, 8
+    c.mlp_dim, c.attn_res, c.attn_res_block_size = 48, "block", 3
+    for key, value in overrides.items():
+        c[key] = value
+    return c
+
+
+def build(cfg, seed=0):
+    # rbg keys and one jit: far less XLA:CPU compile time than threefry op by op.
+    return nnx.jit(lambda: HybridLM(cfg, rngs=nnx.Rngs(jax.random.key(seed, impl="rbg"))))()
+
+
+forward = nnx.jit(lambda model, tokens, seg=None: model(tokens, seg))
+prefill = nnx.jit(lambda model, tokens, cache: model.prefill(tokens, cache))
+step = nnx.jit(lambda model, token, cache: model.step(token, cache))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(small_cfg())
+
+
+def tokens(B, T, seed=0, vocab=64):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (B, T)), jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# layer pattern
+# ----------------------------------------------------------------------------------------------
+
+
+def test_k3_pattern_is_69_kda_24_mla_with_mla_last():
+    cfg = default_model_config()
+    cfg.num_layers, cfg.kda_per_mla, cfg.final_mla = 93, 3, True
+    p = layer_pattern(cfg)
+    assert (p.count("K"), p.count("M")) == (69, 24)
+    assert [i + 1 for i, c in enumerate(p) if c == "M"] == list(range(4, 93, 4)) + [93]
+    assert scan_plan(p) == ("KKKM", 23, "M")
+
+
+@pytest.mark.parametrize("ratio", [0, 1, 3, 7])
+def test_ratio_gives_r_kda_layers_per_mla(ratio):
+    cfg = default_model_config()
+    cfg.num_layers, cfg.kda_per_mla, cfg.final_mla = 16, ratio, False
+    p = layer_pattern(cfg)
+    assert p == ("K" * ratio + "M") * (16 // (ratio + 1))
+    assert p.count("M") == 16 // (ratio + 1)
+
+
+def test_all_kda_and_explicit_pattern():
+    cfg = default_model_config()
+    cfg.num_layers, cfg.kda_per_mla, cfg.final_mla = 6, 6, False
+    assert layer_pattern(cfg) == "KKKKKK"
+    cfg.final_mla = True
+    assert layer_pattern(cfg) == "KKKKKM"
+    cfg.pattern = "MKKMKK"
+    assert layer_pattern(cfg) == "MKKMKK"
+    validate_model_config(cfg)
+
+
+def test_scan_plan_compiles_the_fewest_layers():
+    assert scan_plan("MMMMM") == ("M", 5, "")
+    assert scan_plan("KMKMM") == ("KM", 2, "M")
+    assert scan_plan("KKKM") == ("K", 3, "M")
+    assert scan_plan("KMM") == ("", 0, "KMM")  # nothing worth scanning: unrolled
+    assert scan_plan("KKKMKKKMM", scan_layers=False) == ("", 0, "KKKMKKKMM")
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("kda_per_mla", -1, "kda_per_mla"),
+        ("attn_res", "deep", "attn_res"),
+        ("attn_res_block_size", 0, "attn_res_block_size"),
+        ("attn_res_block_size", -2, "attn_res_block_size"),
+        ("pattern", "KKXM", "pattern"),
+        ("pattern", "KKM", "pattern"),  # wrong length for 4 layers
+        ("kda.num_v_heads", 6, "kda.num_v_heads"),
+        ("kda.gate", "relu", "kda.gate"),
+        ("kda.chunk_size", 48, "kda.chunk_size"),
+        ("mla.attn_impl", "flash9", "mla.attn_impl"),
+        ("dtype", "int8", "dtype"),
+        ("remat", "some", "remat"),
+    ],
+)
+def test_bad_configs_raise_naming_the_field(field, value, match):
+    cfg = default_model_config()
+    node, _, leaf = field.rpartition(".")
+    (cfg[node] if node else cfg)[leaf] = value
+    with pytest.raises(ValueError, match=rf"config\.model\.{match}"):
+        validate_model_config(cfg)
+
+
+def test_heads_not_dividing_the_width_raise_naming_the_field():
+    cfg = default_model_config()
+    cfg.d_model, cfg.num_heads, cfg.kda.head_dim = 130, 4, 0  # head dim derived from the width
+    with pytest.raises(ValueError, match=r"config\.model\.num_heads"):
+        validate_model_config(cfg)
+    cfg = default_model_config()
+    cfg.d_model, cfg.mla.num_heads, cfg.mla.v_head_dim = 130, 4, 0
+    with pytest.raises(ValueError, match=r"config\.model\.mla\.num_heads"):
+        validate_model_config(cfg)
+    with pytest.raises(ValueError, match=r"config\.model\.mla\.num_heads"):
+        HybridLM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_flops_per_token_counts_matmuls_kda_chunks_and_attention():
+    """3 x forward, forward = 2 x (every Dense weight, counted from the built model, + the tied
+    head) + KDA chunk cost + causal MLA attention."""
+    cfg = small_cfg(attn_res="none")
+    abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    dense = sum(node.kernel.get_value().size for _, node in nnx.iter_graph(abstract)
+                if isinstance(node, Dense))
+    T, C, K, HV = 128, 8, 8, 4
+    kda_core = 2 * HV * (6 * K * K + 3 * C * K + C * C)  # 2 KDA layers
+    attention = 2 * 2 * (8 + 4 + 6) * (T + 1) / 2  # 1 MLA layer, 2 heads
+    want = 3 * (2 * (dense + 32 * 64) + kda_core + attention)
+    assert flops_per_token(cfg, T) == pytest.approx(want)
+    with pytest.raises(ValueError, match="seq_len"):
+        flops_per_token(cfg, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the stack
+# ----------------------------------------------------------------------------------------------
+
+
+def test_forward_gives_float32_logits(model):
+    logits = forward(model, tokens(2, 12))
+    assert logits.shape == (2, 12, 64) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    assert model.pattern == "KKM" and (model.unit, model.repeats) == ("K", 2)
+
+
+def test_stack_is_causal_by_gradient_across_documents(model):
+    B, T, D = 2, 12, 32
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(B, T, D)), jnp.float32)
+    seg = jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2], [0] * 7 + [1] * 5], jnp.int32)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, 64)), jnp.float32)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def jacobian(state, x):
+        f = lambda x: jnp.sum(nnx.merge(graphdef, state, copy=True).from_embeddings(x, seg) * w, -1)
+        return jax.jacrev(f)(x)
+
+    jac = jacobian(state, x)
+    dep = np.asarray(jnp.abs(jac).sum(-1))  # [B, T, B, T]: d out[b, t] / d x[b', s]
+    s = np.asarray(seg)
+    bb = np.arange(B)
+    tt = np.arange(T)
+    allowed = ((bb[:, None, None, None] == bb[None, None, :, None])
+               & (tt[None, None, None, :] <= tt[None, :, None, None])
+               & (s[:, :, None, None] == s[None, None, :, :]))
+    # Tolerance: the chunked KDA core's gate gradient crosses documents at rounding level.
+    assert dep[~allowed].max() <= 1e-5 * dep.max()
+    assert (dep[allowed] > 0).all()
+
+
+def test_prefill_in_pieces_and_steps_equal_one_pass(model):
+    toks = tokens(2, 12, seed=3)
+    one = forward(model, toks)
+    cache = model.init_cache(2, 16)
+    assert cache["tail"][0]["latent_kv"].shape == (2, 16, 16)
+    assert cache["groups"][0]["state"].shape == (2, 2, 4, 8, 8)  # [repeats, B, HV, K, V]
+    assert cache["groups"][0]["conv_v"].shape == (2, 2, 3, 4, 8)  # [repeats, B, W-1, HV, V]
+    structure = jax.tree.structure(cache)
+    a, cache = prefill(model, toks[:, :5], cache)
+    assert jax.tree.structure(cache) == structure  # a jitted prefill compiles once
+    b, cache = prefill(model, toks[:, 5:10], cache)
+    c, cache = step(model, toks[:, 10], cache)
+    d, cache = step(model, toks[:, 11], cache)
+    assert int(cache["pos"]) == 12
+    pieces = jnp.concatenate([a, b, c[:, None], d[:, None]], axis=1)
+    np.testing.assert_allclose(pieces, one, atol=5e-5, rtol=1e-5)
+
+
+def with_params_of(model, **overrides):
+    """A model of ``small_cfg(**overrides)`` holding ``model``'s parameters."""
+    other = nnx.eval_shape(lambda: HybridLM(small_cfg(**overrides), rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(model))
+    return other
+
+
+def test_full_attn_res_equals_block_of_one_sublayer(model):
+    full = with_params_of(model, attn_res="full")
+    one_per_block = with_params_of(model, attn_res="block", attn_res_block_size=1)
+    toks = tokens(2, 10, seed=4)
+    np.testing.assert_allclose(forward(one_per_block, toks), forward(full, toks), atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_switch_rematerialises_each_scanned_unit_and_tail_layer(model, policy):
+    toks = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+
+    def n_checkpoints(m):
+        graphdef, state = nnx.split(m)
+        loss = lambda state, t: jnp.mean(nnx.merge(graphdef, state)(t))
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(state, toks)
+        # The model's rematerialisation uses prevent_cse=False (it sits inside a scan); the
+        # chunked KDA core's own chunk-loop checkpoint keeps the default.
+        return str(jaxpr).count("prevent_cse=False")
+
+    assert n_checkpoints(model) == 0
+    # One for the scanned unit ("K" x 2) and one for the tail layer ("M").
+    assert n_checkpoints(with_params_of(model, remat=policy)) == 2
+
+
+def test_compiled_program_does_not_grow_with_depth():
+    def n_eqns(num_layers):
+        cfg = small_cfg(num_layers=num_layers)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0))))
+        fn = lambda state, t: nnx.merge(graphdef, state)(t)
+        jaxpr = jax.make_jaxpr(fn)(state, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+        return len(jaxpr.jaxpr.eqns)
+
+    assert n_eqns(9) == n_eqns(33)  # "KKM" x 3 vs "KKM" x 11
+
+
+def test_every_parameter_has_logical_axis_names(model):
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = var.get_metadata().get("out_sharding")
+        assert names is not None and len(names) == var.get_value().ndim, path
+        assert set(names) - {None} <= set(LOGICAL_AXES), (path, names)
+        assert (names[0] == "layers") == (path[0] == "groups"), (path, names)
+
+
+def test_sharded_model_on_a_4_device_mesh_matches_one_device():
+    """Four host CPU devices, mesh (data=2, tensor=2), the default rules: parameters land where
+    the rules say and the sharded forward equals the unsharded one."""
+    script = textwrap.dedent(
+        """
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        from kimi_k3 import sharding
+        from kimi_k3.model import HybridLM
+        from tests.test_model import small_cfg
+        cfg = small_cfg()
+        make = lambda: HybridLM(cfg, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
+        mesh = jax.make_mesh((2, 2), ("data", "tensor"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        rules = sharding.make_rules(mesh)
+        model = sharding.create_sharded(make, mesh, rules)
+        emb = model.embed.embedding[...]
+        assert emb.sharding.spec == jax.P("tensor", None), emb.sharding
+        up = model.groups.layers[0].mixer.q_proj.kernel[...]
+        assert up.sharding.spec == jax.P(None, None, "tensor", None), up.sharding
+        toks = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 8)), jnp.int32)
+        with jax.set_mesh(mesh), sharding.axis_rules(rules):
+            sharded = nnx.jit(lambda m, t: m(t))(model, toks)
+        graphdef, state = nnx.split(model)
+        one_device = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+        plain = nnx.jit(lambda m, t: m(t))(one_device, toks)
+        np.testing.assert_allclose(np.asarray(sharded), np.asarray(plain), atol=1e-5)
+        print("SHARDED_OK")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert "SHARDED_OK" in result.stdout, result.stderr[-3000:]
