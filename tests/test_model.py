@@ -247,6 +247,34 @@ def test_remat_switch_rematerialises_each_scanned_unit_and_tail_layer(model, pol
     assert n_checkpoints(with_params_of(model, remat=policy)) == 2
 
 
+def test_scanned_stack_equals_the_unrolled_stack(model):
+    """Slice r of the stacked unit parameters is layer r of an unrolled model: same logits."""
+    unrolled = nnx.eval_shape(lambda: HybridLM(small_cfg(scan_layers=False), rngs=nnx.Rngs(0)))
+    assert (unrolled.repeats, len(unrolled.tail)) == (0, 3)
+    n_unit = len(model.unit)
+    values = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[0] == "groups":  # ("groups", "layers", i, ...) stacked over the repeats
+            for r in range(model.repeats):
+                values[("tail", r * n_unit + path[2], *path[3:])] = var.get_value()[r]
+        elif path[0] == "tail":
+            values[("tail", model.repeats * n_unit + path[1], *path[2:])] = var.get_value()
+        else:
+            values[path] = var.get_value()
+    state = nnx.state(unrolled, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    for path, _ in nnx.to_flat_state(state):
+        node = pure
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = values.pop(path)
+    assert not values
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(unrolled, state)
+    toks = tokens(2, 12)
+    np.testing.assert_allclose(forward(unrolled, toks), forward(model, toks), atol=1e-5)
+
+
 def test_compiled_program_does_not_grow_with_depth():
     def n_eqns(num_layers):
         cfg = small_cfg(num_layers=num_layers)

@@ -25,6 +25,9 @@ The state is a dict of arrays with a fixed structure, so it can be the carry of 
 layers: ``sources`` [N, B, T, D] (slot 0 = b_0, then one slot per block, the current block's
 slot holding its partial sum), ``inv_rms`` [N, B, T], ``n`` (the current block's slot) and
 ``count`` (sublayers already in it). A read mixes slots 0 .. n-1, and slot n when count > 0.
+Under the scan over layers, backpropagation keeps this carry once per scan step, so training
+memory grows by about (steps x N) copies of [B, T, D]: modest for "block", large for "full" in
+deep stacks.
 """
 
 from __future__ import annotations
