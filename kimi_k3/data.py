@@ -1,0 +1,416 @@
+"""Input pipeline: token sources, packing into fixed-length rows with ``segment_ids``, and a
+deterministic, resumable, host-sharded order.
+
+Sources (``config.data.source``):
+
+    "stdlib"  the embedded default: the running interpreter's standard-library ``*.py`` files,
+              read from ``sysconfig.get_paths()["stdlib"]`` — every fresh machine has them.
+    "text"    UTF-8 text files or globs in ``data.paths`` (comma-separated).
+    "tokens"  pre-tokenised token files (flat ``uint16`` / ``uint32`` arrays, read by memmap);
+              ``data.eos_id`` (if >= 0) marks the end of each document inside a file.
+
+Text is tokenised to bytes (ids 0..255) unless ``data.tokenizer`` names a Hugging Face
+``tokenizers`` JSON file. Held-out data is split by file: ``data.eval_paths`` if given, else the
+files whose CRC32 of their path (relative to the files' common folder) falls in the lowest
+``data.eval_fraction`` of the range.
+
+Packing: all documents of a split are one virtual stream (document after document, file after
+file); row r of an epoch is the window ``[w*T, (w+1)*T)`` of that stream with w = perm_epoch[r],
+perm_epoch a permutation seeded by (seed, epoch). ``segment_ids`` number the documents inside a
+row from 1, so a document cut by a row boundary continues as a new segment in its next row and
+no token is padding. The order is a pure function of (seed, global row index): the position
+saved with a checkpoint is the number of global rows consumed, independent of the host count.
+
+Each host materialises only its own rows of every global batch: the rows whose batch indices
+its devices hold under the batch sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+import sysconfig
+import zlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+BYTE_VOCAB = 256
+SOURCES = ("stdlib", "text", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+_CHECK_CHUNK = 1 << 24  # tokens scanned at a time when checking ids in a token file
+
+
+# ---------------------------------------------------------------------------------------------
+# The token stream: documents back to back, read by window
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenStream:
+    """A virtual concatenation of documents (NumPy arrays or memmaps, never copied).
+
+    A document boundary falls at the start of every chunk and, when ``eos_id >= 0``, right after
+    every ``eos_id`` token. ``names[i]`` says where chunk i came from, for error messages.
+    """
+
+    def __init__(self, chunks: Sequence[np.ndarray], names: Sequence[str], eos_id: int = -1):
+        if len(chunks) != len(names):
+            raise ValueError(f"TokenStream: {len(chunks)} chunks but {len(names)} names")
+        keep = [i for i, c in enumerate(chunks) if len(c) > 0]
+        self.chunks = [chunks[i] for i in keep]
+        self.names = [names[i] for i in keep]
+        self.eos_id = int(eos_id)
+        lengths = np.array([len(c) for c in self.chunks], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def read(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [start, start+length) as int32, and their segment ids (1, 2, ... per row)."""
+        end = start + length
+        if start < 0 or end > self.num_tokens:
+            raise IndexError(f"TokenStream.read: [{start}, {end}) outside [0, {self.num_tokens})")
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pieces, new_doc = [], np.zeros(length, bool)
+        pos = start
+        while pos < end:
+            c_start, c_end = int(self.offsets[i]), int(self.offsets[i + 1])
+            stop = min(end, c_end)
+            pieces.append(np.asarray(self.chunks[i][pos - c_start : stop - c_start]))
+            if pos == c_start and pos != start:
+                new_doc[pos - start] = True
+            pos, i = stop, i + 1
+        tokens = np.concatenate(pieces).astype(np.int32)
+        if self.eos_id >= 0:
+            new_doc[1:] |= tokens[:-1] == self.eos_id
+        return tokens, (1 + np.cumsum(new_doc)).astype(np.int32)
+
+
+class PackedRows:
+    """The stream cut into rows of ``seq_len`` tokens, in a seeded order per epoch.
+
+    ``rows(indices)`` takes global row indices (0, 1, ... over all epochs): row r is window
+    ``perm_e[r % n]`` of epoch ``e = r // n``. Without shuffling, row r is window ``r % n``.
+    """
+
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int, shuffle: bool = True):
+        self.stream, self.seq_len, self.seed, self.shuffle = stream, seq_len, seed, shuffle
+        self.num_rows = stream.num_tokens // seq_len
+        if self.num_rows == 0:
+            raise ValueError(
+                f"data.seq_len: {seq_len} is longer than the whole split ({stream.num_tokens} "
+                f"tokens); give more data or a shorter data.seq_len"
+            )
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _window(self, row: int) -> int:
+        epoch, r = divmod(int(row), self.num_rows)
+        if not self.shuffle:
+            return r
+        if epoch not in self._perms:
+            if len(self._perms) > 2:
+                self._perms.pop(min(self._perms))
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perms[epoch] = rng.permutation(self.num_rows)
+        return int(self._perms[epoch][r])
+
+    def rows(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        toks, segs = zip(
+            *(self.stream.read(self._window(r) * self.seq_len, self.seq_len) for r in indices),
+            strict=True,
+        )
+        return {"tokens": np.stack(toks), "segment_ids": np.stack(segs)}
+
+
+@dataclasses.dataclass
+class BatchIterator:
+    """This host's rows of each global batch, from global row ``position`` on.
+
+    ``host_rows`` = (lo, hi): the slice of the global batch this host feeds (from
+    ``host_batch_slice``). ``position`` is global rows consumed: save it, restore it.
+    """
+
+    rows: PackedRows
+    global_batch: int
+    host_rows: tuple[int, int]
+    position: int = 0
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        lo, hi = self.host_rows
+        batch = self.rows.rows(range(self.position + lo, self.position + hi))
+        self.position += self.global_batch
+        return batch
+
+    def state(self) -> dict[str, int]:
+        return {"position": int(self.position)}
+
+    def restore(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def host_batch_slice(sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The contiguous range of batch rows (dim 0) that this process's devices hold under
+    ``sharding`` — the rows this host must read. Raises if they are not contiguous."""
+    idx = sharding.addressable_devices_indices_map(global_shape).values()
+    spans = sorted({(s[0].start or 0, global_shape[0] if s[0].stop is None else s[0].stop)
+                    for s in idx})
+    lo, hi = spans[0][0], spans[-1][1]
+    covered = sum(b - a for a, b in spans)
+    if covered != hi - lo:
+        raise ValueError(
+            f"batch sharding: this process's devices hold batch rows {spans}, which are not one "
+            f"contiguous range; order the mesh so each host's devices are adjacent on data x fsdp"
+        )
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: files, tokenisation, validation
+# ---------------------------------------------------------------------------------------------
+
+
+def split_paths(paths) -> list[str]:
+    """``data.paths`` as a list: a comma-separated string, or a list/tuple of strings."""
+    if isinstance(paths, str):
+        return [p.strip() for p in paths.split(",") if p.strip()]
+    return [str(p) for p in paths]
+
+
+def expand_paths(patterns: Sequence[str], field: str) -> list[str]:
+    """Files matched by each pattern (globs, ``**`` recursive), sorted, de-duplicated.
+    A pattern that matches no file is an error naming it."""
+    files: list[str] = []
+    for pat in patterns:
+        hits = sorted(p for p in glob.glob(os.path.expanduser(pat), recursive=True)
+                      if os.path.isfile(p))
+        if not hits:
+            raise FileNotFoundError(f"{field}: {pat!r} matches no file")
+        files.extend(hits)
+    return list(dict.fromkeys(files))
+
+
+def stdlib_files() -> tuple[str, list[str]]:
+    """The interpreter's standard-library source files (no site-packages), sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages",
+                                                               "__pycache__"))
+        files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+    if not files:
+        raise FileNotFoundError(f"data.source='stdlib': no *.py files under {root!r}")
+    return root, files
+
+
+def is_eval_file(relpath: str, eval_fraction: float) -> bool:
+    """The held-out rule: CRC32 of the relative path in the lowest ``eval_fraction`` of 2^32."""
+    return zlib.crc32(relpath.replace(os.sep, "/").encode()) < eval_fraction * 2**32
+
+
+def split_by_file(files: Sequence[str], eval_fraction: float) -> tuple[list[str], list[str]]:
+    if not files:
+        return [], []
+    root = os.path.commonpath([os.path.abspath(f) for f in files])
+    if len(files) == 1:
+        root = os.path.dirname(root)
+    ev = [is_eval_file(os.path.relpath(os.path.abspath(f), root), eval_fraction) for f in files]
+    return ([f for f, e in zip(files, ev, strict=True) if not e],
+            [f for f, e in zip(files, ev, strict=True) if e])
+
+
+class TextTokenizer:
+    """Bytes (ids 0..255) by default; a Hugging Face ``tokenizers`` JSON when a path is given."""
+
+    def __init__(self, path: str = ""):
+        self.path = path
+        if path:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"data.tokenizer: {path!r} is not a file")
+            from tokenizers import Tokenizer
+
+            try:
+                self._tok = Tokenizer.from_file(path)
+            except Exception as e:  # the library's own error types vary by version
+                raise ValueError(f"data.tokenizer: {path!r} is not a tokenizers JSON: {e}") from e
+            self.vocab_size = self._tok.get_vocab_size()
+        else:
+            self._tok, self.vocab_size = None, BYTE_VOCAB
+
+    def encode_files(self, files: Sequence[str], skip_empty: bool) -> list[np.ndarray]:
+        raw = []
+        for f in files:
+            with open(f, "rb") as fh:
+                b = fh.read()
+            if not b and not skip_empty:
+                raise ValueError(f"data.paths: {f!r} is an empty file")
+            raw.append(b)
+        if self._tok is None:
+            return [np.frombuffer(b, np.uint8) for b in raw]
+        texts = [b.decode("utf-8", errors="replace") for b in raw]
+        dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        return [np.asarray(e.ids, dtype) for e in self._tok.encode_batch(texts)]
+
+
+def check_ids(chunks: Sequence[np.ndarray], names: Sequence[str], vocab_size: int) -> None:
+    """Every id must be < vocab_size; the first offending file is named with the id found."""
+    for chunk, name in zip(chunks, names, strict=True):
+        for s in range(0, len(chunk), _CHECK_CHUNK):
+            part = np.asarray(chunk[s : s + _CHECK_CHUNK])
+            hi = int(part.max()) if part.size else 0
+            if hi >= vocab_size:
+                at = s + int(np.argmax(part >= vocab_size))
+                raise ValueError(
+                    f"{name}: token id {hi} (first bad id at token {at}) is >= model.vocab_size "
+                    f"{vocab_size}; ids must lie in [0, {vocab_size})"
+                )
+
+
+def open_token_file(path: str, dtype: str) -> np.ndarray:
+    size = os.path.getsize(path)
+    itemsize = np.dtype(dtype).itemsize
+    if size == 0:
+        raise ValueError(f"data.paths: {path!r} is an empty file")
+    if size % itemsize:
+        raise ValueError(
+            f"data.paths: {path!r} has {size} bytes, not a multiple of {itemsize} "
+            f"(data.token_dtype={dtype!r}); is it a token file of that dtype?"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _check_token_files(chunks, names, vocab_size: int) -> None:
+    """Token files are checked in parallel across hosts: host p scans files p, p+P, ...;
+    the per-file maxima are then gathered so every host raises the same error."""
+    import jax
+
+    n, p = jax.process_count(), jax.process_index()
+    if n == 1:
+        check_ids(chunks, names, vocab_size)
+        return
+    from jax.experimental import multihost_utils
+
+    maxima = np.full(len(chunks), -1, np.int64)
+    for i in range(p, len(chunks), n):
+        for s in range(0, len(chunks[i]), _CHECK_CHUNK):
+            maxima[i] = max(maxima[i], int(np.asarray(chunks[i][s : s + _CHECK_CHUNK]).max()))
+    maxima = np.asarray(multihost_utils.process_allgather(maxima)).max(axis=0)
+    for i in np.nonzero(maxima >= vocab_size)[0]:
+        check_ids([chunks[i]], [names[i]], vocab_size)
+
+
+def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStream | None]:
+    """The train and held-out streams for ``config.data``; the held-out one is None when the
+    split leaves no eval file. Raises (naming the field and path) before any step runs."""
+    source = data_cfg.source
+    if source not in SOURCES:
+        raise ValueError(f"data.source: {source!r} is not one of {SOURCES}")
+    eval_fraction = float(data_cfg.eval_fraction)
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction: {eval_fraction} must be in [0, 1)")
+    eval_patterns = split_paths(data_cfg.eval_paths)
+
+    if source == "stdlib":
+        _, files = stdlib_files()
+        if eval_patterns:
+            train_files, eval_files = files, expand_paths(eval_patterns, "data.eval_paths")
+        else:
+            train_files, eval_files = split_by_file(files, eval_fraction)
+    else:
+        patterns = split_paths(data_cfg.paths)
+        if not patterns:
+            raise ValueError(f"data.paths: empty; data.source={source!r} needs files or globs")
+        files = expand_paths(patterns, "data.paths")
+        if eval_patterns:
+            train_files, eval_files = files, expand_paths(eval_patterns, "data.eval_paths")
+        else:
+            train_files, eval_files = split_by_file(files, eval_fraction)
+        if not train_files:
+            raise ValueError(
+                f"data.paths: all {len(files)} files fell in the held-out split "
+                f"(data.eval_fraction={eval_fraction}); lower it or set data.eval_paths"
+            )
+
+    def build(split_files: list[str], user_files: bool) -> TokenStream:
+        if source == "tokens":
+            if data_cfg.token_dtype not in TOKEN_DTYPES:
+                raise ValueError(
+                    f"data.token_dtype: {data_cfg.token_dtype!r} is not one of {TOKEN_DTYPES}"
+                )
+            chunks = [open_token_file(f, data_cfg.token_dtype) for f in split_files]
+            _check_token_files(chunks, split_files, vocab_size)
+            return TokenStream(chunks, split_files, eos_id=int(data_cfg.eos_id))
+        tok = TextTokenizer(data_cfg.tokenizer)
+        chunks = tok.encode_files(split_files, skip_empty=not user_files)
+        check_ids(chunks, split_files, vocab_size)
+        return TokenStream(chunks, split_files)
+
+    user = source != "stdlib"
+    train_stream = build(train_files, user)
+    eval_stream = build(eval_files, user or bool(eval_patterns)) if eval_files else None
+    if eval_stream is not None and eval_stream.num_tokens < data_cfg.seq_len:
+        logging.warning("data: held-out split has %d tokens, fewer than one row of %d; no eval",
+                        eval_stream.num_tokens, data_cfg.seq_len)
+        eval_stream = None
+    return train_stream, eval_stream
+
+
+def validate_data_config(data_cfg) -> None:
+    for field in ("seq_len", "global_batch_size"):
+        v = data_cfg[field]
+        if not (isinstance(v, int) and v > 0):
+            raise ValueError(f"data.{field}: {v!r} must be a positive integer")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-tokenising text into a token file
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenize_to_file(patterns: Sequence[str], tokenizer: str, out_path: str,
+                     dtype: str = "uint16", eos_id: int = -1) -> int:
+    """Tokenise text files (globs) into one flat token file for ``data.source='tokens'``,
+    appending ``eos_id`` after each document when it is >= 0. Returns the token count."""
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {TOKEN_DTYPES}")
+    tok = TextTokenizer(tokenizer)
+    limit = np.iinfo(dtype).max
+    if tok.vocab_size - 1 > limit or eos_id > limit:
+        raise ValueError(f"dtype: {dtype!r} cannot hold ids up to {max(tok.vocab_size - 1, eos_id)}")
+    files = expand_paths(patterns, "paths")
+    total = 0
+    with open(out_path, "wb") as out:
+        for f in files:
+            ids = tok.encode_files([f], skip_empty=False)[0].astype(dtype)
+            if eos_id >= 0:
+                ids = np.append(ids, np.array(eos_id, dtype))
+            out.write(ids.tobytes())
+            total += len(ids)
+    return total
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m kimi_k3.data",
+        description="Tokenise text files into a flat token file for data.source='tokens'.",
+    )
+    p.add_argument("paths", nargs="+", help="text files or globs")
+    p.add_argument("--out", required=True, help="output token file")
+    p.add_argument("--tokenizer", default="", help="tokenizers JSON; default: bytes")
+    p.add_argument("--dtype", default="uint16", choices=TOKEN_DTYPES)
+    p.add_argument("--eos_id", type=int, default=-1, help="id appended after each document")
+    a = p.parse_args(argv)
+    n = tokenize_to_file(a.paths, a.tokenizer, a.out, a.dtype, a.eos_id)
+    print(f"wrote {n} tokens to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Training metrics: the console, ``<workdir>/metrics.jsonl``, TensorBoard, and a progress bar.
+
+Only process 0 writes. Each JSONL line is one report: ``{"step": s, "split": "train"|"eval",
+"time": unix seconds, <metric>: value, ...}``; a resumed run appends to the same file.
+
+MFU = model FLOPs per token (``kimi_k3.model.flops_per_token``: forward + backward, counting
+KDA's chunked recurrence and MLA's attention per token) x tokens per second / (peak FLOP/s per
+device x devices). The peak is ``train.peak_tflops_per_device`` when set, else the dense bf16
+peak of the device kind from ``PEAK_TFLOPS`` (None for unknown kinds, e.g. CPUs: no MFU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+# Dense bf16 matmul peak per JAX device, TFLOP/s, from the vendors' data sheets. Matched as a
+# case-insensitive substring of ``device.device_kind``, first match wins.
+PEAK_TFLOPS = (
+    ("h200", 989.0),
+    ("h100", 989.0),
+    ("h800", 989.0),
+    ("gh200", 989.0),
+    ("b200", 2250.0),
+    ("a100", 312.0),
+    ("a800", 312.0),
+    ("l40s", 362.0),
+    ("l4", 121.0),
+    ("a10", 125.0),
+    ("v100", 125.0),
+    ("tpu v6", 918.0),
+    ("tpu v5 lite", 197.0),
+    ("tpu v5e", 197.0),
+    ("tpu v5p", 459.0),
+    ("tpu v5", 459.0),
+    ("tpu v4", 275.0),
+    ("tpu v3", 61.5),  # one device per TensorCore
+    ("tpu v2", 23.0),
+)
+
+
+def peak_flops_per_device(device_kind: str, override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: the override if > 0, else the table's entry, else None."""
+    if override_tflops and override_tflops > 0:
+        return float(override_tflops) * 1e12
+    kind = device_kind.lower()
+    for key, tflops in PEAK_TFLOPS:
+        if key in kind:
+            return tflops * 1e12
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_sec: float, peak_per_device: float | None,
+        num_devices: int) -> float | None:
+    """Model FLOPs utilisation in [0, 1], or None without a known peak."""
+    if not peak_per_device:
+        return None
+    return flops_per_token * tokens_per_sec / (peak_per_device * num_devices)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.3e}"
+        return f"{v:.4f}"
+    return str(v)
+
+
+class MetricsWriter:
+    """Writes reports to the console, metrics.jsonl and TensorBoard (process 0 only)."""
+
+    def __init__(self, workdir: str, enabled: bool = True, tensorboard: bool = True,
+                 console=None):
+        self.enabled = enabled
+        self.console = console or logging.info
+        self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+        self._jsonl = None
+        self._tb = None
+        if enabled:
+            os.makedirs(workdir, exist_ok=True)
+            self._jsonl = open(self.jsonl_path, "a", buffering=1)
+            if tensorboard:
+                try:
+                    from tensorboardX import SummaryWriter
+                except ImportError as e:
+                    raise ImportError(
+                        "train.tensorboard=True needs tensorboardX (pip install tensorboardX); "
+                        "or set --config.train.tensorboard=False") from e
+                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, metrics: dict, split: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), "split": split, "time": round(time.time(), 3), **metrics}
+        self._jsonl.write(json.dumps(record) + "\n")  # NaN / Infinity stay readable by json
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if v is not None)
+        self.console(f"[{split}] step {step}: {shown}")
+
+    def text(self, tag: str, value: str) -> None:
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, value, 0)
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class ProgressBar:
+    """A tqdm bar over steps (rate and ETA), or nothing when disabled; ``write`` prints a line
+    above the bar without breaking it."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                             smoothing=0.1)
+
+    def update(self, n: int = 1, **postfix) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+            if postfix:
+                self._bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+
+    def write(self, msg: str) -> None:
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            logging.info(msg)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

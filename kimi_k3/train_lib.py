@@ -1,0 +1,560 @@
+"""The trainer: a HybridLM on a (data, fsdp, tensor) device mesh.
+
+    python train.py --config=configs/tiny.py --workdir=runs/tiny [--config.train.steps=500]
+
+``train(config, workdir)`` reads top to bottom in sections: config, mesh, input, model and
+optimizer (shapes from ``jax.eval_shape``, nothing allocated), sharding, update step,
+checkpoint restore, loop. Everything it builds is importable (``build``, ``make_train_step``,
+``next_token_loss``) so tests drive the same code without the command line.
+
+Loss: the mean next-token cross-entropy over every position whose next token belongs to the
+same document (``segment_ids[t + 1] == segment_ids[t] != 0``); the last token of a document
+predicts nothing. With ``opt.grad_accum_steps = A`` the global batch is cut into A
+micro-batches, gradients are summed in float32 and divided by the token count of the whole
+batch, so the update equals the one-shot step's.
+
+Non-finite loss or gradient norm: the update of that step is never applied (parameters and
+optimizer state stay as they were). ``train.nan_policy = "stop"`` then ends the run with an
+error naming the step; ``"skip"`` counts it and goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3 import data as data_lib
+from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import metrics as metrics_lib
+from kimi_k3 import optim
+from kimi_k3 import sharding as sharding_lib
+
+NAN_POLICIES = ("stop", "skip")
+
+# Weight decay is off for every vector (also when stacked over layers) and for parameters whose
+# path matches one of these (case-insensitive regex): norm scales, biases, KDA's A_log and
+# dt_bias, the Attention Residual pseudo-queries (mixer_query / mlp_query / final_query).
+NO_DECAY = ("norm", "bias", "A_log", "dt_bias", "query")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: the non-model sections, and their checks
+# ---------------------------------------------------------------------------------------------
+
+
+def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Adds ``seed``, ``data``, ``opt``, ``mesh``, ``checkpoint`` and ``train`` with their
+    defaults; a field the config already set keeps its value. Returns ``config``."""
+    defaults = {
+        "seed": 0,  # parameters' init and the data order
+        "data": {
+            "source": "stdlib",  # stdlib | text | tokens (see kimi_k3/data.py)
+            "paths": "",  # comma-separated files / globs for text or tokens
+            "eval_paths": "",  # held-out files; empty: split data by file with eval_fraction
+            "eval_fraction": 0.05,  # share of files held out (CRC32 of path)
+            "tokenizer": "",  # tokenizers JSON for text; empty: bytes, ids 0..255
+            "token_dtype": "uint16",  # uint16 | uint32, for token files
+            "eos_id": -1,  # end-of-document id inside token files; -1: one document per file
+            "seq_len": 256,  # T, tokens per row
+            "global_batch_size": 16,  # B, rows per step over all hosts
+            "shuffle": True,  # a new seeded row order every epoch
+        },
+        "opt": {
+            "name": "adamw",  # adamw | muon
+            "lr": 3e-3,  # peak learning rate
+            "schedule": "cosine",  # cosine | wsd | constant, after the warmup
+            "warmup_steps": 100,  # linear warmup from lr / warmup_steps
+            "min_lr_ratio": 0.1,  # final lr = lr * min_lr_ratio
+            "decay_fraction": 0.2,  # wsd: share of steps in the final linear decay
+            "b1": 0.9,
+            "b2": 0.95,
+            "eps": 1e-8,
+            "weight_decay": 0.1,  # decoupled, times lr
+            "no_decay": NO_DECAY,  # regexes of parameter paths without weight decay
+            "grad_clip": 1.0,  # global-norm clip; 0 = off
+            "grad_accum_steps": 1,  # micro-batches per step
+            "muon_beta": 0.95,  # Muon momentum
+            "muon_ns_steps": 5,  # Newton-Schulz iterations
+            "muon_rms": 0.2,  # Muon update RMS (matches AdamW's, so lr and decay carry over)
+            "muon_adam_axes": ("vocab", "conv"),  # logical axes whose weights stay on AdamW
+            "muon_batch_axes": ("layers",),  # stacked axes: per-slice Muon, not counted in rank
+            "muon_exclude": (),  # further path regexes kept on AdamW
+        },
+        "mesh": {
+            "data": -1,  # data-parallel size; -1 = all devices not used by the others
+            "fsdp": 1,  # parameter-sharded data parallelism
+            "tensor": 1,  # tensor parallelism
+            "axis_rules": sharding_lib.DEFAULT_RULES,  # (logical name, mesh axes | None)
+        },
+        "checkpoint": {
+            "every_steps": 200,  # save every N steps (and at the end, and on SIGTERM)
+            "keep": 3,  # keep the last K
+            "async_save": True,  # write in the background while training goes on
+            "dir": "",  # default <workdir>/checkpoints
+        },
+        "train": {
+            "steps": 1000,  # total optimizer steps
+            "log_every": 10,  # steps between console / JSONL / TensorBoard reports
+            "eval_every": 200,  # steps between held-out evaluations; 0 = only at the end
+            "eval_batches": 4,  # global batches per evaluation
+            "nan_policy": "stop",  # stop | skip, on a non-finite loss or gradient
+            "progress_bar": True,
+            "tensorboard": True,
+            "peak_tflops_per_device": 0.0,  # for MFU; 0 = look up the device kind
+        },
+    }
+
+    def fill(cd, d):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                if k not in cd:
+                    cd[k] = ml_collections.ConfigDict()
+                fill(cd[k], v)
+            elif k not in cd:
+                cd[k] = v
+
+    with config.unlocked() if config.is_locked else contextlib.nullcontext():
+        fill(config, defaults)
+    return config
+
+
+def validate_config(config) -> None:
+    """Checks every non-model field (the model checks its own), naming the field."""
+    from kimi_k3.model import validate_model_config
+
+    validate_model_config(config.model)
+    data_lib.validate_data_config(config.data)
+    t = config.train
+    for field in ("steps", "log_every", "eval_batches"):
+        if not (isinstance(t[field], int) and t[field] > 0):
+            raise ValueError(f"train.{field}: {t[field]!r} must be a positive integer")
+    if not (isinstance(t.eval_every, int) and t.eval_every >= 0):
+        raise ValueError(f"train.eval_every: {t.eval_every!r} must be an integer >= 0")
+    if t.nan_policy not in NAN_POLICIES:
+        raise ValueError(f"train.nan_policy: {t.nan_policy!r} is not one of {NAN_POLICIES}")
+    a = config.opt.grad_accum_steps
+    if not (isinstance(a, int) and a > 0):
+        raise ValueError(f"opt.grad_accum_steps: {a!r} must be a positive integer")
+    mesh_lib.normalize_rules(config.mesh.axis_rules)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: parameters as plain nested dicts, logical names beside them
+# ---------------------------------------------------------------------------------------------
+
+
+def make_model(model_cfg, seed: int):
+    from kimi_k3.model import HybridLM
+
+    return HybridLM(model_cfg, rngs=nnx.Rngs(seed))
+
+
+def split_model(model):
+    """(graphdef, params as a nested dict of arrays, the other state)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, nnx.to_pure_dict(params), rest
+
+
+def logical_axes(abstract_params_state) -> dict:
+    """A nested dict mirroring the parameters, each leaf the tuple of its logical axis names."""
+    flat = {}
+    for path, var in nnx.to_flat_state(abstract_params_state):
+        names = var.get_metadata().get("out_sharding")
+        flat[tuple(path)] = tuple(names) if names else (None,) * var.value.ndim
+    tree: dict = {}
+    for path, names in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = names
+    return tree
+
+
+def merge_model(graphdef, params, rest):
+    return nnx.merge(graphdef, nnx.State(params), rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and update step
+# ---------------------------------------------------------------------------------------------
+
+
+def next_token_loss(logits_BxTxV, tokens_BxT, segment_ids_BxT):
+    """(summed cross-entropy, number of targets): position t predicts token t+1 when both
+    lie in the same (non-padding) document."""
+    valid_BxT1 = (segment_ids_BxT[:, 1:] == segment_ids_BxT[:, :-1]) & (segment_ids_BxT[:, 1:] > 0)
+    ce_BxT1 = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxTxV[:, :-1].astype(jnp.float32), tokens_BxT[:, 1:]
+    )
+    return jnp.sum(jnp.where(valid_BxT1, ce_BxT1, 0.0)), jnp.sum(valid_BxT1)
+
+
+def count_targets(segment_ids_BxT):
+    s = segment_ids_BxT
+    return jnp.sum((s[:, 1:] == s[:, :-1]) & (s[:, 1:] > 0))
+
+
+def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
+    """train_step(state, batch) -> (state, metrics), to be jitted.
+
+    state: {"params", "opt_state", "step", "rng"}; batch: {"tokens", "segment_ids"} [B, T].
+    """
+    micro_spec = NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES, None))
+
+    def loss_sum(params, tokens, segment_ids, denom):
+        logits = merge_model(graphdef, params, rest)(tokens, segment_ids)
+        s, n = next_token_loss(logits, tokens, segment_ids)
+        return s / denom, n
+
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+    def train_step(state, batch):
+        params = state["params"]
+        tokens, segs = batch["tokens"], batch["segment_ids"]
+        denom = jnp.maximum(count_targets(segs), 1).astype(jnp.float32)
+        if accum_steps == 1:
+            (loss, n), grads = grad_fn(params, tokens, segs, denom)
+        else:
+            B, T = tokens.shape
+            # Micro-batch a takes rows a, a + A, a + 2A, ...: each device keeps its own rows.
+            def micro(x):
+                x = x.reshape(B // accum_steps, accum_steps, T).transpose(1, 0, 2)
+                return jax.lax.with_sharding_constraint(x, micro_spec)
+
+            def body(carry, mb):
+                (l, n), g = grad_fn(params, mb[0], mb[1], denom)
+                acc_l, acc_n, acc_g = carry
+                acc_g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)
+                return (acc_l + l, acc_n + n, acc_g), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            (loss, n, grads), _ = jax.lax.scan(
+                body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros),
+                (micro(tokens), micro(segs)))
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+                  & jnp.isfinite(optax.tree.norm(updates)))
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_state = {
+            "params": keep(new_params, params),
+            "opt_state": keep(new_opt, state["opt_state"]),
+            "step": state["step"] + 1,
+            "rng": jax.random.fold_in(state["rng"], state["step"]),
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+                   "finite": finite, "targets": n}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef, rest):
+    def eval_step(params, batch):
+        logits = merge_model(graphdef, params, rest)(batch["tokens"], batch["segment_ids"])
+        return next_token_loss(logits, batch["tokens"], batch["segment_ids"])
+
+    return eval_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything a run needs, sharded for a mesh (no arrays allocated until ``init_state``)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Setup:
+    config: ml_collections.ConfigDict
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    graphdef: object
+    rest: object
+    tx: optax.GradientTransformation
+    schedule: object
+    abstract_state: dict  # ShapeDtypeStructs carrying the target shardings
+    state_shardings: dict
+    batch_sharding: NamedSharding
+    train_step: object  # jitted
+    eval_step: object  # jitted
+    init_state: object  # jitted, returns the sharded initial state
+
+    def context(self):
+        """The mesh and the logical rules, in force while the model is traced."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(sharding_lib.axis_rules(self.rules))
+        return stack
+
+
+def build(config, mesh, model_fn=None) -> Setup:
+    """Abstract shapes, shardings (checked for divisibility), the optimizer and the jitted
+    init / train / eval functions for ``config`` on ``mesh``.
+
+    ``model_fn(seed) -> nnx.Module`` builds the model (default: HybridLM(config.model)); it is
+    called under ``jax.eval_shape`` and inside the jitted initialiser, never eagerly.
+    """
+    rules = mesh_lib.normalize_rules(config.mesh.axis_rules)
+    seed = int(config.seed)
+    mesh_lib.check_batch(config.data.global_batch_size, config.opt.grad_accum_steps, mesh)
+    if model_fn is None:
+        model_fn = lambda s: make_model(config.model, s)
+
+    abstract_model = nnx.eval_shape(lambda: model_fn(seed))
+    graphdef, abs_params_state, abs_rest = nnx.split(abstract_model, nnx.Param, ...)
+    abs_params = nnx.to_pure_dict(abs_params_state)
+    names = logical_axes(abs_params_state)
+    param_shardings = mesh_lib.tree_shardings(abs_params, names, mesh, rules, root="params/")
+
+    tx, schedule = optim.make_optimizer(config.opt, config.train.steps, abs_params, names)
+    repl = mesh_lib.replicated(mesh)
+    abs_opt = jax.eval_shape(tx.init, abs_params)
+    opt_shardings = mesh_lib.shardings_like_params(abs_opt, abs_params, param_shardings, repl)
+    state_shardings = {"params": param_shardings, "opt_state": opt_shardings,
+                       "step": repl, "rng": repl}
+
+    def init_state():
+        _, params, rest = split_model(model_fn(seed))
+        state = {"params": params, "opt_state": tx.init(params),
+                 "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed + 1)}
+        return state, rest
+
+    abs_state = jax.eval_shape(lambda: init_state()[0])
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abs_state,
+        state_shardings)
+
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    batch_shardings = {"tokens": batch_sharding, "segment_ids": batch_sharding}
+    jit_init = jax.jit(lambda: init_state()[0], out_shardings=state_shardings)
+    rest = abs_rest  # the non-parameter state (if the model has any): a constant of the steps
+    if jax.tree.leaves(abs_rest):
+        with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
+            rest = jax.jit(lambda: init_state()[1],
+                           out_shardings=jax.tree.map(lambda _: repl, abs_rest))()
+    step = make_train_step(graphdef, rest, tx, schedule, config.opt.grad_accum_steps, mesh)
+    train_step = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                         out_shardings=(state_shardings, repl), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(graphdef, rest),
+                        in_shardings=(param_shardings, batch_shardings), out_shardings=repl)
+
+    def init_fn():
+        with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
+            return jit_init()
+
+    return Setup(config, mesh, rules, graphdef, rest, tx, schedule, abstract_state,
+                 state_shardings, batch_sharding, train_step, eval_step, init_fn)
+
+
+def check_finite(step: int, m: dict, policy: str, latest_checkpoint=lambda: None) -> bool:
+    """The host's view of a step's ``finite`` flag. A non-finite step's update was not
+    applied; under ``policy="stop"`` this raises FloatingPointError naming the step, under
+    "skip" it logs a warning and returns False."""
+    if bool(m["finite"]):
+        return True
+    msg = (f"step {step}: loss {float(m['loss'])} / gradient norm {float(m['grad_norm'])} is not "
+           f"finite; that update was not applied")
+    if policy == "stop":
+        raise FloatingPointError(
+            f"{msg}. Stopping (train.nan_policy='stop'); the latest checkpoint is step "
+            f"{latest_checkpoint()}. Lower opt.lr, or set train.nan_policy='skip'")
+    logging.warning("%s (train.nan_policy='skip')", msg)
+    return False
+
+
+def global_batch(local: dict[str, np.ndarray], sharding, global_rows: int) -> dict:
+    """This host's rows -> global arrays sharded over data x fsdp."""
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
+        for k, v in local.items()
+    }
+
+
+def count_params(abstract_params) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+class _QuietCheckpointLogs(logging.Filter):
+    """Orbax reports every save in a dozen INFO lines; keep its warnings and errors only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+
+
+def quiet_library_logs() -> None:
+    for name in ("absl", "orbax"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _QuietCheckpointLogs) for f in lg.filters):
+            lg.addFilter(_QuietCheckpointLogs())
+
+
+def train(config, workdir: str) -> dict:
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns the last
+    train and eval metrics."""
+    from kimi_k3.model import flops_per_token
+
+    # ---- Config -----------------------------------------------------------------------------
+    validate_config(config)
+    quiet_library_logs()
+    chief = jax.process_index() == 0
+    if chief:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+    tc, dc = config.train, config.data
+    B, T = dc.global_batch_size, dc.seq_len
+    writer = metrics_lib.MetricsWriter(workdir, enabled=chief, tensorboard=tc.tensorboard)
+
+    # ---- Mesh -------------------------------------------------------------------------------
+    mesh = mesh_lib.make_mesh(config.mesh)
+    logging.info("mesh %s over %d devices (%d processes)", dict(mesh.shape), mesh.size,
+                 jax.process_count())
+
+    # ---- Input ------------------------------------------------------------------------------
+    vocab = int(config.model.vocab_size)
+    train_stream, eval_stream = data_lib.load_split_streams(dc, vocab)
+    train_rows = data_lib.PackedRows(train_stream, T, int(config.seed), bool(dc.shuffle))
+    eval_rows = data_lib.PackedRows(eval_stream, T, 0, False) if eval_stream else None
+    eval_batches = min(tc.eval_batches, eval_rows.num_rows // B) if eval_rows else 0
+    if eval_rows and eval_batches == 0:
+        logging.warning("held-out split has %d rows, fewer than one batch of %d: no eval",
+                        eval_rows.num_rows, B)
+
+    # ---- Model, optimizer, sharding, update step ---------------------------------------------
+    setup = build(config, mesh)
+    host_rows = data_lib.host_batch_slice(setup.batch_sharding, (B, T))
+    n_params = count_params(setup.abstract_state["params"])
+    fpt = float(flops_per_token(config.model, T))
+    peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
+                                             tc.peak_tflops_per_device)
+    logging.info("%s parameters; %.3g training FLOPs per token; data: %d train rows, %s eval "
+                 "rows of %d tokens", f"{n_params:,}", fpt, train_rows.num_rows,
+                 eval_rows.num_rows if eval_rows else 0, T)
+
+    # ---- Checkpoint restore -------------------------------------------------------------------
+    ckpt = ckpt_lib.Checkpointer(config.checkpoint.dir or os.path.join(workdir, "checkpoints"),
+                                 config.checkpoint)
+    it = data_lib.BatchIterator(train_rows, B, host_rows)
+    restored = ckpt.restore(setup.abstract_state)
+    if restored is None:
+        state = setup.init_state()
+        start = 0
+    else:
+        start, state, data_state = restored
+        it.restore(data_state)
+        logging.info("resumed from step %d (data position %d rows)", start, it.position)
+
+    # ---- Loop -------------------------------------------------------------------------------
+    bar = metrics_lib.ProgressBar(tc.steps, start, enabled=chief and tc.progress_bar)
+    writer.console = bar.write
+    writer.text("config", "```\n" + str(config) + "\n```")
+    preempt = ckpt_lib.PreemptionFlag()
+    last = {"train": {}, "eval": {}}
+    window = {"loss": 0.0, "n": 0, "skipped": 0}
+    clock = {"t": None, "step": start}
+
+    def evaluate(step):
+        if not eval_batches:
+            return
+        ev = data_lib.BatchIterator(eval_rows, B, host_rows)
+        tot, cnt = 0.0, 0
+        with setup.context():
+            for _ in range(eval_batches):
+                s, n = setup.eval_step(state["params"], global_batch(next(ev), setup.batch_sharding, B))
+                tot, cnt = tot + float(s), cnt + int(n)
+        loss = tot / max(cnt, 1)
+        last["eval"] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+        writer.write(step, last["eval"], split="eval")
+        if clock["t"] is not None:  # evaluation time is not training time
+            clock["t"], clock["step"] = time.perf_counter(), step
+
+    def report(step, m):
+        """Host side of a finished step: NaN check, progress, periodic metrics."""
+        m = jax.device_get(m)
+        loss = float(m["loss"])
+        if not check_finite(step, m, tc.nan_policy, ckpt.latest_step):
+            window["skipped"] += 1
+        else:
+            window["loss"] += loss
+            window["n"] += 1
+        bar.update(1, loss=loss)
+        now = time.perf_counter()
+        if clock["t"] is None:  # the first step includes compilation: time from its end
+            clock["t"], clock["step"] = now, step
+        if step % tc.log_every == 0 or step == tc.steps:
+            steps_timed = step - clock["step"]
+            rec = {
+                "loss": window["loss"] / max(window["n"], 1),
+                "grad_norm": float(m["grad_norm"]),
+                "lr": float(m["lr"]),
+            }
+            rec["perplexity"] = math.exp(min(rec["loss"], 50.0))
+            if steps_timed > 0:
+                dt = now - clock["t"]
+                tps = steps_timed * B * T / dt
+                rec.update(step_time_s=dt / steps_timed, tokens_per_s=tps,
+                           mfu=metrics_lib.mfu(fpt, tps, peak, jax.device_count()))
+                clock["t"], clock["step"] = now, step
+            if window["skipped"]:
+                rec["skipped_steps"] = window["skipped"]
+            writer.write(step, rec)
+            last["train"] = rec
+            window.update(loss=0.0, n=0, skipped=0)
+
+    step, pending = start, None
+    saved_at = start if restored is not None else None
+    try:
+        while step < tc.steps:
+            if preempt.is_set() or ckpt.reached_preemption(step):
+                logging.warning("preempted: saving step %d and stopping", step)
+                if saved_at != step:
+                    ckpt.save(step, state, it.state())
+                    saved_at = step
+                break
+            batch = global_batch(next(it), setup.batch_sharding, B)
+            with setup.context():
+                state, m = setup.train_step(state, batch)
+            step += 1
+            if pending is not None:
+                report(*pending)
+            pending = (step, m)
+            if ckpt.should_save(step):
+                ckpt.save(step, state, it.state())
+                saved_at = step
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                report(*pending)
+                pending = None
+                evaluate(step)
+        if pending is not None:
+            report(*pending)
+            pending = None
+        if step == tc.steps:
+            if saved_at != step:
+                ckpt.save(step, state, it.state())
+            evaluate(step)
+    finally:
+        ckpt.close()
+        preempt.restore_handler()
+        bar.close()
+        writer.close()
+    return last
+

@@ -1,0 +1,447 @@
+"""The trainer, end to end on the CPU.
+
+With the real HybridLM and configs/tiny.py (shrunk to test size by command-line overrides):
+- on 8 fake devices, the (data 2, fsdp 2, tensor 2) step equals the one-device step;
+- a run killed with SIGKILL resumes from its last checkpoint and then logs the losses of an
+  uninterrupted run; a SIGTERM saves a checkpoint and exits cleanly;
+- two processes joined by jax.distributed on localhost train one model (their losses are the
+  one-device run's), and its checkpoint resumes on a different mesh;
+- the tiny config's loss on the stdlib corpus falls below a bound.
+With a stand-in model (fast to compile): gradient accumulation, the non-finite-step guard,
+shape checks against the mesh, corrupt checkpoints, metrics files.
+
+Subprocesses share a persistent compilation cache, so a program compiles once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import metrics as metrics_lib
+from kimi_k3 import train_lib
+from kimi_k3.layers.dense import Dense
+from kimi_k3.layers.embed import Embed
+from kimi_k3.layers.norms import RMSNorm
+
+REPO = Path(__file__).resolve().parents[1]
+
+# configs/tiny.py at test size: layers "KM" (one KDA, one MLA), 32-token rows, no held-out
+# split (no eval compile), a constant lr after warmup (so runs of different lengths agree), and
+# KDA's recurrent form, the definition, which is the fastest on a CPU at this length.
+TINY = [
+    "--config=configs/tiny.py",
+    "--config.model.num_layers=2",
+    "--config.model.kda_per_mla=1",
+    "--config.model.kda.impl=recurrent",
+    "--config.data.seq_len=32",
+    "--config.data.global_batch_size=4",
+    "--config.data.eval_fraction=0.0",
+    "--config.opt.schedule=constant",
+    "--config.opt.warmup_steps=2",
+    "--config.train.log_every=1",
+    "--config.train.progress_bar=False",
+    "--config.train.tensorboard=False",
+]
+
+
+@pytest.fixture(scope="session")
+def jax_cache(tmp_path_factory) -> str:
+    """A compilation cache shared by this session's subprocesses (and its xdist workers)."""
+    path = tmp_path_factory.getbasetemp().parent / "kimi_k3_jax_cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+def env(cache: str, devices: int = 1) -> dict:
+    e = dict(os.environ)
+    e.update(
+        JAX_PLATFORMS="cpu",
+        JAX_NUM_CPU_DEVICES=str(devices),
+        XLA_FLAGS="--xla_cpu_multi_thread_eigen=false",
+        JAX_COMPILATION_CACHE_DIR=cache,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        PYTHONPATH=str(REPO),
+    )
+    e.pop("JAX_COORDINATOR_ADDRESS", None)
+    return e
+
+
+def train_cmd(workdir, *extra) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), *TINY, f"--workdir={workdir}", *extra]
+
+
+def run_train(workdir, cache, *extra, devices=1, timeout=400):
+    p = subprocess.run(train_cmd(workdir, *extra), cwd=REPO, env=env(cache, devices),
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def losses(workdir) -> dict[int, float]:
+    """step -> train loss from metrics.jsonl ({} before it exists; a line still being written
+    is left for the next read)."""
+    path = Path(workdir) / "metrics.jsonl"
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break
+            r = json.loads(line)
+            if r["split"] == "train":
+                out[r["step"]] = r["loss"]
+    return out
+
+
+def ckpt_steps(workdir) -> list[int]:
+    d = Path(workdir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+# ---------------------------------------------------------------------------------------------
+# The real model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sharded_step_matches_single_device(jax_cache):
+    p = subprocess.run([sys.executable, "-m", "tests.train_sharded_check"], cwd=REPO,
+                       env=env(jax_cache, devices=8), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(p.stdout.split("RESULT ", 1)[1])
+    np.testing.assert_allclose(r["sharded_loss"], r["single_loss"], rtol=2e-6)
+    assert r["sharded_init_diff"] == 0.0  # the sharded initialiser draws the same numbers
+    assert r["sharded_param_diff"] < 2e-6 * max(1.0, r["param_scale"]), r
+    specs = r["specs"]
+    assert specs["embed/embedding"] == "P('tensor', 'fsdp')"
+    assert "'fsdp'" in specs["tail/0/mlp/wi/kernel"] and "'tensor'" in specs["tail/0/mlp/wi/kernel"]
+
+
+STEPS = ["--config.train.steps=14", "--config.checkpoint.every_steps=4"]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, jax_cache) -> dict[int, float]:
+    """step -> loss of an uninterrupted one-device run of 14 steps."""
+    whole = tmp_path_factory.mktemp("whole")
+    run_train(whole, jax_cache, *STEPS)
+    out = losses(whole)
+    assert sorted(out) == list(range(1, 15))
+    return out
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, jax_cache, reference):
+    steps, killed = STEPS, tmp_path / "killed"
+
+    # Killed once a checkpoint is complete (its step folder exists) and the run is past it.
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(train_cmd(killed, *steps), cwd=REPO, env=env(jax_cache),
+                                stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            deadline = time.time() + 300
+            while time.time() < deadline and proc.poll() is None:
+                if ckpt_steps(killed) and max(losses(killed), default=0) >= 6:
+                    break
+                time.sleep(0.01)
+            assert proc.poll() is None, "finished before it could be killed"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    last_logged = max(losses(killed))
+    saved = ckpt_steps(killed)
+    assert saved and 4 <= saved[-1] < 14 and last_logged < 14
+
+    (killed / "metrics.jsonl").rename(killed / "before_kill.jsonl")
+    out = run_train(killed, jax_cache, *steps)
+    assert f"resumed from step {saved[-1]}" in out.stderr
+    resumed = losses(killed)
+    assert sorted(resumed) == list(range(saved[-1] + 1, 15))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-6), step
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, jax_cache):
+    wd = tmp_path / "run"
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(
+            train_cmd(wd, "--config.train.steps=400", "--config.checkpoint.every_steps=1000"),
+            cwd=REPO, env=env(jax_cache), stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if max(losses(wd), default=0) >= 3:
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    err = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received" in err
+    saved = ckpt_steps(wd)
+    assert saved and 3 <= saved[-1] < 400 and saved[-1] >= max(losses(wd))
+
+
+def test_two_processes_train_one_model_and_resume_on_another_mesh(tmp_path, jax_cache,
+                                                                   reference):
+    """Two processes x 2 CPU devices (data 2, fsdp 2) train 4 steps; one process on one device
+    then resumes their checkpoint to step 6. Both log the uninterrupted one-device losses."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pair = tmp_path / "pair"
+    mesh = ["--config.mesh.data=-1", "--config.mesh.fsdp=2", "--config.checkpoint.every_steps=2"]
+    procs = [
+        subprocess.Popen(
+            train_cmd(pair, "--config.train.steps=4", *mesh,
+                      f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                      f"--process_id={i}"),
+            cwd=REPO, env=env(jax_cache, devices=2), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    errs = [p.communicate(timeout=500)[1] for p in procs]
+    for p, err in zip(procs, errs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    assert "process 1 of 2, 2 local / 4 global devices" in errs[1]
+    assert ckpt_steps(pair)[-1] == 4
+    pair_losses = losses(pair)  # written by process 0 only
+    assert sorted(pair_losses) == [1, 2, 3, 4]
+
+    run_train(pair, jax_cache, "--config.train.steps=6")  # 1 device: another mesh
+    continued = losses(pair)
+    assert sorted(continued) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):  # the lr is constant after warmup: 6 steps of a 14-step run
+        assert continued[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+LOSS_BOUND = 3.3  # nats per byte; an untrained model starts at ln(256) = 5.55
+
+
+def test_tiny_loss_falls_below_a_bound_on_the_default_corpus(tmp_path):
+    from configs import load_config
+
+    config = load_config("tiny.py")
+    config.model.kda.impl = "recurrent"  # same math as "auto"; faster on a CPU at T = 64
+    config.data.seq_len, config.data.global_batch_size = 64, 8
+    config.train.steps, config.train.log_every, config.train.eval_every = 40, 10, 0
+    config.train.eval_batches = 2
+    config.opt.warmup_steps = 10
+    config.train.progress_bar = False
+    out = train_lib.train(config, str(tmp_path))
+    first = losses(tmp_path)[10]
+    assert out["train"]["loss"] < LOSS_BOUND < first, (first, out)
+    assert out["eval"]["loss"] < 4.0  # held-out stdlib files
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    train_rec = [r for r in records if r["split"] == "train"][-1]
+    for key in ("loss", "perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu"):
+        assert key in train_rec, key
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert ckpt_steps(tmp_path) == [40]
+
+
+# ---------------------------------------------------------------------------------------------
+# A stand-in model: the same parameter conventions, compiles in a second
+# ---------------------------------------------------------------------------------------------
+
+
+class StandIn(nnx.Module):
+    """Embedding, one mixing matrix over time within each document, a norm, tied head."""
+
+    def __init__(self, seed: int, vocab: int = 64, d: int = 16):
+        rngs = nnx.Rngs(seed)
+        self.embed = Embed(vocab, d, rngs=rngs)
+        self.proj = Dense(d, d, names=("embed", "mlp"), rngs=rngs)
+        self.norm = RMSNorm(d)
+
+    def __call__(self, tokens_BxT, segment_ids_BxT):
+        x = self.embed(tokens_BxT)
+        T = tokens_BxT.shape[1]
+        same = (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]) & jnp.tril(
+            jnp.ones((T, T), bool))
+        w = same / same.sum(-1, keepdims=True)
+        x = x + jnp.tanh(self.proj(jnp.einsum("bts,bsd->btd", w, x)))
+        return self.embed.attend(self.norm(x))
+
+
+def standin_config(**opt) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict({"vocab_size": 64})
+    train_lib.add_training_defaults(c)
+    c.data.seq_len, c.data.global_batch_size = 16, 8
+    c.mesh.data = 1
+    c.opt.warmup_steps = 1
+    c.opt.update(opt)
+    return c
+
+
+def standin_batches(n: int, poison_at: int | None = None):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        toks = rng.integers(1, 64, (8, 16)).astype(np.int32)
+        segs = np.sort(rng.integers(1, 4, (8, 16)), axis=1).astype(np.int32)
+        if i == poison_at:
+            toks[0, 0] = 0  # the stand-in's poison token (below)
+        out.append({"tokens": toks, "segment_ids": segs})
+    return out
+
+
+def run_standin(config, batches, model_cls=StandIn):
+    mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+    setup = train_lib.build(config, mesh, model_fn=model_cls)
+    state = setup.init_state()
+    history = []
+    for b in batches:
+        with setup.context():
+            state, m = setup.train_step(state, train_lib.global_batch(b, setup.batch_sharding, 8))
+        history.append((jax.device_get(m), jax.device_get(state["params"])))
+    return history
+
+
+def test_gradient_accumulation_equals_the_one_shot_step():
+    one = run_standin(standin_config(grad_accum_steps=1), standin_batches(3))
+    four = run_standin(standin_config(grad_accum_steps=4), standin_batches(3))
+    for (m1, p1), (m4, p4) in zip(one, four, strict=True):
+        assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
+        assert int(m4["targets"]) == int(m1["targets"])
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+class PoisonedStandIn(StandIn):
+    """Returns NaN logits when token 0 is first in the batch."""
+
+    def __call__(self, tokens_BxT, segment_ids_BxT):
+        logits = super().__call__(tokens_BxT, segment_ids_BxT)
+        return jnp.where(tokens_BxT[0, 0] == 0, jnp.nan, logits)
+
+
+def test_a_non_finite_step_is_never_applied_and_stops_or_is_skipped():
+    hist = run_standin(standin_config(), standin_batches(3, poison_at=1), PoisonedStandIn)
+    (m0, p0), (m1, p1), (m2, p2) = hist
+    assert bool(m0["finite"]) and not bool(m1["finite"]) and bool(m2["finite"])
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_array_equal(a, b)  # the NaN step left the parameters alone
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(p2))
+    with pytest.raises(FloatingPointError, match=r"step 2: loss nan .* latest checkpoint is step 0"):
+        train_lib.check_finite(2, m1, "stop", lambda: 0)
+    assert train_lib.check_finite(2, m1, "skip") is False
+    assert train_lib.check_finite(1, m0, "stop") is True
+
+
+def test_shapes_that_do_not_divide_the_mesh_are_refused():
+    from jax.sharding import AbstractMesh
+
+    from configs import load_config
+
+    cfg = load_config("tiny.py")
+    abstract = nnx.eval_shape(lambda: train_lib.make_model(cfg.model, 0))
+    _, state, _ = nnx.split(abstract, nnx.Param, ...)
+    params, names = nnx.to_pure_dict(state), train_lib.logical_axes(state)
+    rules = mesh_lib.normalize_rules(cfg.mesh.axis_rules)
+    mesh = AbstractMesh((1, 1, 3), mesh_lib.MESH_AXES)  # 4 heads over tensor = 3
+    with pytest.raises(ValueError, match=r"params/.*: dimension \d \(logical '(heads|vocab)'\)"
+                                         r" of shape .* does not divide by mesh axes tensor"):
+        mesh_lib.tree_shardings(params, names, mesh, rules, root="params/")
+    with pytest.raises(ValueError, match=r"data.global_batch_size: 6 / opt.grad_accum_steps=1 "
+                                         r"= 6 rows per micro-batch, which does not divide by "
+                                         r"data x fsdp = 2 x 2 = 4"):
+        mesh_lib.check_batch(6, 1, AbstractMesh((2, 2, 1), mesh_lib.MESH_AXES))
+
+
+@pytest.mark.parametrize("sizes,devices,want", [
+    ((-1, 1, 1), 8, (8, 1, 1)), ((2, -1, 2), 8, (2, 2, 2)), ((1, 2, 4), 8, (1, 2, 4)),
+    ((-1, -1, 1), 8, "only one axis may be -1"), ((3, -1, 1), 8, "do not divide"),
+    ((2, 2, 1), 8, "uses 4 devices, but 8 are present"), ((0, 1, 1), 8, "mesh.data: 0"),
+])
+def test_mesh_shape_from_config(sizes, devices, want):
+    cfg = ml_collections.ConfigDict(dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)))
+    if isinstance(want, tuple):
+        assert mesh_lib.mesh_shape(cfg, devices) == want
+    else:
+        with pytest.raises(ValueError, match=want):
+            mesh_lib.mesh_shape(cfg, devices)
+
+
+# Reading the truncated file, TensorStore's pending callbacks hit Orbax's closed event loop.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
+    cfg = ml_collections.ConfigDict(dict(every_steps=1, keep=3, async_save=True))
+    ck = ckpt_lib.Checkpointer(str(tmp_path), cfg)
+    states = {s: {"params": {"w": jnp.full((4, 4), float(s))}, "step": jnp.int32(s)}
+              for s in (1, 2)}
+    for s, st in states.items():
+        ck.save(s, st, {"position": 10 * s})
+    ck.wait()
+    for f in (tmp_path / "2" / "state").rglob("*"):
+        if f.is_file() and "manifest" in f.name:
+            f.write_bytes(b"")  # truncated: unreadable
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), states[1])
+    step, state, data_state = ck.restore(abstract)
+    assert step == 1 and data_state == {"position": 10}
+    np.testing.assert_array_equal(state["params"]["w"], 1.0)
+    assert (tmp_path / "2.unreadable").exists() and ck.latest_step() == 1
+    ck.save(2, states[2], {"position": 20})  # the step can be written again
+    ck.close()
+
+    for d in tmp_path.iterdir():  # now every step is unreadable: an error, not a fresh start
+        for f in d.rglob("*manifest*"):
+            f.write_bytes(b"")
+    with pytest.raises(RuntimeError, match="no step could be restored"):
+        ckpt_lib.Checkpointer(str(tmp_path), cfg).restore(abstract)
+
+
+def test_metrics_files_and_mfu(tmp_path):
+    w = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=True, console=lambda s: None)
+    w.write(10, {"loss": 2.0, "mfu": None})
+    w.write(10, {"loss": float("nan")}, split="eval")
+    w.close()
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert rows[0]["step"] == 10 and rows[0]["split"] == "train" and rows[0]["mfu"] is None
+    assert math.isnan(rows[1]["loss"])
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert metrics_lib.peak_flops_per_device("NVIDIA H200") == 989e12
+    assert metrics_lib.peak_flops_per_device("TPU v5 lite") == 197e12
+    assert metrics_lib.peak_flops_per_device("cpu") is None
+    assert metrics_lib.peak_flops_per_device("cpu", 2.0) == 2e12
+    assert metrics_lib.mfu(6e9, 1e4, 1e14, 2) == pytest.approx(0.3)
+
+
+def test_eval_restore_reads_the_parameters_of_a_checkpoint(tmp_path):
+    from configs import load_config
+
+    config = load_config("tiny.py")
+    config.model.num_layers, config.model.kda_per_mla = 2, 1
+    _, params, _ = train_lib.split_model(train_lib.make_model(config.model, 0))
+    ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), config.checkpoint)
+    ck.save(7, {"params": params, "step": jnp.int32(7)}, {"position": 0})
+    ck.close()
+    model, step = ckpt_lib.restore_model_for_eval(config, str(tmp_path / "checkpoints"))
+    assert step == 7
+    _, got, _ = train_lib.split_model(model)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    config.model.d_model = 64
+    with pytest.raises(ValueError, match=r"does not match config.model: .*embed/embedding: "
+                                         r"checkpoint \(256, 128\) vs config \(256, 64\)"):
+        ckpt_lib.restore_model_for_eval(config, str(tmp_path / "checkpoints" / "7"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ckpt_lib.restore_model_for_eval(config, str(tmp_path / "nowhere"))

@@ -1,0 +1,41 @@
+"""Train a Kimi K3-style hybrid LM.
+
+    python train.py --config=configs/tiny.py --workdir=runs/tiny
+    python train.py --config=configs/small.py --workdir=runs/small --config.train.steps=300 \\
+        --config.mesh.fsdp=2
+
+Multi-host: on a TPU pod slice, SLURM or Open MPI, add ``--multihost`` (JAX reads the cluster
+from the environment); elsewhere give ``--coordinator_address=HOST:PORT --num_processes=N
+--process_id=I`` (or set JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID).
+All logic lives in ``kimi_k3.train_lib``.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import train_lib
+
+config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py[:arg].",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics.jsonl, TensorBoard.")
+flags.DEFINE_bool("multihost", False,
+                  "Call jax.distributed.initialize() and let JAX detect the cluster.")
+flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-host).")
+flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
+flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+flags.mark_flags_as_required(["config", "workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    mesh_lib.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                    FLAGS.process_id, force=FLAGS.multihost)
+    logging.info("config:\n%s", FLAGS.config)
+    train_lib.train(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)
