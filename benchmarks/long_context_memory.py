@@ -15,16 +15,19 @@ Two modes per model, batch 1:
   cache grows by kv_lora_rank + shared_head_dim numbers per token per layer.
 
 Columns of ``long_context_memory.csv``: variant, pattern, mode, seq_len, status (ok | oom |
-too_slow | error), seconds (median of the timed passes, compilation excluded), tokens_per_s,
+too_slow | error), seconds (median of the timed passes after the first, compilation excluded;
+the only pass when there is one), tokens_per_s,
 peak_bytes (the allocator's high-water mark, ``memory_stats()['peak_bytes_in_use']``, where the
 backend reports it: GPU/TPU; blank on CPU), xla_bytes (XLA's compiled estimate: arguments +
 outputs + temporaries - aliases, of the one compiled call; every backend), cache_bytes (prefill:
 the carried cache), params.
 
 Each (variant, mode) series runs in its own subprocess, lengths in increasing order, so the
-high-water mark of that process is the peak of the current length. A series stops at the
-first length that runs out of memory or takes longer than ``--max_seconds``. Also writes
-``long_context_time.png`` and ``long_context_memory.png``.
+high-water mark of that process is the peak of the current length (the driver itself never
+touches the accelerator). A series stops at the first length that runs out of memory or takes
+longer than ``--max_seconds``. The CSV, the Markdown table and ``long_context_time.png`` /
+``long_context_memory.png`` are rewritten after every point, so a run stopped by an outer time
+limit keeps everything it measured.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ MODES = ("forward", "prefill")
 FIELDS = ("variant", "pattern", "mode", "seq_len", "status", "seconds", "tokens_per_s", "peak_bytes",
           "xla_bytes", "cache_bytes", "params", "detail")
 _RESULT = "RESULT "
+_DEVICE = "DEVICE "
 
 
 def pattern_for(variant: str, num_layers: int) -> str:
@@ -182,7 +186,8 @@ def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
                 times.append(time.perf_counter() - t0)
                 if sum(times) > args.max_seconds / 2:
                     break
-            row["seconds"] = statistics.median(times)
+            # The first pass may include one-time runtime work: when there are more, drop it.
+            row["seconds"] = statistics.median(times[1:] if len(times) > 1 else times)
             row["tokens_per_s"] = T / row["seconds"]
             row["peak_bytes"] = _peak_bytes()
             if row["seconds"] > args.max_seconds:
@@ -203,24 +208,41 @@ def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _series_in_subprocess(argv: list[str], variant: str, mode: str) -> list[dict]:
+def _device_name() -> str:
+    import jax
+
+    return f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}"
+
+
+def _series_in_subprocess(argv: list[str], variant: str, mode: str, on_row, on_device) -> None:
+    """Run one series in a fresh process, passing each row to ``on_row`` as soon as it is
+    measured (so a run cut short by a time limit keeps what it measured)."""
+    import tempfile
+
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", f"--variant={variant}",
            f"--mode={mode}"]
     # Let the allocator take nearly the whole card (JAX's default pool is 75% of it).
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
-    rows = [json.loads(line[len(_RESULT):]) for line in proc.stdout.splitlines()
-            if line.startswith(_RESULT)]
-    if proc.returncode != 0:
-        tail = (proc.stderr or "").strip().splitlines()[-1:] or [""]
-        print(f"  {variant} {mode}: worker exited with {proc.returncode}: {tail[0][:300]}")
-        done = {r["seq_len"] for r in rows}
+    done = set()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, env=env)
+        for line in proc.stdout:
+            if line.startswith(_RESULT):
+                row = json.loads(line[len(_RESULT):])
+                done.add(row["seq_len"])
+                on_row(row)
+            elif line.startswith(_DEVICE):
+                on_device(line[len(_DEVICE):].strip())
+        code = proc.wait()
+        err.seek(0)
+        tail = (err.read().strip().splitlines() or [""])[-1]
+    if code != 0:
+        print(f"  {variant} {mode}: worker exited with {code}: {tail[:300]}")
         nxt = [T for T in sorted(_lengths(argv)) if T not in done][:1]
         if nxt:  # the length it died on (killed for host memory, say)
-            rows.append({"variant": variant, "pattern": "", "mode": mode, "seq_len": nxt[0],
-                         "status": "oom" if proc.returncode in (-9, 137) else "error",
-                         "detail": f"worker exit code {proc.returncode}: {tail[0][:200]}"})
-    return rows
+            on_row({"variant": variant, "pattern": "", "mode": mode, "seq_len": nxt[0],
+                    "status": "oom" if code in (-9, 137) else "error",
+                    "detail": f"worker exit code {code}: {tail[:200]}"})
 
 
 def _lengths(argv):
@@ -310,7 +332,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed passes per point (median)")
     p.add_argument("--max_seconds", type=float, default=60.0,
                    help="a series stops after a pass slower than this")
-    p.add_argument("--in_process", action="store_true",
+    p.add_argument("--in_process", action=argparse.BooleanOptionalAction, default=False,
                    help="run every series in this process (peak memory then accumulates)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU toy sizes as defaults: 32-64 tokens, d_model 32, 2 layers (so 3:1 is "
@@ -337,29 +359,37 @@ def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.worker:
+        print(_DEVICE + _device_name(), flush=True)
         run_series(args, args.variant, args.mode, emit=lambda s: print(s, flush=True))
         return []
-    import jax
-
-    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}"
-    print(f"device: {device}; lengths {args.seq_lens}; variants {args.variants}; modes {args.modes}")
+    # With workers, this process never touches the accelerator (it would hold its memory).
+    device = [_device_name() if args.in_process else "device not yet known"]
+    print(f"lengths {args.seq_lens}; variants {args.variants}; modes {args.modes}", flush=True)
     rows = []
+
+    def on_row(r):
+        rows.append(r)
+        secs = "" if r.get("seconds") is None else f"{r['seconds']:.4g} s"
+        peak, est = _gib(r.get("peak_bytes")) or "-", _gib(r.get("xla_bytes")) or "-"
+        print(f"  {r['seq_len']:>8} tokens: {r['status']:<8} {secs:<12} peak {peak} GiB, "
+              f"XLA est. {est} GiB {r.get('detail', '')}", flush=True)
+        write_outputs(rows, args.out_dir, device[0])  # after every point: a cut-short run keeps it
+
+    def on_device(name):
+        if device[0] != name:
+            device[0] = name
+            print(f"device: {name}", flush=True)
+
     for variant in args.variants:
         for mode in args.modes:
             print(f"- {variant} {mode} ...", flush=True)
             if args.in_process:
-                got = run_series(args, variant, mode, emit=lambda s: None)
+                for r in run_series(args, variant, mode, emit=lambda s: None):
+                    on_row(r)
             else:
-                got = _series_in_subprocess(argv, variant, mode)
-            for r in got:
-                secs = r.get("seconds")
-                secs = "" if secs is None else f"{secs:.4g} s"
-                peak, est = _gib(r.get("peak_bytes")) or "-", _gib(r.get("xla_bytes")) or "-"
-                print(f"  {r['seq_len']:>8} tokens: {r['status']:<8} {secs:<12} peak {peak} GiB, "
-                      f"XLA est. {est} GiB {r.get('detail', '')}", flush=True)
-            rows.extend(got)
-    paths = write_outputs(rows, args.out_dir, device)
-    print(format_table(rows, device))
+                _series_in_subprocess(argv, variant, mode, on_row, on_device)
+    paths = write_outputs(rows, args.out_dir, device[0]) if rows else {}
+    print(format_table(rows, device[0]))
     print("wrote " + ", ".join(paths.values()))
     return rows
 

@@ -22,7 +22,7 @@ The short-document rule (``short_docs``), always reported with its counts:
 over the available ones (deterministic), and the output says how many were available.
 
 Memory stays bounded at long context: a batch of windows is fed to ``jax.jit(model.prefill)``
-in pieces of ``piece_len`` tokens (one compilation per piece shape), the cache (KDA state,
+in pieces of ``piece_len`` tokens (one compilation per context length), the cache (KDA state,
 conv tail, MLA latents, position) carried from piece to piece; only per-token NLLs leave the
 device, never the [B, L, V] logits. ``whole_sequence_nll`` is the one-pass reference the
 piecewise form is tested against.
@@ -613,14 +613,12 @@ def run(
 
 
 def _param_count(model) -> int | None:
-    try:
-        from flax import nnx
+    """Parameters of an ``nnx.Module``; None for any other model object (a test double)."""
+    from flax import nnx
 
-        if isinstance(model, nnx.Module):
-            return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    except Exception:  # a test double without nnx state
+    if not isinstance(model, nnx.Module):
         return None
-    return None
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def format_table(report: dict) -> str:

@@ -260,7 +260,7 @@ def sweep_config(config, pattern: str, seq_len: int):
 def run_sweep(config, patterns, seq_lens, out_dir: str, *, progress: bool = True) -> list[dict]:
     """Train and score one model per (pattern, seq_len); write mqar_sweep.csv / .md / .png.
 
-    Key-value pairs per example follow ``config.mqar`` (configs/mqar.py: seq_len // 8, so longer
+    Key-value pairs per example follow ``config.mqar`` (configs/mqar.py: seq_len // 4, so longer
     sequences also ask the fixed KDA state to hold more keys).
     """
     import os

@@ -88,7 +88,7 @@ def test_config_and_its_argument():
     cfg = load_mqar_config("pattern=KKKM,seq_len=64,steps=7")
     assert cfg.model.pattern == "KKKM" and cfg.model.num_layers == 4 and cfg.train.steps == 7
     spec = mqar.spec_from_config(cfg.mqar)
-    assert (spec.seq_len, spec.num_kv_pairs) == (64, 8)  # pairs = seq_len // 8
+    assert (spec.seq_len, spec.num_kv_pairs) == (64, 16)  # pairs = seq_len // 4
     with pytest.raises(ValueError, match="bogus"):
         load_mqar_config("bogus=1")
     assert [mqar.pattern_label(p) for p in ("KKKK", "KKKM", "MMMM", "KM")] == [
@@ -96,14 +96,14 @@ def test_config_and_its_argument():
 
 
 def test_tiny_sweep_trains_scores_and_writes_outputs(tmp_path):
-    cfg = load_mqar_config("pattern=KM,steps=2,d_model=16")
+    cfg = load_mqar_config("pattern=KM,steps=2,d_model=16,kda_head_dim=8")
     cfg.mqar.train_batch_size, cfg.mqar.eval_examples = 4, 8
     rows = mqar.run_sweep(cfg, ["KM"], [32], str(tmp_path), progress=False)
-    assert [(r["label"], r["seq_len"], r["kv_pairs"]) for r in rows] == [("1:1", 32, 4)]
+    assert [(r["label"], r["seq_len"], r["kv_pairs"]) for r in rows] == [("1:1", 32, 8)]
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0 and np.isfinite(r["final_loss"]) and r["params"] > 0
     with open(tmp_path / "mqar_sweep.csv") as f:
         assert len(list(csv.DictReader(f))) == 1
     table = (tmp_path / "mqar_sweep.md").read_text()
-    assert "| 1:1 | KM |" in table and "T=32 (4 pairs)" in table
+    assert "| 1:1 | KM |" in table and "T=32 (8 pairs)" in table
     assert plots.is_png(tmp_path / "mqar_sweep.png")
