@@ -709,8 +709,11 @@ def main(
     config_name: str = "--config",
 ) -> dict:
     """eval.py's body. With no ``checkpoints``, the latest checkpoint under ``workdir/checkpoints``."""
+    from kimi_k3.train_lib import quiet_library_logs
+
     if config is None:
         raise ValueError("--config: required (the model and the held-out data to use)")
+    quiet_library_logs()  # Orbax reports every read in INFO lines
     if not checkpoints:
         latest = latest_checkpoint(os.path.join(workdir, "checkpoints"))
         if latest is None:
