@@ -153,9 +153,7 @@ def main(argv=None):
     ap.add_argument("--tune", default="", help="TUNING overrides, e.g. bv_seq=16,warps_seq=4")
     ap.add_argument("--out", default="", help="write the markdown table here")
     args = ap.parse_args(argv)
-    for kv in filter(None, args.tune.split(",")):
-        key, val = kv.split("=")
-        pk.TUNING[key] = int(val)
+    pk.apply_tuning(args.tune)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}, jax {jax.__version__}, TUNING {pk.TUNING}", flush=True)
 

@@ -58,6 +58,17 @@ TUNING = {"bv_seq": 0, "bv_intra": 64, "bk": 32, "warps_intra": 4, "warps_seq": 
 TARGET_PROGRAMS = 256
 
 
+def apply_tuning(spec: str) -> None:
+    """Overrides TUNING from "key=int,key=int" (the benchmark's and report's --tune flag)."""
+    for item in filter(None, spec.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep or key not in TUNING or not val.lstrip("-").isdigit():
+            raise ValueError(
+                f"--tune: expected key=int with key in {sorted(TUNING)}, got {item!r}"
+            )
+        TUNING[key] = int(val)
+
+
 def _next_pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << (x - 1).bit_length())
 

@@ -168,6 +168,21 @@ def _split_refs(cfg: KdaConfig, refs):
     return (*refs[:5], (None,) * 4, refs[5:])
 
 
+def _writer(ks, vs, by_k: dict, by_v: dict, whole: dict):
+    """put(name, i, x): store x into the named output ref, at K slice i (refs in by_k), V slice i
+    (by_v) or whole (whole), in the ref's dtype. Kernel bodies write through it."""
+
+    def put(name, i, x):
+        if name in whole:
+            whole[name][...] = x.astype(whole[name].dtype)
+        elif name in by_v:
+            by_v[name][:, vs(i)] = x.astype(by_v[name].dtype)
+        else:
+            by_k[name][:, ks(i)] = x.astype(by_k[name].dtype)
+
+    return put
+
+
 def _slicers(cfg: KdaConfig):
     """Column slices of K slice s and of V tile t (static when s, t are Python ints)."""
     return (lambda s: pl.ds(s * cfg.bk, cfg.bk)), (lambda t: pl.ds(t * cfg.bv_intra, cfg.bv_intra))
@@ -196,15 +211,8 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs):
     def kernel(*refs):
         q_r, k_r, v_r, g_r, b_r, seg, (W_r, U_r, QG_r, Kg_r, A_r, gam_r) = _split_refs(cfg, refs)
         ks, vs = _slicers(cfg)
-        by_k = {"QG": QG_r, "Kg": Kg_r, "W": W_r, "gam": gam_r}
-
-        def put(name, i, x):
-            if name == "Aqk":
-                A_r[...] = x.astype(A_r.dtype)
-            elif name == "U":
-                U_r[:, vs(i)] = x.astype(U_r.dtype)
-            else:
-                by_k[name][:, ks(i)] = x.astype(by_k[name].dtype)
+        put = _writer(ks, vs, by_k={"QG": QG_r, "Kg": Kg_r, "W": W_r, "gam": gam_r},
+                      by_v={"U": U_r}, whole={"Aqk": A_r})
 
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
@@ -404,15 +412,8 @@ def intra_bwd(cfg: KdaConfig, q, k, v, g, beta, segs, W, U, h, dh, Vp, dVp, dO, 
         W_r, U_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dv_r, dg_r, db_r = rest
         ks, vs = _slicers(cfg)
         by_v = {"v": v_r, "U": U_r, "Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
-        by_k = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
-
-        def put(name, i, x):
-            if name == "dbeta":
-                db_r[...] = x.astype(db_r.dtype)
-            elif name == "dv":
-                dv_r[:, vs(i)] = x.astype(dv_r.dtype)
-            else:
-                by_k[name][:, ks(i)] = x.astype(by_k[name].dtype)
+        put = _writer(ks, vs, by_k={"dq": dq_r, "dk": dk_r, "dg": dg_r},
+                      by_v={"dv": dv_r}, whole={"dbeta": db_r})
 
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),

@@ -92,9 +92,7 @@ def main(argv=None):
     ap.add_argument("--safe", action="store_true", help="unbounded-gate path")
     ap.add_argument("--segments", action="store_true", help="packed-segment variant")
     args = ap.parse_args(argv)
-    for kv in filter(None, args.tune.split(",")):
-        key, val = kv.split("=")
-        pk.TUNING[key] = int(val)
+    pk.apply_tuning(args.tune)
     with tempfile.TemporaryDirectory() as tmp:
         found = dump_ttir(tmp, lower_bound=None if args.safe else -5.0, segments=args.segments)
         for name, path in sorted(found.items()):
