@@ -4,7 +4,7 @@
         --config.train.steps=300 --out=benchmarks/train_throughput_small.md
 
 Runs ``kimi_k3.train_lib.train`` (the real loop: data pipeline, sharded step, metrics) without
-held-out evaluation, with one checkpoint at the end, on a fresh ``--workdir``. The first
+held-out evaluation and without checkpoints, on a fresh ``--workdir``. The first
 ``--config.train.log_every`` steps (compilation) are left out; the table gives the median over
 the remaining log windows of tokens/s, seconds per step and MFU (model FLOPs per token from
 ``kimi_k3.model.flops_per_token`` against the device's dense bf16 peak), with the command, the
@@ -13,10 +13,8 @@ device, the shapes and the JAX version, and is written to ``--out`` and printed.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
-import statistics
 import sys
 
 import jax
@@ -24,6 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import train_lib
 
 config_flags.DEFINE_config_file("config", "configs/small.py", "Config file.", lock_config=True)
@@ -37,16 +36,11 @@ def summarise(config, workdir: str, command: str) -> str:
     """The Markdown table from ``<workdir>/metrics.jsonl``."""
     from kimi_k3.model import count_params, flops_per_token
 
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(x) for x in f]
-    timed = [r for r in rows if r["split"] == "train" and "tokens_per_s" in r]
-    if not timed:
-        raise ValueError(f"{workdir}/metrics.jsonl: no timed log window; run more steps than "
-                         f"train.log_every={config.train.log_every}")
-    tps = statistics.median(r["tokens_per_s"] for r in timed)
-    step_s = statistics.median(r["step_time_s"] for r in timed)
-    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
-    mfu = f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a (unknown peak)"
+    summary = metrics_lib.throughput_summary(os.path.join(workdir, "metrics.jsonl"))
+    mfu = summary["mfu"]
+    mfu = f"{100 * mfu:.1f}%" if mfu is not None else "n/a (unknown peak)"
+    peak = metrics_lib.peak_memory_bytes()
+    peak = "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
     dc, m = config.data, config.model
     n = jax.device_count()
     lines = [
@@ -57,13 +51,13 @@ def summarise(config, workdir: str, command: str) -> str:
         f"tensor={config.mesh.tensor}; compute {m.dtype}, parameters {m.param_dtype}",
         "",
         "| config | params | batch x seq | FLOPs/token | steps timed | tokens/s | s/step | MFU "
-        "| final loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| peak memory / device | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         f"| {os.path.basename(str(FLAGS['config'].config_filename))} | "
         f"{count_params(m) / 1e6:.1f}M | {dc.global_batch_size} x {dc.seq_len} | "
-        f"{flops_per_token(m, dc.seq_len):.3g} | {len(timed)} windows of "
-        f"{config.train.log_every} | {tps:,.0f} | {step_s:.3f} | {mfu} | "
-        f"{rows[-1].get('loss', float('nan')):.3f} |",
+        f"{flops_per_token(m, dc.seq_len):.3g} | {summary['windows']} windows of "
+        f"{config.train.log_every} | {summary['tokens_per_s']:,.0f} | "
+        f"{summary['step_time_s']:.3f} | {mfu} | {peak} | {summary['final_loss']:.3f} |",
     ]
     return "\n".join(lines) + "\n"
 
@@ -76,7 +70,7 @@ def main(argv):
     config.data.eval_fraction = 0.0  # no held-out split: nothing but training is timed
     config.train.eval_every = 0
     config.train.progress_bar = False
-    config.checkpoint.every_steps = config.train.steps
+    config.checkpoint.enabled = False  # saving the state is not what is measured
     if os.path.exists(os.path.join(FLAGS.workdir, "metrics.jsonl")):
         raise app.UsageError(f"--workdir {FLAGS.workdir!r} already holds a run; use a fresh one")
     train_lib.train(config, FLAGS.workdir)

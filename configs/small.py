@@ -3,7 +3,8 @@
     python train.py --config=configs/small.py --workdir=runs/small
 
 12 layers "KKKM" x 3, width 768, KDA 12 heads x 64, Gated MLA 12 heads (latent 256, low-rank
-queries 384), SwiGLU 3072, block Attention Residuals (blocks of 3 layers), bf16 compute.
+queries 384), SwiGLU 3072, block Attention Residuals (blocks of 3 layers), bf16 compute, full
+rematerialisation.
 """
 
 from kimi_k3.model import default_model_config
@@ -30,13 +31,15 @@ def get_config(arg: str | None = None):
     m.mlp_dim = 3072
     m.attn_res_block_size = 6  # sublayers = 3 layers
     m.dtype = "bfloat16"
+    # Without rematerialisation every layer keeps ~185 KB of activations per token (KDA) and
+    # 8 rows of 2048 already peaked at 41 GiB on an H200; with remat="full", 32 rows peak at
+    # 28.5 GiB and train faster (54.6k vs 45.4k tokens/s, H200, 2026-11-29; BENCHMARKS.md).
+    m.remat = "full"
     config = ml_collections.ConfigDict()
     config.model = m
     add_training_defaults(config)  # data, opt, mesh, checkpoint, train, seed
     config.data.seq_len = 2048
-    # 16k tokens per step. With KDA on the plain-JAX chunked path, 32 rows of 2048 asked XLA for
-    # 159 GiB on one H200 (2026-11-29) and ran out of memory; 8 rows trained (~47k tokens/s).
-    config.data.global_batch_size = 8
+    config.data.global_batch_size = 32  # 64k tokens per step
     config.opt.lr = 1e-3
     config.opt.warmup_steps = 200
     config.train.steps = 5000

@@ -144,6 +144,32 @@ class Checkpointer:
 # ---------------------------------------------------------------------------------------------
 
 
+class NoCheckpoints:
+    """``checkpoint.enabled = False``: the Checkpointer's interface, saving and restoring nothing
+    (benchmarks and throwaway runs, where writing the state would only cost time)."""
+
+    def latest_step(self) -> None:
+        return None
+
+    def should_save(self, step: int) -> bool:
+        return False
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+    def save(self, step: int, state, data_state: dict) -> bool:
+        return False
+
+    def restore(self, abstract_state) -> None:
+        return None
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def resolve_step_dir(path: str) -> tuple[epath.Path, int | None]:
     """A step folder (``.../checkpoints/2000``) as given, or the newest step folder inside a
     run's checkpoint folder. Raises FileNotFoundError naming the path."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import time
 
 # Dense bf16 matmul peak per JAX device, TFLOP/s, from the vendors' data sheets. Matched as a
@@ -58,6 +59,39 @@ def mfu(flops_per_token: float, tokens_per_sec: float, peak_per_device: float | 
     if not peak_per_device:
         return None
     return flops_per_token * tokens_per_sec / (peak_per_device * num_devices)
+
+
+def throughput_summary(jsonl_path: str | os.PathLike) -> dict:
+    """Medians over the timed train reports of a run's ``metrics.jsonl``: tokens_per_s,
+    step_time_s and mfu (None without a known peak), with ``windows`` (how many reports were
+    timed) and the ``final_loss``. The first step (compilation) is never inside a window."""
+    with open(jsonl_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    timed = [r for r in rows if r.get("split") == "train" and "tokens_per_s" in r]
+    if not timed:
+        raise ValueError(f"{jsonl_path}: no timed report; run more steps than train.log_every")
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    train = [r for r in rows if r.get("split") == "train"]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "windows": len(timed),
+        "final_loss": train[-1].get("loss", float("nan")),
+    }
+
+
+def peak_memory_bytes() -> int | None:
+    """The largest allocator high-water mark over this process's devices, or None where the
+    backend keeps no statistics (CPU)."""
+    import jax
+
+    peaks = []
+    for d in jax.local_devices():
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
 
 
 def _fmt(v) -> str:

@@ -100,6 +100,7 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "axis_rules": sharding_lib.DEFAULT_RULES,  # (logical name, mesh axes | None)
         },
         "checkpoint": {
+            "enabled": True,  # False: never save nor resume (benchmarks, throwaway runs)
             "every_steps": 200,  # save every N steps (and at the end, and on SIGTERM)
             "keep": 3,  # keep the last K
             "async_save": True,  # write in the background while training goes on
@@ -145,6 +146,8 @@ def validate_config(config) -> None:
         raise ValueError(f"train.eval_every: {t.eval_every!r} must be an integer >= 0")
     if t.nan_policy not in NAN_POLICIES:
         raise ValueError(f"train.nan_policy: {t.nan_policy!r} is not one of {NAN_POLICIES}")
+    if not isinstance(config.checkpoint.enabled, bool):
+        raise ValueError(f"checkpoint.enabled: {config.checkpoint.enabled!r} must be True or False")
     a = config.opt.grad_accum_steps
     if not (isinstance(a, int) and a > 0):
         raise ValueError(f"opt.grad_accum_steps: {a!r} must be a positive integer")
@@ -451,8 +454,12 @@ def train(config, workdir: str) -> dict:
                  eval_rows.num_rows if eval_rows else 0, T)
 
     # ---- Checkpoint restore -------------------------------------------------------------------
-    ckpt = ckpt_lib.Checkpointer(config.checkpoint.dir or os.path.join(workdir, "checkpoints"),
-                                 config.checkpoint)
+    if config.checkpoint.enabled:
+        ckpt = ckpt_lib.Checkpointer(
+            config.checkpoint.dir or os.path.join(workdir, "checkpoints"), config.checkpoint)
+    else:
+        logging.warning("checkpoint.enabled is False: nothing of this run is saved")
+        ckpt = ckpt_lib.NoCheckpoints()
     it = data_lib.BatchIterator(train_rows, B, host_rows)
     restored = ckpt.restore(setup.abstract_state)
     if restored is None:
