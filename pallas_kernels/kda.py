@@ -54,7 +54,7 @@ SAFE_SUB = 16  # sub-chunk rows of the unbounded-gate path (its diagonal blocks 
 # widest V tile that still gives the state passes TARGET_PROGRAMS programs (they are the
 # sequential part: at small batch, finer V tiles are the only parallelism left).
 TUNING = {"bv_seq": 0, "bv_intra": 64, "bk": 32, "warps_intra": 4, "warps_seq": 4,
-          "warps_grad": 8, "stages_seq": 2, "stages_intra": 1, "inverse_x3": 1}
+          "warps_grad": 8, "warps_chan": 4, "stages_seq": 2, "stages_intra": 1, "inverse_x3": 1}
 TARGET_PROGRAMS = 256
 
 
@@ -123,7 +123,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode) -> K
         B=B, T=T, H=H, HV=HV, K=Kp, V=Vp, k_dim=K, v_dim=V, C=C, sub=sub, scale=float(scale), bounded=bounded,
         has_seg=segment_ids is not None, cd=cd, platform=platform, mode=mode, bv_seq=bv_seq,
         bv_intra=bv_intra, bk=bk, warps_intra=TUNING["warps_intra"], warps_seq=TUNING["warps_seq"],
-        warps_grad=TUNING["warps_grad"], stages_seq=TUNING["stages_seq"],
+        warps_grad=TUNING["warps_grad"], warps_chan=TUNING["warps_chan"], stages_seq=TUNING["stages_seq"],
         stages_intra=TUNING["stages_intra"],
         inverse_x3=bool(TUNING["inverse_x3"]),
     )

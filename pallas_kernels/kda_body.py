@@ -66,6 +66,7 @@ class KdaConfig:
     warps_intra: int = 4
     warps_seq: int = 4
     warps_grad: int = 8
+    warps_chan: int = 4
     stages_seq: int = 2
     # Triton software pipelining multiplies the shared memory of the intra kernels' slice loops
     # (3 stages overflowed the H200's 227 KB in the backward); they are not load-bound.
@@ -310,21 +311,42 @@ def colside(dA, Y, G, lv, cfg: KdaConfig):
 # ----------------------------------------------------------------------------- WY pieces
 
 
-def tril_inverse(L, cfg: KdaConfig):
-    """(I + L)^-1 for strictly lower-triangular L [C, C], matmul only.
+INVERSE_BLOCK = 8  # rows of the diagonal blocks inverted by repeated squaring
 
-    With N = -L nilpotent (N^C = 0): (I - N)^-1 = prod_m (I + N^(2^m)), m = 0..log2(C)-1.
+
+def tril_inverse(L, cfg: KdaConfig):
+    """(I + L)^-1 for strictly lower-triangular L [C, C], matmul only, numerically stable.
+
+    Repeated squaring of the whole matrix, (I - N)^-1 = prod_m (I + N^(2^m)) with N = -L, is
+    exact in theory but not in float32: for keys that agree and gates near 0, L is close to the
+    all-ones triangle and N^32 has entries near C(63, 31) ~ 1e18 that must cancel to give an
+    inverse of size ~1. So the squaring runs only inside diagonal blocks of INVERSE_BLOCK = 8 rows
+    (powers up to N^4: growth at most C(7, 3) = 35), and the blocks are then merged pairwise,
+    8 -> 16 -> 32 -> 64, with the 2 x 2 block inverse
+
+        [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]],
+
+    i.e. T <- T - T P T with P = L masked to the lower-left block of each merged pair: products
+    of true inverses, no cancellation. Both stages together are as many dots as full squaring.
     """
     C = cfg.C
-    eye = (iota((C, C), 0) == iota((C, C), 1)).astype(f32)
-    P = -L
+    ri, cj = iota((C, C), 0), iota((C, C), 1)
+    eye = (ri == cj).astype(f32)
+    cheap = not cfg.inverse_x3
+    h = min(INVERSE_BLOCK, C)
+    P = -jnp.where(lax.div(ri, h) == lax.div(cj, h), L, 0.0)
     Tinv = eye + P
     m = 1
-    while 2 * m < C:
-        cheap = not cfg.inverse_x3
+    while 2 * m < h:
         P = mm(P, P, cfg, exact=True, cheap=cheap)
         Tinv = Tinv + mm(Tinv, P, cfg, exact=True, cheap=cheap)
         m *= 2
+    while h < C:  # merge pairs of h-blocks into 2h-blocks
+        pair = (lax.div(ri, 2 * h) == lax.div(cj, 2 * h)) & (lax.rem(lax.div(ri, h), 2) == 1) & (
+            lax.rem(lax.div(cj, h), 2) == 0)
+        X = mm(Tinv, jnp.where(pair, L, 0.0), cfg, exact=True, cheap=cheap)
+        Tinv = Tinv - mm(X, Tinv, cfg, exact=True, cheap=cheap)
+        h *= 2
     return Tinv
 
 
@@ -449,16 +471,16 @@ def reverse_step(dSt, dO, W, QG, Kg, Aqk, gam, cfg: KdaConfig):
     return dSt_prev, dVp
 
 
-def bwd_intra(io, n, cfg: KdaConfig):
-    """Gradients of one chunk with respect to q, k, v, g and beta, K slice by K slice.
+def bwd_intra_scores(io, n, cfg: KdaConfig):
+    """Backward, part 1 of one chunk: everything that needs all of K and V at once.
 
     ``io`` loads: qkg(s), beta, seg as in ``fwd_intra``; W(s) [C, BK]; vt(name, t) for name in
-    v, U, Vp, dVp, dO -> [C, BV]; st(name, t, s) for name in St (state entering the chunk) and
-    dSt (gradient of the state leaving it), both transposed -> [BV, BK]. ``io.put`` stores dv
-    (by V tile), dq, dk, dg (by K slice) and dbeta.
+    v, U, Vp, dVp, dO -> [C, BV]; st("St", t, s) -> the state entering the chunk, transposed
+    [BV, BK]. ``io.put`` stores dv (by V tile), dbeta, and for ``bwd_intra_channels`` the
+    [C, C] matrices dAqk (masked), dAkk (masked) and Tinv = (I + Diag(beta) Akk)^-1.
 
-    Three sweeps: (A) over V tiles, the [C, C] gradients that need all of V; (B) over K slices,
-    the W part of dL and dbeta; (C) over K slices, dq, dk, dg.
+    Two sweeps: (A) over V tiles, the [C, C] gradients that need all of V; (B) over K slices,
+    the W part of dL and dbeta.
     """
     C, nk, nv = cfg.C, cfg.K // cfg.bk, cfg.V // cfg.bv_intra
     lv = last_valid_row(n, cfg)
@@ -499,40 +521,51 @@ def bwd_intra(io, n, cfg: KdaConfig):
     dL, dbeta = _loop(nk, sweep_b, (dL, dbeta))
     dL = jnp.where(pair_masks(segc, segr, cfg)[1], dL, 0.0)
     io.put("dbeta", 0, dbeta + _rowsum(dL * Akk))
-    dAkk = beta * dL
-    dAqk = jnp.where(pair_masks(segc, segr, cfg)[0], dAqk, 0.0)
+    io.put("dAkk", 0, beta * dL)
+    io.put("dAqk", 0, jnp.where(pair_masks(segc, segr, cfg)[0], dAqk, 0.0))
+    io.put("Tinv", 0, Tinv)
 
-    # (C) everything per channel.
-    def sweep_c(s, carry):
-        p = Slice(*io.qkg(s), a, lm, cfg)
-        zk = jnp.zeros((C, cfg.bk), f32)
-        dQG, dKg, dW, dgam = zk, zk, zk, jnp.zeros((1, cfg.bk), f32)
-        for t in range(nv):
-            St = io.st("St", t, s).astype(f32)
-            dSt = io.st("dSt", t, s).astype(f32)
-            dQG = dQG + mm(io.vt("dO", t), St, cfg)
-            dKg = dKg + mm(io.vt("Vp", t), dSt, cfg)
-            dW = dW - mm(io.vt("dVp", t), St, cfg)
-            dgam = dgam + jnp.sum(St * dSt, axis=0, keepdims=True)
-        dKGa = beta * mm(Tinv, dW, cfg, ta=True)
-        rq = rowside(dAqk, p.kf, p.G, lv, cfg)
-        cq = colside(dAqk, p.qs, p.G, lv, cfg)
-        rk = rowside(dAkk, p.kf, p.G, lv, cfg)
-        ck = colside(dAkk, p.kf, p.G, lv, cfg)
-        dk = cq + rk + ck
-        dG = p.qs * rq + p.kf * (rk - cq - ck)
-        if cfg.has_seg:
-            dqs = dQG * p.Gam * a
-            dk = dk + dKGa * p.Gam * a + dKg * p.decay_to_end * lm
-        else:
-            dqs = dQG * p.Gam
-            dk = dk + dKGa * p.Gam + dKg * p.decay_to_end
-        dG = dG + dQG * p.QG + dKGa * p.KGa - dKg * p.Kg
-        dG_last = jnp.sum(dKg * p.Kg, axis=0, keepdims=True) + dgam * p.gam
-        dG = dG + jnp.where(iota((C, 1), 0) == C - 1, dG_last, 0.0)
-        io.put("dq", s, (dqs + rq) * cfg.scale)
-        io.put("dk", s, dk)
-        io.put("dg", s, reverse_cumsum(dG, cfg))
-        return carry
 
-    _loop(nk, sweep_c, ())
+def bwd_intra_channels(io, n, s, cfg: KdaConfig):
+    """Backward, part 2: dq, dk, dg of one chunk in K slice s (the math is separable in d once
+    part 1 has reduced over K and V).
+
+    ``io`` loads: qkg(s), beta, seg as in ``fwd_intra``; cc(name) -> [C, C] for name in dAqk,
+    dAkk, Tinv (from ``bwd_intra_scores``); vt(name, t) for Vp, dVp, dO; st(name, t, s) for St
+    and dSt (the gradient of the state leaving the chunk) -> [BV, BK]. ``io.put`` stores dq,
+    dk, dg of slice s.
+    """
+    C, nv = cfg.C, cfg.V // cfg.bv_intra
+    lv = last_valid_row(n, cfg)
+    a, lm, _, _ = io.seg
+    beta = io.beta.astype(f32)
+    dAqk, dAkk, Tinv = (io.cc(name).astype(f32) for name in ("dAqk", "dAkk", "Tinv"))
+    p = Slice(*io.qkg(s), a, lm, cfg)
+    zk = jnp.zeros((C, cfg.bk), f32)
+    dQG, dKg, dW, dgam = zk, zk, zk, jnp.zeros((1, cfg.bk), f32)
+    for t in range(nv):
+        St = io.st("St", t, s).astype(f32)
+        dSt = io.st("dSt", t, s).astype(f32)
+        dQG = dQG + mm(io.vt("dO", t), St, cfg)
+        dKg = dKg + mm(io.vt("Vp", t), dSt, cfg)
+        dW = dW - mm(io.vt("dVp", t), St, cfg)
+        dgam = dgam + jnp.sum(St * dSt, axis=0, keepdims=True)
+    dKGa = beta * mm(Tinv, dW, cfg, ta=True)
+    rq = rowside(dAqk, p.kf, p.G, lv, cfg)
+    cq = colside(dAqk, p.qs, p.G, lv, cfg)
+    rk = rowside(dAkk, p.kf, p.G, lv, cfg)
+    ck = colside(dAkk, p.kf, p.G, lv, cfg)
+    dk = cq + rk + ck
+    dG = p.qs * rq + p.kf * (rk - cq - ck)
+    if cfg.has_seg:
+        dqs = dQG * p.Gam * a
+        dk = dk + dKGa * p.Gam * a + dKg * p.decay_to_end * lm
+    else:
+        dqs = dQG * p.Gam
+        dk = dk + dKGa * p.Gam + dKg * p.decay_to_end
+    dG = dG + dQG * p.QG + dKGa * p.KGa - dKg * p.Kg
+    dG_last = jnp.sum(dKg * p.Kg, axis=0, keepdims=True) + dgam * p.gam
+    dG = dG + jnp.where(iota((C, 1), 0) == C - 1, dG_last, 0.0)
+    io.put("dq", s, (dqs + rq) * cfg.scale)
+    io.put("dk", s, dk)
+    io.put("dg", s, reverse_cumsum(dG, cfg))

@@ -3,7 +3,7 @@
     intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk.
     state_fwd   the state pass: O (and, for the backward, the states h and V' of every chunk).
     state_bwd   the reverse state pass: dh (gradient of each chunk's outgoing state) and dV'.
-    intra_bwd   grid (B*HV, N), all parallel: dq, dk, dv, dg, dbeta of every chunk.
+    intra_bwd   grid (B*HV, N), then (B*HV, N, K/BK), all parallel: dq, dk, dv, dg, dbeta.
 
 The state passes carry S across chunks. On GPU (Pallas-Triton) grid programs run in parallel,
 so one program per (B*HV, V tile) walks all chunks in a ``fori_loop`` with the state in
@@ -20,6 +20,7 @@ minor block dims to be tiles). Intermediates are ours: [B*HV, N, C, X] for per-c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -384,48 +385,87 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt):
 
 def intra_bwd(cfg: KdaConfig, q, k, v, g, beta, segs, W, U, h, dh, Vp, dVp, dO, *,
               dqk_dtype, dv_dtype, dg_dtype):
-    """dq, dk (per value head) and dg [.., K], dv [.., V], dbeta [.., 1], all in the user layout."""
+    """dq, dk (per value head) and dg [.., K], dv [.., V], dbeta [.., 1], all in the user layout.
+
+    Two kernels: ``bwd_intra_scores`` per chunk (grid (B*HV, N): dv, dbeta and the chunk's
+    [C, C] dAqk, dAkk, Tinv, stored in cfg.cd since their only consumers are fast dots), then
+    ``bwd_intra_channels`` per chunk and K slice (grid (B*HV, N, K/BK)): K/BK times as many
+    programs, each holding one slice's tiles, so more of them fit on an SM at once.
+    """
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
-    qk_head = lambda bh, n: (_div(bh, HV), _div(_rem(bh, HV), cfg.G))
-    v_head = lambda bh, n: (_div(bh, HV), _rem(bh, HV))
-    chunk = lambda bh, n: (n, 0)
-    per_chunk = lambda x: pl.BlockSpec((None, None, C, x), lambda bh, n: (bh, n, 0, 0))
-    state = pl.BlockSpec((None, None, V, K), lambda bh, n: (bh, n, 0, 0))
+    nk = K // cfg.bk
+    qk_head = lambda bh, n, *_: (_div(bh, HV), _div(_rem(bh, HV), cfg.G))
+    v_head = lambda bh, n, *_: (_div(bh, HV), _rem(bh, HV))
+    chunk = lambda bh, n, *_: (n, 0)
+    per_chunk = lambda x: pl.BlockSpec((None, None, C, x), lambda bh, n, *_: (bh, n, 0, 0))
+    segs = tuple(segs) if cfg.has_seg else ()
+    seg_specs = _seg_specs(cfg, lambda bh, n, *_: (_div(bh, HV), n)) if cfg.has_seg else []
+
+    # ---- part 1: per chunk
     in_specs = [
         _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
         _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
-        _tok_spec(cfg, 1, v_head, chunk),
+        _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
+        per_chunk(K), per_chunk(V), pl.BlockSpec((None, None, V, K), lambda bh, n: (bh, n, 0, 0)),
+        per_chunk(V), per_chunk(V), _tok_spec(cfg, V, v_head, chunk),
     ]
-    if cfg.has_seg:
-        in_specs += _seg_specs(cfg, lambda bh, n: (_div(bh, HV), n))
-    in_specs += [per_chunk(K), per_chunk(V), state, state, per_chunk(V), per_chunk(V),
-                 _tok_spec(cfg, V, v_head, chunk)]
-    out_specs = [_tok_spec(cfg, K, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
-                 _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
-                 _tok_spec(cfg, 1, v_head, chunk)]
-    out_shape = [_tok_shape(cfg, HV, K, dqk_dtype), _tok_shape(cfg, HV, K, dqk_dtype),
-                 _tok_shape(cfg, HV, V, dv_dtype), _tok_shape(cfg, HV, K, dg_dtype),
-                 _tok_shape(cfg, HV, 1, f32)]
+    out_specs = [_tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, 1, v_head, chunk),
+                 per_chunk(C), per_chunk(C), per_chunk(C)]
+    out_shape = [_tok_shape(cfg, HV, V, dv_dtype), _tok_shape(cfg, HV, 1, f32),
+                 *[jax.ShapeDtypeStruct((BHV, N, C, C), cfg.dtype)] * 3]
 
-    def kernel(*refs):
+    def scores_kernel(*refs):
         q_r, k_r, v_r, g_r, b_r, seg, rest = _split_refs(cfg, refs)
-        W_r, U_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dv_r, dg_r, db_r = rest
+        W_r, U_r, h_r, Vp_r, dVp_r, dO_r, dv_r, db_r, dAqk_r, dAkk_r, Ti_r = rest
         ks, vs = _slicers(cfg)
         by_v = {"v": v_r, "U": U_r, "Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
-        put = _writer(ks, vs, by_k={"dq": dq_r, "dk": dk_r, "dg": dg_r},
-                      by_v={"dv": dv_r}, whole={"dbeta": db_r})
-
+        put = _writer(ks, vs, by_k={}, by_v={"dv": dv_r},
+                      whole={"dbeta": db_r, "dAqk": dAqk_r, "dAkk": dAkk_r, "Tinv": Ti_r})
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
             beta=b_r[...], seg=seg, put=put, W=lambda s: W_r[:, ks(s)],
-            vt=lambda name, t: by_v[name][:, vs(t)],
-            st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), ks(s)])
-        body.bwd_intra(io, pl.program_id(1), cfg)
+            vt=lambda name, t: by_v[name][:, vs(t)], st=lambda name, t, s: h_r[vs(t), ks(s)])
+        body.bwd_intra_scores(io, pl.program_id(1), cfg)
 
-    args = (q, k, v, g, beta) + (tuple(segs) if cfg.has_seg else ()) + (W, U, h, dh, Vp, dVp, dO)
-    return _call(kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
-                 out_shape=out_shape, name="kda_intra_bwd", warps=cfg.warps_grad,
-                 stages=cfg.stages_intra)(*args)
+    dv, db, dAqk, dAkk, Tinv = _call(
+        scores_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, name="kda_intra_bwd_scores", warps=cfg.warps_grad,
+        stages=cfg.stages_intra)(q, k, v, g, beta, *segs, W, U, h, Vp, dVp, dO)
+
+    # ---- part 2: per chunk and K slice
+    bk = cfg.bk
+    slice_k = lambda bh, n, s: (n, s)
+    state = pl.BlockSpec((None, None, V, bk), lambda bh, n, s: (bh, n, 0, s))
+    in_specs = [
+        _tok_spec(cfg, bk, qk_head, slice_k), _tok_spec(cfg, bk, qk_head, slice_k),
+        _tok_spec(cfg, bk, v_head, slice_k), _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
+        per_chunk(C), per_chunk(C), per_chunk(C), state, state, per_chunk(V), per_chunk(V),
+        _tok_spec(cfg, V, v_head, chunk),
+    ]
+    out_specs = [_tok_spec(cfg, bk, v_head, slice_k)] * 3
+    out_shape = [_tok_shape(cfg, HV, K, dqk_dtype), _tok_shape(cfg, HV, K, dqk_dtype),
+                 _tok_shape(cfg, HV, K, dg_dtype)]
+    ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
+
+    def channels_kernel(q_r, k_r, g_r, b_r, *refs):
+        refs = (q_r, k_r, None, g_r, b_r, *refs)
+        _, _, _, _, _, seg, rest = _split_refs(cfg, refs)
+        dAqk_r, dAkk_r, Ti_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dg_r = rest
+        _, vs = _slicers(cfg)
+        by_v = {"Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
+        cc = {"dAqk": dAqk_r, "dAkk": dAkk_r, "Tinv": Ti_r}
+        put = _writer(None, vs, by_k={}, by_v={}, whole={"dq": dq_r, "dk": dk_r, "dg": dg_r})
+        io = SimpleNamespace(
+            qkg=lambda s: (q_r[...], k_r[...], g_r[...]), beta=b_r[...], seg=seg, put=put,
+            cc=lambda name: cc[name][...], vt=lambda name, t: by_v[name][:, vs(t)],
+            st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
+        body.bwd_intra_channels(io, pl.program_id(1), 0, ch_cfg)
+
+    dq, dk, dg = _call(
+        channels_kernel, cfg, grid=(BHV, N, nk), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, name="kda_intra_bwd_channels", warps=cfg.warps_chan,
+        stages=cfg.stages_intra)(q, k, g, beta, *segs, dAqk, dAkk, Tinv, h, dh, Vp, dVp, dO)
+    return dq, dk, dv, dg, db
 
 
 @functools.cache

@@ -65,7 +65,8 @@ def launch_params(name: str):
     return {"kda_intra_fwd": (t["warps_intra"], t["stages_intra"]),
             "kda_state_fwd": (t["warps_seq"], t["stages_seq"]),
             "kda_state_bwd": (t["warps_seq"], t["stages_seq"]),
-            "kda_intra_bwd": (t["warps_grad"], t["stages_intra"])}[name]
+            "kda_intra_bwd_scores": (t["warps_grad"], t["stages_intra"]),
+            "kda_intra_bwd_channels": (t["warps_chan"], t["stages_intra"])}[name]
 
 
 def report(path: str, warps: int, stages: int) -> str:
