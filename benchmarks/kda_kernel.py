@@ -147,9 +147,12 @@ def main(argv=None):
                     help="comma list of keys of SHAPES")
     ap.add_argument("--no-xla", action="store_true", help="skip impl='xla'")
     ap.add_argument("--no-fla", action="store_true", help="skip fla")
-    ap.add_argument("--breakdown", action="store_true", help="per-kernel times of ours")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per-kernel times of ours (first shape)")
     ap.add_argument("--breakdown-only", action="store_true", help="only the per-kernel times")
     ap.add_argument("--sweep", default="", help="a shape key: try launch parameters there")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated TUNING overrides for --sweep (default: SWEEP)")
     ap.add_argument("--tune", default="", help="TUNING overrides, e.g. bv_seq=16,warps_seq=4")
     ap.add_argument("--out", default="", help="write the markdown table here")
     args = ap.parse_args(argv)
@@ -170,37 +173,47 @@ def main(argv=None):
         for name in names:
             breakdown(name, make_inputs(*SHAPES[name]))
         return
-    for name in names:  # ours first: the numbers that matter most, and quick to compile
+    for i, name in enumerate(names):  # shape by shape, so a run cut short keeps whole rows
         arrays = make_inputs(*SHAPES[name])
         results[name]["ours"] = bench_jax("pallas", arrays)
         print(f"{name}: ours fwd / fwd+bwd {fmt(results[name]['ours'])} ms", flush=True)
-        if args.breakdown:
+        if args.breakdown and i == 0:  # every kernel compiles again: the first shape only
             breakdown(name, arrays)
-    report()
-    if not args.no_fla:  # fla autotunes its kernels on first use: slow to start
-        for name in names:
-            results[name]["fla"] = bench_fla(make_inputs(*SHAPES[name]))
+        if not args.no_fla:  # fla autotunes its kernels on first use: slow to start
+            results[name]["fla"] = bench_fla(arrays)
             print(f"{name}: fla fwd / fwd+bwd {fmt(results[name]['fla'])} ms", flush=True)
-        report()
-    if not args.no_xla:
-        for name in names:
+        if not args.no_xla:
             try:
-                results[name]["xla"] = bench_jax("xla", make_inputs(*SHAPES[name]))
+                results[name]["xla"] = bench_jax("xla", arrays)
             except Exception as err:
                 print(f"  xla {name} failed: {str(err).splitlines()[0][:200]}")
             print(f"{name}: xla fwd / fwd+bwd {fmt(results[name]['xla'])} ms", flush=True)
+        del arrays
         report()
     if args.sweep:  # last: a run cut short still has the table
-        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]))
+        variants = ([dict(_parse(v)) for v in args.variants.split(";") if v]
+                    if args.variants else SWEEP)
+        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), variants)
 
 
 SWEEP = ({"inverse_x3": 0}, {"bv_seq": 32}, {"bv_seq": 64}, {"warps_seq": 8},
          {"bk": 64}, {"warps_grad": 8}, {"stages_seq": 3})
 
 
-def sweep(name, arrays):
+def _parse(spec):
+    """"bk=64,warps_intra=8" -> {"bk": 64, "warps_intra": 8}, checked like --tune."""
     base = dict(pk.TUNING)
-    for var in SWEEP:
+    try:
+        pk.apply_tuning(spec)
+        return {k: v for k, v in pk.TUNING.items() if base[k] != v or f"{k}=" in spec}
+    finally:
+        pk.TUNING.clear()
+        pk.TUNING.update(base)
+
+
+def sweep(name, arrays, variants=SWEEP):
+    base = dict(pk.TUNING)
+    for var in variants:
         pk.TUNING.update(var)
         try:
             t = bench_jax("pallas", arrays)
@@ -234,7 +247,7 @@ def format_table(dev, results):
         f = ("—", "—") if fla is None else (f"{fla[0]:.2f}", f"{fla[1]:.2f}")
         rr = ("—", "—") if fla is None else (f"{fla[0] / ours[0]:.2f}x",
                                              f"{fla[1] / ours[1]:.2f}x")
-        mt = f"{B * T / ours[0] / 1e3:.0f} / {B * T / ours[1] / 1e3:.0f}"
+        mt = f"{B * T / ours[0] / 1e3:.1f} / {B * T / ours[1] / 1e3:.1f}"
         lines.append(f"| {B} x {T} | {ours[0]:.2f} | {ours[1]:.2f} | {x[0]} | {x[1]} | {f[0]} "
                      f"| {f[1]} | {mt} | {rr[0]} | {rr[1]} |")
     return "\n".join(lines)
