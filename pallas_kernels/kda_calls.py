@@ -229,6 +229,32 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs):
 # ----------------------------------------------------------------------------- state passes
 
 
+def _carry_in_scratch(step, carry_r, init_r, final_r, N: int):
+    """TPU state passes: grid step t of the "arbitrary" chunk axis runs ``step`` on the state
+    carried in the VMEM scratch ``carry_r`` (loaded from ``init_r`` at t = 0) and stores the
+    state after the last chunk in ``final_r``."""
+    t = pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _():
+        carry_r[...] = init_r[...]
+
+    new = step(carry_r[...])
+    carry_r[...] = new
+
+    @pl.when(t == N - 1)
+    def _():
+        final_r[...] = new
+
+
+def _tpu_sequential_call(kernel, cfg: KdaConfig, in_specs, out_specs, out_shape, name, grid, BV):
+    """pallas_call of a TPU state pass: grid (B*HV, V tiles, chunks), chunks in order, one
+    [BV, K] float32 scratch for the carried state."""
+    return _call(kernel, cfg, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                 out_shape=out_shape, name=name, dims=("parallel", "parallel", "arbitrary"),
+                 scratch=[pltpu.VMEM((BV, cfg.K), f32)])
+
+
 def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residuals: bool):
     """O in the user layout (out_dtype), final St [B*HV, V, K] f32 and, if ``residuals``, the
     state entering every chunk h [B*HV, N, V, K] and V' [B*HV, N, C, V] (both cfg.cd)."""
@@ -256,29 +282,20 @@ def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residua
 
         def kernel(W_r, U_r, QG_r, Kg_r, A_r, gam_r, h0_r, o_r, ST_r, *rest):
             *res_r, St_r = rest
-            n = pl.program_id(2)
 
-            @pl.when(n == 0)
-            def _():
-                St_r[...] = h0_r[...]
+            def step(St):
+                St_next, Vp, O = body.state_step(St, W_r[...], U_r[...], QG_r[...], Kg_r[...],
+                                                 A_r[...], gam_r[...], cfg)
+                o_r[...] = O.astype(o_r.dtype)
+                if residuals:
+                    res_r[0][...] = St.astype(dt)
+                    res_r[1][...] = Vp.astype(dt)
+                return St_next
 
-            St = St_r[...]
-            St_next, Vp, O = body.state_step(St, W_r[...], U_r[...], QG_r[...], Kg_r[...],
-                                             A_r[...], gam_r[...], cfg)
-            o_r[...] = O.astype(o_r.dtype)
-            if residuals:
-                res_r[0][...] = St.astype(dt)
-                res_r[1][...] = Vp.astype(dt)
-            St_r[...] = St_next
+            _carry_in_scratch(step, St_r, h0_r, ST_r, N)
 
-            @pl.when(n == N - 1)
-            def _():
-                ST_r[...] = St_next
-
-        return _call(kernel, cfg, grid=(BHV, nv, N), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, name="kda_state_fwd",
-                     dims=("parallel", "parallel", "arbitrary"),
-                     scratch=[pltpu.VMEM((BV, K), f32)])(*args)
+        return _tpu_sequential_call(kernel, cfg, in_specs, out_specs, out_shape, "kda_state_fwd",
+                                    (BHV, nv, N), BV)(*args)
 
     # GPU / interpret: one program per (B*HV, V tile) loops over all chunks.
     whole = lambda x, last_block=False: pl.BlockSpec(
@@ -333,27 +350,17 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt):
                      pl.BlockSpec((None, BV, K), lambda bh, vt, n: (bh, vt, 0))]
 
         def kernel(dO_r, W_r, QG_r, Kg_r, A_r, gam_r, dST_r, dh_r, dVp_r, dS0_r, dSt_r):
-            i = pl.program_id(2)
+            def step(dSt):
+                dh_r[...] = dSt.astype(dt)
+                dSt_prev, dVp = body.reverse_step(dSt, dO_r[...], W_r[...], QG_r[...],
+                                                  Kg_r[...], A_r[...], gam_r[...], cfg)
+                dVp_r[...] = dVp.astype(dt)
+                return dSt_prev
 
-            @pl.when(i == 0)
-            def _():
-                dSt_r[...] = dST_r[...]
+            _carry_in_scratch(step, dSt_r, dST_r, dS0_r, N)
 
-            dSt = dSt_r[...]
-            dh_r[...] = dSt.astype(dt)
-            dSt_prev, dVp = body.reverse_step(dSt, dO_r[...], W_r[...], QG_r[...], Kg_r[...],
-                                              A_r[...], gam_r[...], cfg)
-            dVp_r[...] = dVp.astype(dt)
-            dSt_r[...] = dSt_prev
-
-            @pl.when(i == N - 1)
-            def _():
-                dS0_r[...] = dSt_prev
-
-        return _call(kernel, cfg, grid=(BHV, nv, N), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, name="kda_state_bwd",
-                     dims=("parallel", "parallel", "arbitrary"),
-                     scratch=[pltpu.VMEM((BV, K), f32)])(*args)
+        return _tpu_sequential_call(kernel, cfg, in_specs, out_specs, out_shape, "kda_state_bwd",
+                                    (BHV, nv, N), BV)(*args)
 
     whole = lambda x: pl.BlockSpec((None, N, C, x), lambda bh, vt: (bh, 0, 0, 0))
     in_specs = [_tok_spec(cfg, BV, o_head, lambda bh, vt: (0, vt), rows=N * C),
