@@ -17,8 +17,16 @@
 # nan:     benchmarks/kda_stress.py at the small model's shapes; small.py with impl="pallas" and
 #          nan_policy=skip; the same with JAX_DEBUG_NANS.
 # probe:   kda_stress.py with NaN-poisoned kernel outputs; two identical pallas training runs.
+# verify:  GPU 0: the GPU tests, kda_stress.py, per-kernel times (default and plain-tf32 inverse).
+#          GPU 1: configs/small.py trained with impl="pallas" then "xla", same data and init
+#                 (loss curves to compare; nan_policy=stop).
+# kernel2: GPU 0: ours vs fla on the four shapes (no xla), per-kernel times, launch sweep.
+#          GPU 1: the GPU tests and kda_stress.py, as built and with the plain-tf32 inverse.
+# final3:  GPU 0: ours vs fla on the four shapes with per-kernel times (no xla).
+#          GPU 1: the GPU tests, kda_stress.py, configs/small.py with impl="auto" (STEPS steps).
+# final2:  final3 after a launch-parameter sweep at 8x4096 (VARIANTS), the fastest adopted.
 set -u
-PHASE=${1:?one of kernel, scaling, final, nan, probe}
+PHASE=${1:?one of kernel, scaling, final, nan, probe, verify, kernel2, final2, final3}
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
 mkdir -p "$OUT" "$W"
@@ -115,4 +123,74 @@ elif [ "$PHASE" = probe ]; then  # unwritten outputs, and determinism of the mod
     wait
     cat "$W/stress_poison.log"
     for run in a b; do grep -oE "step [0-9]+: loss=[0-9.a-z]+ grad_norm=[0-9.a-z]+" "$W/probe_$run.log"; done
+elif [ "$PHASE" = verify ]; then
+    STEPS=${STEPS:-150}
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 200 python3 -m pytest tests/test_kda_pallas.py -q -k gpu -p no:cacheprovider \
+            > "$W/gpu_tests.log" 2>&1
+        timeout 150 python3 benchmarks/kda_stress.py > "$W/stress.log" 2>&1
+        timeout 90 python3 benchmarks/kda_kernel.py --shapes 8x4096 --breakdown-only \
+            > "$W/breakdown.log" 2>&1
+        timeout $((LIMIT - 450)) python3 benchmarks/kda_kernel.py --shapes 8x4096 --breakdown-only \
+            --tune inverse_x3=0 > "$W/breakdown_tf32_inverse.log" 2>&1
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        for impl in pallas xla; do
+            T_LIM=$((LIMIT - 210)); [ $impl = pallas ] && T_LIM=200
+            timeout $T_LIM python3 benchmarks/train_throughput.py \
+                --config=configs/small.py --workdir="$W/small_$impl" --config.model.kda.impl=$impl \
+                --config.train.steps=$STEPS --config.train.log_every=10 \
+                --config.checkpoint.enabled=False --out="$W/train_small_$impl.md" \
+                > "$W/train_$impl.log" 2>&1
+        done
+    ) &
+    wait
+    tail -n 3 "$W/gpu_tests.log"; cat "$W/stress.log" "$W"/breakdown*.log "$W"/train_small_*.md
+    for impl in pallas xla; do
+        echo "== $impl"; python3 -c "import json,sys; [print(r.get('step'), round(r.get('loss', -1), 4), \
+            round(r.get('grad_norm', -1), 4)) for r in map(json.loads, open(sys.argv[1]))]" \
+            "$W/small_$impl/metrics.jsonl" 2>&1 | tail -n 16
+        grep -E "Stopping|non-finite|Error" "$W/train_$impl.log" | head -n 3
+    done
+elif [ "$PHASE" = kernel2 ]; then
+    (CUDA_VISIBLE_DEVICES=0 timeout $((LIMIT - 10)) python3 benchmarks/kda_kernel.py --no-xla \
+        --shapes "${SHAPES:-8x4096,2x16384,1x65536,1x262144}" \
+        --breakdown --sweep 8x4096 --variants "${VARIANTS:-inverse_x3=0}" \
+        --out "$W/kda_table.md" > "$W/kda_kernel.log" 2>&1; cp "$W/kda_table.md" "$OUT/" ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        for tune in "" inverse_x3=0; do
+            KDA_PALLAS_TUNE=$tune timeout 200 python3 -m pytest tests/test_kda_pallas.py -q -k gpu \
+                -p no:cacheprovider > "$W/gpu_tests_${tune:-default}.log" 2>&1
+            KDA_PALLAS_TUNE=$tune timeout 100 python3 benchmarks/kda_stress.py \
+                > "$W/stress_${tune:-default}.log" 2>&1
+        done
+    ) &
+    wait
+    for f in "$W"/gpu_tests_*.log; do echo "== $f"; grep -E "passed|failed|Error" "$f" | tail -n 8; done
+    tail -n 14 "$W"/stress_*.log; cat "$W/kda_table.md"
+    grep -E "ms|failed" "$W/kda_kernel.log"
+elif [ "$PHASE" = final2 ] || [ "$PHASE" = final3 ]; then
+    SWEEP_ARGS=()  # final2: sweep VARIANTS at 8x4096 first and adopt the fastest
+    [ "$PHASE" = final2 ] && SWEEP_ARGS=(--adopt --sweep 8x4096 --variants "${VARIANTS:-bk=64;bv_intra=128}")
+    (CUDA_VISIBLE_DEVICES=0 timeout $((LIMIT - 10)) python3 benchmarks/kda_kernel.py --no-xla \
+        --breakdown "${SWEEP_ARGS[@]}" --out "$W/kda_table.md" > "$W/kda_kernel.log" 2>&1
+        cp "$W/kda_table.md" "$OUT/" ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout 120 python3 -m pytest tests/test_kda_pallas.py -q -k gpu -p no:cacheprovider \
+            > "$W/gpu_tests.log" 2>&1
+        timeout 90 python3 benchmarks/kda_stress.py > "$W/stress.log" 2>&1
+        timeout $((LIMIT - 220)) python3 benchmarks/train_throughput.py --config=configs/small.py \
+            --workdir="$W/small_auto" --config.train.steps=${STEPS:-100} --config.train.log_every=10 \
+            --config.checkpoint.enabled=False --out="$W/train_small_auto.md" > "$W/train_auto.log" 2>&1
+    ) &
+    wait
+    grep -E "passed|failed|Error" "$W/gpu_tests.log" | tail -n 8; tail -n 13 "$W/stress.log"
+    cat "$W/kda_table.md" "$W/train_small_auto.md"; grep -E " ms|failed|adopted" "$W/kda_kernel.log"
+    python3 -c "import json,sys; [print(r.get('step'), round(r.get('loss', -1), 4), \
+        round(r.get('grad_norm', -1), 4)) for r in map(json.loads, open(sys.argv[1]))]" \
+        "$W/small_auto/metrics.jsonl" 2>&1 | tail -n 16
 fi

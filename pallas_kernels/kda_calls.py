@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover
     pltpu = None
 
 f32 = jnp.float32
+DA_NAMES = ("dAqk", "dAkk", "dAqkT", "dAkkT")  # the [C, C] score gradients between the two
 
 _POISON = [False]
 
@@ -189,8 +190,11 @@ def _slicers(cfg: KdaConfig):
     return (lambda s: pl.ds(s * cfg.bk, cfg.bk)), (lambda t: pl.ds(t * cfg.bv_intra, cfg.bv_intra))
 
 
-def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs):
-    """W, U, QG, Kg [B*HV, N, C, X] (cfg.cd), Aqk [B*HV, N, C, C] (cfg.cd), gam [B*HV, N, 1, K] f32."""
+def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, *, residuals: bool = False):
+    """W, U, QG, Kg [B*HV, N, C, X] (cfg.cd), Aqk [B*HV, N, C, C] (cfg.cd), gam [B*HV, N, 1, K] f32
+    and, with ``residuals`` (for the backward), the chunk-local cumulative gate G [B*HV, N, C, K]
+    f32, the chunk's masked Akk [B*HV, N, C, C] f32 and Tinv = (I + Diag(beta) Akk)^-1
+    [B*HV, N, C, C] (cfg.cd)."""
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     qk_head = lambda bh, n: (_div(bh, HV), _div(_rem(bh, HV), cfg.G))
     v_head = lambda bh, n: (_div(bh, HV), _rem(bh, HV))
@@ -208,16 +212,25 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs):
     dt = cfg.dtype
     out_shape = [jax.ShapeDtypeStruct((BHV, N, C, x), dt) for x in (K, V, K, K, C)]
     out_shape.append(jax.ShapeDtypeStruct((BHV, N, 1, K), f32))
+    if residuals:
+        out_specs += [per_chunk(K), per_chunk(C), per_chunk(C)]
+        out_shape += [jax.ShapeDtypeStruct((BHV, N, C, K), f32),
+                      jax.ShapeDtypeStruct((BHV, N, C, C), f32),
+                      jax.ShapeDtypeStruct((BHV, N, C, C), dt)]
 
     def kernel(*refs):
-        q_r, k_r, v_r, g_r, b_r, seg, (W_r, U_r, QG_r, Kg_r, A_r, gam_r) = _split_refs(cfg, refs)
+        q_r, k_r, v_r, g_r, b_r, seg, outs = _split_refs(cfg, refs)
+        W_r, U_r, QG_r, Kg_r, A_r, gam_r, *res_r = outs
         ks, vs = _slicers(cfg)
-        put = _writer(ks, vs, by_k={"QG": QG_r, "Kg": Kg_r, "W": W_r, "gam": gam_r},
-                      by_v={"U": U_r}, whole={"Aqk": A_r})
+        whole, by_k = {"Aqk": A_r}, {"QG": QG_r, "Kg": Kg_r, "W": W_r, "gam": gam_r}
+        if residuals:
+            by_k["G"] = res_r[0]
+            whole.update(Akk=res_r[1], Tinv=res_r[2])
+        put = _writer(ks, vs, by_k=by_k, by_v={"U": U_r}, whole=whole)
 
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
-            v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put)
+            v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put, residuals=residuals)
         body.fwd_intra(io, pl.program_id(1), cfg)
 
     args = (q, k, v, g, beta) + (tuple(segs) if cfg.has_seg else ())
@@ -390,63 +403,95 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt):
 # ----------------------------------------------------------------------------- intra (bwd)
 
 
-def intra_bwd(cfg: KdaConfig, q, k, v, g, beta, segs, W, U, h, dh, Vp, dVp, dO, *,
+def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp, dVp, dO, *,
               dqk_dtype, dv_dtype, dg_dtype):
     """dq, dk (per value head) and dg [.., K], dv [.., V], dbeta [.., 1], all in the user layout.
 
-    Two kernels: ``bwd_intra_scores`` per chunk (grid (B*HV, N): dv, dbeta and the chunk's
-    [C, C] dAqk, dAkk, Tinv, stored in cfg.cd since their only consumers are fast dots), then
-    ``bwd_intra_channels`` per chunk and K slice (grid (B*HV, N, K/BK)): K/BK times as many
+    Two kernels: ``intra_bwd_scores`` per chunk (grid (B*HV, N): dv, dbeta and the chunk's
+    [C, C] dAqk, dAkk and their transposes, stored in cfg.cd since their only consumers are
+    fast dots), then
+    ``intra_bwd_channels`` per chunk and K slice (grid (B*HV, N, K/BK)): K/BK times as many
     programs, each holding one slice's tiles, so more of them fit on an SM at once.
     """
-    BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
-    nk = K // cfg.bk
-    qk_head = lambda bh, n, *_: (_div(bh, HV), _div(_rem(bh, HV), cfg.G))
-    v_head = lambda bh, n, *_: (_div(bh, HV), _rem(bh, HV))
-    chunk = lambda bh, n, *_: (n, 0)
-    per_chunk = lambda x: pl.BlockSpec((None, None, C, x), lambda bh, n, *_: (bh, n, 0, 0))
-    segs = tuple(segs) if cfg.has_seg else ()
-    seg_specs = _seg_specs(cfg, lambda bh, n, *_: (_div(bh, HV), n)) if cfg.has_seg else []
+    dv, db, *dA = intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO,
+                                   dv_dtype=dv_dtype)
+    dq, dk, dg = intra_bwd_channels(cfg, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO,
+                                    dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
+    return dq, dk, dv, dg, db
 
-    # ---- part 1: per chunk
+
+def _bwd_specs(cfg: KdaConfig):
+    HV = cfg.HV
+    return SimpleNamespace(
+        qk_head=lambda bh, n, *_: (_div(bh, HV), _div(_rem(bh, HV), cfg.G)),
+        v_head=lambda bh, n, *_: (_div(bh, HV), _rem(bh, HV)),
+        chunk=lambda bh, n, *_: (n, 0),
+        per_chunk=lambda x: pl.BlockSpec((None, None, cfg.C, x), lambda bh, n, *_: (bh, n, 0, 0)),
+        seg=_seg_specs(cfg, lambda bh, n, *_: (_div(bh, HV), n)) if cfg.has_seg else [],
+    )
+
+
+def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
+                     dv_dtype):
+    """Backward part 1, grid (B*HV, N): dv, dbeta (user layout) and dAqk, dAkk, dAqk^T, dAkk^T
+    [B*HV, N, C, C] (cfg.cd). Akk and Tinv are the forward's (``intra_fwd(...,
+    residuals=True)``), and so is G."""
+    BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
+    sp = _bwd_specs(cfg)
+    qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
+    segs = tuple(segs) if cfg.has_seg else ()
+    seg_specs = sp.seg
     in_specs = [
-        _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
-        _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
-        _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
-        per_chunk(K), per_chunk(V), pl.BlockSpec((None, None, V, K), lambda bh, n: (bh, n, 0, 0)),
+        _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, V, v_head, chunk),
+        per_chunk(K), _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
+        per_chunk(K), per_chunk(V), per_chunk(C), per_chunk(C),
+        pl.BlockSpec((None, None, V, K), lambda bh, n: (bh, n, 0, 0)),
         per_chunk(V), per_chunk(V), _tok_spec(cfg, V, v_head, chunk),
     ]
     out_specs = [_tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, 1, v_head, chunk),
-                 per_chunk(C), per_chunk(C), per_chunk(C)]
+                 *[per_chunk(C)] * 4]
     out_shape = [_tok_shape(cfg, HV, V, dv_dtype), _tok_shape(cfg, HV, 1, f32),
-                 *[jax.ShapeDtypeStruct((BHV, N, C, C), cfg.dtype)] * 3]
+                 *[jax.ShapeDtypeStruct((BHV, N, C, C), cfg.dtype)] * 4]
 
-    def scores_kernel(*refs):
-        q_r, k_r, v_r, g_r, b_r, seg, rest = _split_refs(cfg, refs)
-        W_r, U_r, h_r, Vp_r, dVp_r, dO_r, dv_r, db_r, dAqk_r, dAkk_r, Ti_r = rest
+    def scores_kernel(k_r, v_r, G_r, b_r, *refs):
+        _, k_r, v_r, G_r, b_r, seg, rest = _split_refs(cfg, (None, k_r, v_r, G_r, b_r, *refs))
+        W_r, U_r, Akk_r, Ti_r, h_r, Vp_r, dVp_r, dO_r, dv_r, db_r, *dA_r = rest
         ks, vs = _slicers(cfg)
         by_v = {"v": v_r, "U": U_r, "Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
+        cc = {"Akk": Akk_r, "Tinv": Ti_r}
         put = _writer(ks, vs, by_k={}, by_v={"dv": dv_r},
-                      whole={"dbeta": db_r, "dAqk": dAqk_r, "dAkk": dAkk_r, "Tinv": Ti_r})
+                      whole={"dbeta": db_r, **dict(zip(DA_NAMES, dA_r, strict=True))})
         io = SimpleNamespace(
-            qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
+            qkg=lambda s: (None, k_r[:, ks(s)], None), G=lambda s: G_r[:, ks(s)],
             beta=b_r[...], seg=seg, put=put, W=lambda s: W_r[:, ks(s)],
+            cc=lambda name: cc[name][...],
             vt=lambda name, t: by_v[name][:, vs(t)], st=lambda name, t, s: h_r[vs(t), ks(s)])
         body.bwd_intra_scores(io, pl.program_id(1), cfg)
 
-    dv, db, dAqk, dAkk, Tinv = _call(
+    return _call(
         scores_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="kda_intra_bwd_scores", warps=cfg.warps_grad,
-        stages=cfg.stages_intra)(q, k, v, g, beta, *segs, W, U, h, Vp, dVp, dO)
+        stages=cfg.stages_intra)(k, v, G, beta, *segs, W, U, Akk, Tinv, h, Vp, dVp, dO)
 
-    # ---- part 2: per chunk and K slice
+
+def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO, *,
+                       dqk_dtype, dg_dtype):
+    """Backward part 2, grid (B*HV, N, K/BK): dq, dk (per value head) and dg in the user layout.
+    dA = (dAqk, dAkk, dAqk^T, dAkk^T) from ``intra_bwd_scores``."""
+    BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
+    nk = K // cfg.bk
+    sp = _bwd_specs(cfg)
+    qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
+    segs = tuple(segs) if cfg.has_seg else ()
+    seg_specs = sp.seg
     bk = cfg.bk
     slice_k = lambda bh, n, s: (n, s)
     state = pl.BlockSpec((None, None, V, bk), lambda bh, n, s: (bh, n, 0, s))
     in_specs = [
         _tok_spec(cfg, bk, qk_head, slice_k), _tok_spec(cfg, bk, qk_head, slice_k),
-        _tok_spec(cfg, bk, v_head, slice_k), _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
-        per_chunk(C), per_chunk(C), per_chunk(C), state, state, per_chunk(V), per_chunk(V),
+        pl.BlockSpec((None, None, C, bk), lambda bh, n, s: (bh, n, 0, s)),
+        _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
+        *[per_chunk(C)] * 5, state, state, per_chunk(V), per_chunk(V),
         _tok_spec(cfg, V, v_head, chunk),
     ]
     out_specs = [_tok_spec(cfg, bk, v_head, slice_k)] * 3
@@ -454,25 +499,29 @@ def intra_bwd(cfg: KdaConfig, q, k, v, g, beta, segs, W, U, h, dh, Vp, dVp, dO, 
                  _tok_shape(cfg, HV, K, dg_dtype)]
     ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
 
-    def channels_kernel(q_r, k_r, g_r, b_r, *refs):
-        refs = (q_r, k_r, None, g_r, b_r, *refs)
+    def channels_kernel(q_r, k_r, G_r, b_r, *refs):
+        refs = (q_r, k_r, None, G_r, b_r, *refs)
         _, _, _, _, _, seg, rest = _split_refs(cfg, refs)
-        dAqk_r, dAkk_r, Ti_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dg_r = rest
+        *dA_r, Ti_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dg_r = rest
         _, vs = _slicers(cfg)
         by_v = {"Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
-        cc = {"dAqk": dAqk_r, "dAkk": dAkk_r, "Tinv": Ti_r}
+        dA = dict(zip(DA_NAMES, dA_r, strict=True))
         put = _writer(None, vs, by_k={}, by_v={}, whole={"dq": dq_r, "dk": dk_r, "dg": dg_r})
         io = SimpleNamespace(
-            qkg=lambda s: (q_r[...], k_r[...], g_r[...]), beta=b_r[...], seg=seg, put=put,
-            cc=lambda name: cc[name][...], vt=lambda name, t: by_v[name][:, vs(t)],
+            qkg=lambda s: (q_r[...], k_r[...], None), G=lambda s: G_r[...],
+            # anchor rows of G straight from memory; Mosaic takes the masked-reduction default
+            G_row=None if head_major(cfg) else (lambda r: G_r[pl.ds(r, 1), :]),
+            beta=b_r[...], seg=seg, put=put,
+            rows=lambda name, ib: dA[name][pl.ds(ib * cfg.sub, cfg.sub), :],
+            cc=lambda name: Ti_r[...], vt=lambda name, t: by_v[name][:, vs(t)],
             st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
         body.bwd_intra_channels(io, pl.program_id(1), 0, ch_cfg)
 
     dq, dk, dg = _call(
         channels_kernel, cfg, grid=(BHV, N, nk), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="kda_intra_bwd_channels", warps=cfg.warps_chan,
-        stages=cfg.stages_intra)(q, k, g, beta, *segs, dAqk, dAkk, Tinv, h, dh, Vp, dVp, dO)
-    return dq, dk, dv, dg, db
+        stages=cfg.stages_intra)(q, k, G, beta, *segs, *dA, Tinv, h, dh, Vp, dVp, dO)
+    return dq, dk, dg
 
 
 @functools.cache

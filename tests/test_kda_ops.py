@@ -203,6 +203,22 @@ def test_auto_is_xla_on_cpu():
     assert resolve_impl("recurrent") == "recurrent"
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_auto_is_pallas_on_accelerators(backend, monkeypatch):
+    # The kernel must lower for the backend (Triton IR / Mosaic, without the device); "auto"
+    # then takes it, and falls back to "xla" where it cannot lower.
+    import importlib
+
+    import pallas_kernels.kda as pk
+
+    assert pk.pallas_supported(backend)  # before the patch below: the probe asks the backend
+    monkeypatch.setattr(importlib.import_module("kimi_k3.ops.kda").jax, "default_backend",
+                        lambda: backend)
+    assert resolve_impl("auto") == "pallas"
+    monkeypatch.setattr(pk, "pallas_supported", lambda b: False)
+    assert resolve_impl("auto") == "xla"
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

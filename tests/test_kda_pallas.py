@@ -243,6 +243,43 @@ def test_forward_stable_for_agreeing_keys_and_slow_decay(backend, rng):
     assert rel(S, S_ref) < fwd_tol(backend, jnp.float32)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "tpu_interpret"])
+def test_forward_residuals_for_the_backward(backend):
+    """What the forward saves for the backward, per chunk, against float64 NumPy from the
+    definitions: G = chunk-local cumsum of g, Akk_ij = sum_d k_id k_jd exp(G_id - G_jd) for
+    j < i in one segment (else 0), Tinv = (I + Diag(beta) Akk)^-1."""
+    from pallas_kernels import kda_calls as calls
+
+    B, T, H, HV, K, V, C = 1, 100, 1, 2, 16, 16, 32
+    q, k, v, g, beta, _ = make_inputs(23, B, T, H, HV, K, V)
+    seg = segments(B, T, 5)
+    cfg = pk.make_config(q, v, scale=K ** -0.5, segment_ids=seg, chunk_size=C, lower_bound=-5.0,
+                         mode=backend)
+    with poison_outputs():
+        *_, G, Akk, Tinv = calls.intra_fwd(cfg, *pk._prep(q, k, v, g, beta, seg, cfg),
+                                           residuals=True)
+    N = cfg.N
+    pad = N * C - T
+    kk = np.pad(np.asarray(k, np.float64), [(0, 0), (0, pad), (0, 0), (0, 0)])
+    gg = np.pad(np.asarray(g, np.float64), [(0, 0), (0, pad), (0, 0), (0, 0)])
+    bb = np.pad(np.asarray(beta, np.float64), [(0, 0), (0, pad), (0, 0)])
+    ss = np.pad(np.asarray(seg), [(0, 0), (0, pad)], mode="edge")
+    for hv in range(HV):
+        for n in range(N):
+            rows = slice(n * C, (n + 1) * C)
+            G_ref = np.cumsum(gg[0, rows, hv], axis=0)  # [C, K]
+            kc = kk[0, rows, hv // (HV // H)]
+            E = np.exp(np.minimum(G_ref[:, None, :] - G_ref[None, :, :], 0.0))
+            A_ref = np.einsum("id,jd,ijd->ij", kc, kc, E)
+            sc = ss[0, rows]
+            A_ref *= np.tril(np.ones((C, C)), -1) * (sc[:, None] == sc[None, :])
+            T_ref = np.linalg.inv(np.eye(C) + bb[0, rows, hv][:, None] * A_ref)
+            i = hv  # B = 1: the kernel's leading axis is the value head
+            assert rel(G[i, n], G_ref) < 1e-6, (hv, n)
+            assert rel(Akk[i, n], A_ref) < 1e-5, (hv, n)
+            assert rel(Tinv[i, n], T_ref) < 1e-5, (hv, n)
+
+
 # ----------------------------------------------------------------------------- gradients
 
 
