@@ -253,7 +253,7 @@ def _place_rows(r, ib, C: int):
     return jnp.where(iota((C // s, s, 1), 0) == ib, r3, 0.0).reshape(C, X)
 
 
-def pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
+def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     """The decayed-score gradients, all four at once, for dA in (dAqk, dAkk) zero outside j <= i:
 
         row side   R_i = sum_j dA_ij X_j exp(G_i - G_j)    rq (dAqk, X = k),  rk (dAkk, X = k)
@@ -262,10 +262,10 @@ def pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
     Row side, rows of sub-chunk ib: anchor a = min(ib*s, lv) as in ``decayed_scores``; column
     side, columns of sub-chunk jb: anchor b = min(jb*s + s - 1, lv), its last real row. Each dot
     takes only the s rows of dA (or of dA^T) it needs: ``rows(name, ib)`` loads rows ib*s ..
-    ib*s+s-1 of dAqk, dAkk, dAqkT, dAkkT as [s, C]; ``G_row(r)`` row r of G as [1, K]. With
-    an unbounded gate the factored dots
-    cover only j < a (row side) and i > b (column side); ``_diag_pair_grads`` adds the diagonal
-    sub-blocks exactly. The b operands are split bf16 hi + lo (``mm(split_b=True)``): dG takes
+    ib*s+s-1 of dAqk, dAkk, dAqkT, dAkkT as [s, C]; ``G_row(r)`` row r of G as [1, K]. With an
+    unbounded gate the factored dots cover only j < a (row side) and i > b (column side);
+    ``_diag_pair_grads`` adds the diagonal sub-blocks exactly from the whole matrices
+    ``cc(name)`` for dAqk and dAkk. The b operands are split bf16 hi + lo (``mm(split_b=True)``): dG takes
     the difference of the two sides, which cancel up to rounding.
     """
     C, s = cfg.C, cfg.sub
@@ -295,11 +295,11 @@ def pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
     zero = jnp.zeros(kf.shape, f32)
     out = lax.fori_loop(0, C // s, sub_chunk, (zero,) * 4)
     if not cfg.bounded:
-        out = _diag_pair_grads(out, rows, qs, kf, G, cfg)
+        out = _diag_pair_grads(out, cc("dAqk"), cc("dAkk"), qs, kf, G, cfg)
     return out
 
 
-def _diag_pair_grads(acc, rows, qs, kf, G, cfg: KdaConfig):
+def _diag_pair_grads(acc, dAqk, dAkk, qs, kf, G, cfg: KdaConfig):
     """Adds the diagonal s x s sub-blocks of ``pair_grads`` exactly, for any gate (f32,
     elementwise): column offset t of every sub-chunk at once, as in ``_diag_scores``."""
     C, s = cfg.C, cfg.sub
@@ -307,8 +307,7 @@ def _diag_pair_grads(acc, rows, qs, kf, G, cfg: KdaConfig):
     ri, cj = iota((C, 1), 0), iota((1, C), 1)
     col0 = lax.div(ri, s) * s
     t3 = iota((nb, s, 1), 1)
-    full = {name: sum(_place_rows(rows(name, ib).astype(f32), ib, C) for ib in range(nb))
-            for name in ("dAqk", "dAkk")}
+    dAqk, dAkk = dAqk.astype(f32), dAkk.astype(f32)
 
     def body(t, acc):
         rq, rk, cq, ck = acc
@@ -320,8 +319,8 @@ def _diag_pair_grads(acc, rows, qs, kf, G, cfg: KdaConfig):
             z = jnp.broadcast_to(jnp.sum(z, axis=1, keepdims=True), z.shape)
             return jnp.where(t3 == t, z, 0.0).reshape(C, -1)
 
-        dq_col = jnp.sum(jnp.where(cj == col0 + t, full["dAqk"], 0.0), axis=1, keepdims=True)
-        dk_col = jnp.sum(jnp.where(cj == col0 + t, full["dAkk"], 0.0), axis=1, keepdims=True)
+        dq_col = jnp.sum(jnp.where(cj == col0 + t, dAqk, 0.0), axis=1, keepdims=True)
+        dk_col = jnp.sum(jnp.where(cj == col0 + t, dAkk, 0.0), axis=1, keepdims=True)
         return (rq + dq_col * k_t * e, rk + dk_col * k_t * e,
                 cq + col_sum(dq_col * qs * e), ck + col_sum(dk_col * kf * e))
 
@@ -504,15 +503,15 @@ def reverse_step(dSt, dO, W, QG, Kg, Aqk, gam, cfg: KdaConfig):
     return dSt_prev, dVp
 
 
-def bwd_intra_scores(io, n, cfg: KdaConfig):
+def bwd_intra_scores(io, cfg: KdaConfig):
     """Backward, part 1 of one chunk: everything that needs all of K and V at once.
 
     ``io`` loads: qkg(s) (k only), G(s) [C, BK] (from ``fwd_intra``), beta, seg as in
-    ``fwd_intra``; W(s) [C, BK];
-    cc(name) -> [C, C] for Akk (masked) and Tinv saved by ``fwd_intra``; vt(name, t) for name
-    in v, U, Vp, dVp, dO -> [C, BV]; st("St", t, s) -> the state entering the chunk, transposed
-    [BV, BK]. ``io.put`` stores dv (by V tile), dbeta, and for ``bwd_intra_channels`` the
-    [C, C] matrices dAqk (masked), dAkk (masked) and their transposes dAqkT, dAkkT.
+    ``fwd_intra``; W(s) [C, BK]; cc(name) -> [C, C] for Akk (masked) and Tinv saved by
+    ``fwd_intra``; vt(name, t) for name in v, U, Vp, dVp, dO -> [C, BV]; st("St", t, s) ->
+    the state entering the chunk, transposed [BV, BK]. ``io.put`` stores dv (by V tile), dbeta,
+    and for ``bwd_intra_channels`` the [C, C] matrices dAqk (masked), dAkk (masked) and their
+    transposes dAqkT, dAkkT.
 
     Two sweeps: (A) over V tiles, the [C, C] gradients that need all of V; (B) over K slices,
     the W part of dL and dbeta.
@@ -563,8 +562,9 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
 
     ``io`` loads: qkg(s) (q and k), G(s) and G_row(r) (see ``Slice``), beta, seg as in
     ``fwd_intra``; rows(name, ib) -> rows ib*s .. ib*s+s-1 [s, C] of dAqk, dAkk and their
-    transposes dAqkT, dAkkT (from ``bwd_intra_scores``); cc("Tinv") -> [C, C] (from
-    ``fwd_intra``); vt(name, t) for Vp, dVp, dO;
+    transposes dAqkT, dAkkT (from ``bwd_intra_scores``); cc(name) -> [C, C] for Tinv (from
+    ``fwd_intra``) and, for the unbounded gate's diagonal blocks, dAqk and dAkk whole;
+    vt(name, t) for Vp, dVp, dO;
     st(name, t, s) for St and dSt (the gradient of the state leaving the chunk) -> [BV, BK].
     ``io.put`` stores dq, dk, dg of slice s.
     """
@@ -575,7 +575,7 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
     p = Slice(*io.qkg(s), a, lm, cfg, G=io.G(s), G_row=io.G_row)
     # The score gradients first: reduced at once to three accumulators, fewer tiles stay live
     # through the state dots below (fewer register spills).
-    rq, rk, cq, ck = pair_grads(io.rows, p.G_row, p.qs, p.kf, p.G, lv, cfg)
+    rq, rk, cq, ck = pair_grads(io.rows, io.cc, p.G_row, p.qs, p.kf, p.G, lv, cfg)
     dk = cq + rk + ck
     dG = p.qs * rq + p.kf * (rk - cq - ck)
     zk = jnp.zeros((C, cfg.bk), f32)

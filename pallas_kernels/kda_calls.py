@@ -163,11 +163,25 @@ def _seg_specs(cfg: KdaConfig, chunk_of):
 # ----------------------------------------------------------------------------- intra (fwd)
 
 
-def _split_refs(cfg: KdaConfig, refs):
-    """(q, k, v, g, beta refs, loaded segment arrays or Nones, the remaining refs)."""
+def _take_seg(cfg: KdaConfig, refs):
+    """(the loaded segment arrays a, lm, segc, segr, or four Nones; the refs after them)."""
     if cfg.has_seg:
-        return (*refs[:5], tuple(r[...] for r in refs[5:9]), refs[9:])
-    return (*refs[:5], (None,) * 4, refs[5:])
+        return tuple(r[...] for r in refs[:4]), refs[4:]
+    return (None,) * 4, refs
+
+
+def _chunk_specs(cfg: KdaConfig):
+    """Index maps and BlockSpecs shared by the per-chunk kernels (grid (B*HV, N, ...)): the
+    q/k head and the value head of program (bh, n), token block n, a per-chunk block of
+    intermediates [C, x], and the segment arrays (an empty list without segments)."""
+    HV = cfg.HV
+    return SimpleNamespace(
+        qk_head=lambda bh, n, *_: (_div(bh, HV), _div(_rem(bh, HV), cfg.G)),
+        v_head=lambda bh, n, *_: (_div(bh, HV), _rem(bh, HV)),
+        chunk=lambda bh, n, *_: (n, 0),
+        per_chunk=lambda x: pl.BlockSpec((None, None, cfg.C, x), lambda bh, n, *_: (bh, n, 0, 0)),
+        seg=_seg_specs(cfg, lambda bh, n, *_: (_div(bh, HV), n)) if cfg.has_seg else [],
+    )
 
 
 def _writer(ks, vs, by_k: dict, by_v: dict, whole: dict):
@@ -195,18 +209,14 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, *, residuals: bool = False
     and, with ``residuals`` (for the backward), the chunk-local cumulative gate G [B*HV, N, C, K]
     f32, the chunk's masked Akk [B*HV, N, C, C] f32 and Tinv = (I + Diag(beta) Akk)^-1
     [B*HV, N, C, C] (cfg.cd)."""
-    BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
-    qk_head = lambda bh, n: (_div(bh, HV), _div(_rem(bh, HV), cfg.G))
-    v_head = lambda bh, n: (_div(bh, HV), _rem(bh, HV))
-    chunk = lambda bh, n: (n, 0)
+    BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
+    sp = _chunk_specs(cfg)
+    qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
     in_specs = [
         _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
         _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
-        _tok_spec(cfg, 1, v_head, chunk),
+        _tok_spec(cfg, 1, v_head, chunk), *sp.seg,
     ]
-    if cfg.has_seg:
-        in_specs += _seg_specs(cfg, lambda bh, n: (_div(bh, HV), n))
-    per_chunk = lambda x: pl.BlockSpec((None, None, C, x), lambda bh, n: (bh, n, 0, 0))
     out_specs = [per_chunk(K), per_chunk(V), per_chunk(K), per_chunk(K), per_chunk(C),
                  pl.BlockSpec((None, None, 1, K), lambda bh, n: (bh, n, 0, 0))]
     dt = cfg.dtype
@@ -218,8 +228,8 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, *, residuals: bool = False
                       jax.ShapeDtypeStruct((BHV, N, C, C), f32),
                       jax.ShapeDtypeStruct((BHV, N, C, C), dt)]
 
-    def kernel(*refs):
-        q_r, k_r, v_r, g_r, b_r, seg, outs = _split_refs(cfg, refs)
+    def kernel(q_r, k_r, v_r, g_r, b_r, *refs):
+        seg, outs = _take_seg(cfg, refs)
         W_r, U_r, QG_r, Kg_r, A_r, gam_r, *res_r = outs
         ks, vs = _slicers(cfg)
         whole, by_k = {"Aqk": A_r}, {"QG": QG_r, "Kg": Kg_r, "W": W_r, "gam": gam_r}
@@ -409,9 +419,8 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
 
     Two kernels: ``intra_bwd_scores`` per chunk (grid (B*HV, N): dv, dbeta and the chunk's
     [C, C] dAqk, dAkk and their transposes, stored in cfg.cd since their only consumers are
-    fast dots), then
-    ``intra_bwd_channels`` per chunk and K slice (grid (B*HV, N, K/BK)): K/BK times as many
-    programs, each holding one slice's tiles, so more of them fit on an SM at once.
+    fast dots), then ``intra_bwd_channels`` per chunk and K slice (grid (B*HV, N, K/BK)): K/BK
+    times as many programs, each holding one slice's tiles, so more of them fit on an SM.
     """
     dv, db, *dA = intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO,
                                    dv_dtype=dv_dtype)
@@ -420,30 +429,18 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
     return dq, dk, dv, dg, db
 
 
-def _bwd_specs(cfg: KdaConfig):
-    HV = cfg.HV
-    return SimpleNamespace(
-        qk_head=lambda bh, n, *_: (_div(bh, HV), _div(_rem(bh, HV), cfg.G)),
-        v_head=lambda bh, n, *_: (_div(bh, HV), _rem(bh, HV)),
-        chunk=lambda bh, n, *_: (n, 0),
-        per_chunk=lambda x: pl.BlockSpec((None, None, cfg.C, x), lambda bh, n, *_: (bh, n, 0, 0)),
-        seg=_seg_specs(cfg, lambda bh, n, *_: (_div(bh, HV), n)) if cfg.has_seg else [],
-    )
-
-
 def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
                      dv_dtype):
     """Backward part 1, grid (B*HV, N): dv, dbeta (user layout) and dAqk, dAkk, dAqk^T, dAkk^T
     [B*HV, N, C, C] (cfg.cd). Akk and Tinv are the forward's (``intra_fwd(...,
     residuals=True)``), and so is G."""
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
-    sp = _bwd_specs(cfg)
+    sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
     segs = tuple(segs) if cfg.has_seg else ()
-    seg_specs = sp.seg
     in_specs = [
         _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, V, v_head, chunk),
-        per_chunk(K), _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
+        per_chunk(K), _tok_spec(cfg, 1, v_head, chunk), *sp.seg,
         per_chunk(K), per_chunk(V), per_chunk(C), per_chunk(C),
         pl.BlockSpec((None, None, V, K), lambda bh, n: (bh, n, 0, 0)),
         per_chunk(V), per_chunk(V), _tok_spec(cfg, V, v_head, chunk),
@@ -454,7 +451,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
                  *[jax.ShapeDtypeStruct((BHV, N, C, C), cfg.dtype)] * 4]
 
     def scores_kernel(k_r, v_r, G_r, b_r, *refs):
-        _, k_r, v_r, G_r, b_r, seg, rest = _split_refs(cfg, (None, k_r, v_r, G_r, b_r, *refs))
+        seg, rest = _take_seg(cfg, refs)
         W_r, U_r, Akk_r, Ti_r, h_r, Vp_r, dVp_r, dO_r, dv_r, db_r, *dA_r = rest
         ks, vs = _slicers(cfg)
         by_v = {"v": v_r, "U": U_r, "Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
@@ -466,7 +463,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             beta=b_r[...], seg=seg, put=put, W=lambda s: W_r[:, ks(s)],
             cc=lambda name: cc[name][...],
             vt=lambda name, t: by_v[name][:, vs(t)], st=lambda name, t, s: h_r[vs(t), ks(s)])
-        body.bwd_intra_scores(io, pl.program_id(1), cfg)
+        body.bwd_intra_scores(io, cfg)
 
     return _call(
         scores_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
@@ -480,17 +477,16 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     dA = (dAqk, dAkk, dAqk^T, dAkk^T) from ``intra_bwd_scores``."""
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     nk = K // cfg.bk
-    sp = _bwd_specs(cfg)
+    sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
     segs = tuple(segs) if cfg.has_seg else ()
-    seg_specs = sp.seg
     bk = cfg.bk
     slice_k = lambda bh, n, s: (n, s)
     state = pl.BlockSpec((None, None, V, bk), lambda bh, n, s: (bh, n, 0, s))
     in_specs = [
         _tok_spec(cfg, bk, qk_head, slice_k), _tok_spec(cfg, bk, qk_head, slice_k),
         pl.BlockSpec((None, None, C, bk), lambda bh, n, s: (bh, n, 0, s)),
-        _tok_spec(cfg, 1, v_head, chunk), *seg_specs,
+        _tok_spec(cfg, 1, v_head, chunk), *sp.seg,
         *[per_chunk(C)] * 5, state, state, per_chunk(V), per_chunk(V),
         _tok_spec(cfg, V, v_head, chunk),
     ]
@@ -500,12 +496,12 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
 
     def channels_kernel(q_r, k_r, G_r, b_r, *refs):
-        refs = (q_r, k_r, None, G_r, b_r, *refs)
-        _, _, _, _, _, seg, rest = _split_refs(cfg, refs)
+        seg, rest = _take_seg(cfg, refs)
         *dA_r, Ti_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dg_r = rest
         _, vs = _slicers(cfg)
         by_v = {"Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
         dA = dict(zip(DA_NAMES, dA_r, strict=True))
+        cc = {"Tinv": Ti_r, "dAqk": dA["dAqk"], "dAkk": dA["dAkk"]}
         put = _writer(None, vs, by_k={}, by_v={}, whole={"dq": dq_r, "dk": dk_r, "dg": dg_r})
         io = SimpleNamespace(
             qkg=lambda s: (q_r[...], k_r[...], None), G=lambda s: G_r[...],
@@ -513,7 +509,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             G_row=None if head_major(cfg) else (lambda r: G_r[pl.ds(r, 1), :]),
             beta=b_r[...], seg=seg, put=put,
             rows=lambda name, ib: dA[name][pl.ds(ib * cfg.sub, cfg.sub), :],
-            cc=lambda name: Ti_r[...], vt=lambda name, t: by_v[name][:, vs(t)],
+            cc=lambda name: cc[name][...], vt=lambda name, t: by_v[name][:, vs(t)],
             st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
         body.bwd_intra_channels(io, pl.program_id(1), 0, ch_cfg)
 

@@ -94,7 +94,7 @@ def _pallas_impl():
 
 # Backends on which "auto" takes the Pallas kernel (when it lowers there with this JAX; else
 # "xla" with a warning). GPU: on the H200 the kernel passes the GPU tests and trains
-# configs/small.py to the same loss curve as "xla" at 2.1x its speed (BENCHMARKS.md). TPU: the
+# configs/small.py to the same loss curve as "xla" at 2.5x its speed (BENCHMARKS.md). TPU: the
 # same kernel source through Mosaic, tested in TPU interpret mode.
 AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset({"gpu", "tpu"})
 
