@@ -62,20 +62,21 @@ TUNING = {"bv_seq": 0, "bv_intra": 128, "bk": 32, "warps_intra": 4, "warps_seq":
 TARGET_PROGRAMS = 256
 
 
-def apply_tuning(spec: str) -> None:
-    """Overrides TUNING from "key=int,key=int" (the benchmark's and report's --tune flag)."""
+def apply_tuning(spec: str, source: str = "--tune") -> None:
+    """Overrides TUNING from "key=int,key=int" (the benchmark's and report's --tune flag, or the
+    KDA_PALLAS_TUNE environment variable: ``source`` names it in the error)."""
     for item in filter(None, spec.split(",")):
         key, sep, val = item.partition("=")
         if not sep or key not in TUNING or not val.lstrip("-").isdigit():
             raise ValueError(
-                f"--tune: expected key=int with key in {sorted(TUNING)}, got {item!r}"
+                f"{source}: expected key=int with key in {sorted(TUNING)}, got {item!r}"
             )
         TUNING[key] = int(val)
 
 
 # Overrides for a whole process (tests on the GPU, launch experiments), e.g.
 # KDA_PALLAS_TUNE=inverse_x3=0,warps_chan=8.
-apply_tuning(os.environ.get("KDA_PALLAS_TUNE", ""))
+apply_tuning(os.environ.get("KDA_PALLAS_TUNE", ""), source="KDA_PALLAS_TUNE")
 
 
 def _next_pow2(x: int, lo: int = 16) -> int:

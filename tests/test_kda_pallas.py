@@ -357,6 +357,24 @@ def test_lowers_for_gpu_and_tpu():
             assert text.count("custom_call") >= 4, (backend, lb)
 
 
+def test_bad_tuning_is_named():
+    # KDA_PALLAS_TUNE is read when the module is imported: a fresh interpreter sees it
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KDA_PALLAS_TUNE="bk=32,warps=8", JAX_PLATFORMS="cpu")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", "import pallas_kernels.kda"], env=env, cwd=repo,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "KDA_PALLAS_TUNE: expected key=int" in p.stderr and "'warps=8'" in p.stderr
+    before = dict(pk.TUNING)
+    with pytest.raises(ValueError, match=r"--tune: expected key=int .* got 'bk=x'"):
+        pk.apply_tuning("bk=x")
+    assert pk.TUNING == before
+
+
 def test_gate_path_selection():
     cfg = lambda lb: pk.make_config(jnp.zeros((1, 64, 1, 16)), jnp.zeros((1, 64, 1, 16)),
                                     scale=1.0, segment_ids=None, chunk_size=64,
