@@ -4,12 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 WORKDIR ?= runs/tiny
 
-.PHONY: venv train test lint clean
+.PHONY: venv train test constraints clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+# Installs the exact versions of constraints.txt, so a new release of a dependency cannot
+# break the two commands overnight (setup.cfg keeps ranges for your own environments).
+$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -23,5 +25,21 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 -q
 
+## Re-pin constraints.txt to the newest releases of every dependency, if the lint and the
+## whole suite pass with them (in a separate .venv-refresh; constraints.txt is untouched
+## otherwise). Then `make test` reinstalls .venv from the new pins.
+constraints:
+	rm -rf .venv-refresh
+	$(PYTHON) -m venv .venv-refresh
+	.venv-refresh/bin/python -m pip install -q --upgrade pip
+	.venv-refresh/bin/python -m pip install -q -e '.[test]'
+	.venv-refresh/bin/ruff check .
+	.venv-refresh/bin/python -m pytest -n 2 -q
+	{ sed -n '/^#/p' constraints.txt; .venv-refresh/bin/python -m pip freeze --all \
+	    --exclude-editable | grep -v '^setuptools=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf .venv-refresh
+	@echo "constraints.txt now pins the releases above; commit it"
+
 clean:
-	rm -rf $(VENV) runs *.egg-info
+	rm -rf $(VENV) .venv-refresh runs *.egg-info

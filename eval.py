@@ -22,6 +22,7 @@ from kimi_k3 import evaluation
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (model + held-out data), e.g. configs/tiny.py.", lock_config=True
 )
+flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the JSON, CSV and PNGs go.", required=True)
 _CHECKPOINT = flags.DEFINE_multi_string(
     "checkpoint", [],
@@ -29,7 +30,19 @@ _CHECKPOINT = flags.DEFINE_multi_string(
     "and, if it differs from --config, its config. Repeat for one line per checkpoint. "
     "Default: the latest checkpoint under WORKDIR/checkpoints.",
 )
-_LENGTHS = flags.DEFINE_list("context_lengths", ["2048"], "Context lengths to evaluate, in tokens.")
+_LENGTHS = flags.DEFINE_list(
+    "context_lengths", ["2048"],
+    "Context lengths to evaluate, in tokens: integers, or with K / M (x 1024 / x 1048576).")
+
+
+@flags.validator("context_lengths")
+def _lengths_parse(values):
+    try:
+        evaluation.parse_context_lengths(values)
+    except ValueError as e:  # names the flag and the bad item
+        raise flags.ValidationError(str(e)) from e
+    return True
+
 _PIECE = flags.DEFINE_integer("piece_len", 2048, "Tokens per prefill call (bounds memory).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Windows evaluated together.")
 _SHORT = flags.DEFINE_enum(
@@ -50,7 +63,7 @@ def main(argv):
         _CONFIG.value,
         _WORKDIR.value,
         _CHECKPOINT.value,
-        [int(x) for x in _LENGTHS.value],
+        evaluation.parse_context_lengths(_LENGTHS.value),
         piece_len=_PIECE.value,
         batch_size=_BATCH.value,
         short_docs=_SHORT.value,

@@ -10,6 +10,8 @@ from the environment); elsewhere give ``--coordinator_address=HOST:PORT --num_pr
 All logic lives in ``kimi_k3.train_lib``.
 """
 
+import os
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -31,10 +33,12 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:  # the run prints its own summary; -v 0 for library logs
+        logging.set_verbosity(logging.WARNING)
     mesh_lib.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                     FLAGS.process_id, force=FLAGS.multihost)
-    logging.info("config:\n%s", FLAGS.config)
-    train_lib.train(FLAGS.config, FLAGS.workdir)
+    train_lib.train(FLAGS.config, os.path.abspath(FLAGS.workdir),
+                    config_name=config_flags.get_config_filename(FLAGS["config"]))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 
 import jax
@@ -46,6 +47,56 @@ class PreemptionFlag:
             self._previous = None
 
 
+def _first_line(e: BaseException, limit: int = 240) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters (TensorStore's errors
+    run to pages of JSON). The innermost cause is the one that says what is wrong."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    line = (str(e).strip().splitlines() or [""])[0]
+    line = line if len(line) <= limit else line[: limit - 3] + "..."
+    return f"{type(e).__name__}: {line}"
+
+
+def absolute_path(path: str) -> str:
+    """``path`` made absolute against the current directory; URLs (``gs://...``) unchanged.
+    Orbax refuses relative checkpoint paths, and a path that is absolute once stays right if
+    the process changes its directory later."""
+    path = os.fspath(path)
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _is_read_abort_noise(exc: BaseException | None) -> bool:
+    """Errors from TensorStore reads still in flight when a failed restore has already given up
+    (their asyncio loop is gone), and from their callbacks at interpreter shutdown."""
+    text = str(exc)
+    return (isinstance(exc, RuntimeError) and text == "Event loop is closed") or (
+        isinstance(exc, ImportError) and "Python is likely shutting down" in text)
+
+
+class _DropAbortedReads(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)
+
+
+def silence_aborted_reads() -> None:
+    """A restore that fails leaves TensorStore reads behind; each later reports "Event loop is
+    closed" through ``sys.unraisablehook`` and asyncio's log, pages of it, burying the real
+    error. Drop exactly those; anything else still reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_kimi_k3", False):
+        return
+
+    def hook(unraisable):
+        if not _is_read_abort_noise(unraisable.exc_value):
+            previous(unraisable)
+
+    hook._kimi_k3 = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_DropAbortedReads())
+
+
 class Checkpointer:
     """The run's CheckpointManager; ``ckpt_cfg`` is ``config.checkpoint``."""
 
@@ -53,7 +104,8 @@ class Checkpointer:
         for field in ("every_steps", "keep"):
             if not (isinstance(ckpt_cfg[field], int) and ckpt_cfg[field] > 0):
                 raise ValueError(f"checkpoint.{field}: {ckpt_cfg[field]!r} must be a positive int")
-        self.directory = epath.Path(directory)
+        self.directory = epath.Path(absolute_path(directory))
+        silence_aborted_reads()
         self.every_steps = ckpt_cfg.every_steps
         options = ocp.CheckpointManagerOptions(
             max_to_keep=ckpt_cfg.keep,
@@ -99,6 +151,13 @@ class Checkpointer:
         steps = sorted(self.manager.all_steps(), reverse=True)
         errors = []
         for step in steps:
+            problems = param_mismatches(self.directory / str(step) / "state",
+                                        abstract_state["params"])
+            if problems:
+                raise ValueError(
+                    f"checkpoint {str(self.directory / str(step))!r} holds another model than "
+                    f"config.model: {problems}. Resume with the run's own config (its "
+                    f"config.json), or start a new --workdir / checkpoint.dir")
             try:
                 out = self.manager.restore(
                     step,
@@ -106,18 +165,18 @@ class Checkpointer:
                                             data=ocp.args.JsonRestore()),
                 )
             except Exception as e:  # Orbax, TensorStore and the OS raise many kinds here
-                logging.error("checkpoint %s is unreadable (%s: %.300s); trying the previous one",
-                              self.directory / str(step), type(e).__name__, e)
+                logging.error("checkpoint %s is unreadable (%s); trying the previous one",
+                              self.directory / str(step), _first_line(e))
                 errors.append((step, e))
                 continue
             if errors:
                 self._set_aside([s for s, _ in errors])
             return step, out["state"], dict(out["data"] or {})
         if errors:
-            detail = "; ".join(f"step {s}: {type(e).__name__}: {str(e)[:300]}" for s, e in errors)
+            detail = "; ".join(f"step {s}: {_first_line(e)}" for s, e in errors)
             raise RuntimeError(
                 f"checkpoint.dir {str(self.directory)!r}: no step could be restored ({detail}). "
-                f"If the model or optimizer config changed, use a new --workdir"
+                f"Nothing was moved or deleted; to start afresh, use a new --workdir"
             )
         return None
 
@@ -190,6 +249,27 @@ def _flat_shapes(tree) -> dict[str, tuple]:
     from kimi_k3.optim import path_str
 
     return {path_str(k): tuple(x.shape) for k, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def param_mismatches(state_dir, abstract_params) -> str:
+    """'' when the parameters saved under ``state_dir`` have the paths and shapes of
+    ``abstract_params``; else a description of the first differences. A folder whose metadata
+    cannot be read gives '' (the restore itself then reports it)."""
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(epath.Path(state_dir))
+        tree = getattr(meta, "item_metadata", meta)
+        saved = getattr(tree, "tree", tree)["params"]
+    except Exception:  # unreadable: left to the restore, which reports and falls back
+        return ""
+    have, need = _flat_shapes(saved), _flat_shapes(abstract_params)
+    problems = [f"{k}: checkpoint {have[k]}, config {s}" for k, s in need.items()
+                if k in have and have[k] != s]
+    problems += [f"{k} {s} not in the checkpoint" for k, s in need.items() if k not in have]
+    problems += [f"{k} {s} not in the config's model" for k, s in have.items() if k not in need]
+    if not problems:
+        return ""
+    more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+    return "; ".join(problems[:6]) + more
 
 
 def restore_model_for_eval(config, path: str):

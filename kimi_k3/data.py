@@ -188,6 +188,10 @@ def expand_paths(patterns: Sequence[str], field: str) -> list[str]:
     A pattern that matches no file is an error naming it."""
     files: list[str] = []
     for pat in patterns:
+        if os.path.isdir(os.path.expanduser(pat)):
+            raise ValueError(
+                f"{field}: {pat!r} is a directory; give files or a glob, e.g. "
+                f"{os.path.join(pat, '**', '*.txt')!r}")
         hits = sorted(p for p in glob.glob(os.path.expanduser(pat), recursive=True)
                       if os.path.isfile(p))
         if not hits:
@@ -258,18 +262,31 @@ class TextTokenizer:
         return [np.asarray(e.ids, dtype) for e in self._tok.encode_batch(texts)]
 
 
+def first_bad_id(tokens: np.ndarray, vocab_size: int) -> tuple[tuple[int, ...], int] | None:
+    """(index, id) of the first token id outside [0, vocab_size) in row-major order, or None."""
+    tokens = np.asarray(tokens)
+    if tokens.size == 0:
+        return None
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if not bad.any():
+        return None
+    flat = int(np.argmax(bad.reshape(-1)))
+    index = tuple(int(i) for i in np.unravel_index(flat, tokens.shape))
+    return index, int(tokens.reshape(-1)[flat])
+
+
 def check_ids(chunks: Sequence[np.ndarray], names: Sequence[str], vocab_size: int) -> None:
-    """Every id must be < vocab_size; the first offending file is named with the id found."""
+    """Every id must lie in [0, vocab_size); the first offending file is named with the first
+    bad id and its position."""
     for chunk, name in zip(chunks, names, strict=True):
         for s in range(0, len(chunk), _CHECK_CHUNK):
-            part = np.asarray(chunk[s : s + _CHECK_CHUNK])
-            hi = int(part.max()) if part.size else 0
-            if hi >= vocab_size:
-                at = s + int(np.argmax(part >= vocab_size))
+            found = first_bad_id(chunk[s : s + _CHECK_CHUNK], vocab_size)
+            if found is not None:
+                (at,), tok = found
+                what = f">= model.vocab_size {vocab_size}" if tok >= vocab_size else "negative"
                 raise ValueError(
-                    f"{name}: token id {hi} (first bad id at token {at}) is >= model.vocab_size "
-                    f"{vocab_size}; ids must lie in [0, {vocab_size})"
-                )
+                    f"{name}: token id {tok} (first bad id at token {s + at}) is {what}; ids "
+                    f"must lie in [0, {vocab_size})")
 
 
 def open_token_file(path: str, dtype: str) -> np.ndarray:
@@ -308,12 +325,9 @@ def _check_token_files(chunks, names, vocab_size: int) -> None:
 def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStream | None]:
     """The train and held-out streams for ``config.data``; the held-out one is None when the
     split leaves no eval file. Raises (naming the field and path) before any step runs."""
+    validate_data_config(data_cfg)
     source = data_cfg.source
-    if source not in SOURCES:
-        raise ValueError(f"data.source: {source!r} is not one of {SOURCES}")
     eval_fraction = float(data_cfg.eval_fraction)
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"data.eval_fraction: {eval_fraction} must be in [0, 1)")
     eval_patterns = split_paths(data_cfg.eval_paths)
 
     if source == "stdlib":
@@ -339,10 +353,6 @@ def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStr
 
     def build(split_files: list[str], user_files: bool) -> TokenStream:
         if source == "tokens":
-            if data_cfg.token_dtype not in TOKEN_DTYPES:
-                raise ValueError(
-                    f"data.token_dtype: {data_cfg.token_dtype!r} is not one of {TOKEN_DTYPES}"
-                )
             chunks = [open_token_file(f, data_cfg.token_dtype) for f in split_files]
             _check_token_files(chunks, split_files, vocab_size)
             return TokenStream(chunks, split_files, eos_id=int(data_cfg.eos_id))
@@ -362,10 +372,29 @@ def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStr
 
 
 def validate_data_config(data_cfg) -> None:
+    """The fields that can be checked without reading data, each error naming its field."""
     for field in ("seq_len", "global_batch_size"):
         v = data_cfg[field]
-        if not (isinstance(v, int) and v > 0):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             raise ValueError(f"data.{field}: {v!r} must be a positive integer")
+    if data_cfg.seq_len < 2:
+        raise ValueError(
+            f"data.seq_len: {data_cfg.seq_len} leaves no next token to predict inside a row; "
+            f"it must be >= 2")
+    if data_cfg.source not in SOURCES:
+        raise ValueError(f"data.source: {data_cfg.source!r} is not one of {SOURCES}")
+    if data_cfg.source == "stdlib" and split_paths(data_cfg.paths):
+        raise ValueError(
+            f"data.paths: {data_cfg.paths!r} is given, but data.source is 'stdlib' (the default: "
+            f"the Python standard library), which reads no files; set data.source='text' (or "
+            f"'tokens') to train on them")
+    if data_cfg.token_dtype not in TOKEN_DTYPES:
+        raise ValueError(f"data.token_dtype: {data_cfg.token_dtype!r} is not one of {TOKEN_DTYPES}")
+    if not (isinstance(data_cfg.eos_id, int) and data_cfg.eos_id >= -1):
+        raise ValueError(f"data.eos_id: {data_cfg.eos_id!r} must be an integer >= -1 (-1 = none)")
+    eval_fraction = data_cfg.eval_fraction
+    if not (isinstance(eval_fraction, int | float) and 0.0 <= eval_fraction < 1.0):
+        raise ValueError(f"data.eval_fraction: {eval_fraction!r} must be in [0, 1)")
 
 
 # ---------------------------------------------------------------------------------------------

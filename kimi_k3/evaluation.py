@@ -37,12 +37,15 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kimi_k3.data import first_bad_id
 
 SHORT_DOC_RULES = ("skip", "concat")
 INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
@@ -345,6 +348,22 @@ class Scorer:
         return np.asarray(self._whole(self._state, t[:, :-1], t[:, 1:]))
 
 
+def parse_context_lengths(values: Sequence[str | int]) -> tuple[int, ...]:
+    """``["512", "8K", "1M"]`` -> (512, 8192, 1048576). Raises ValueError naming
+    ``--context_lengths`` and the item that is not a positive integer."""
+    out = []
+    for item in values:
+        text = str(item).strip()
+        scale = {"k": 2**10, "m": 2**20}.get(text[-1:].lower(), 1)
+        digits = text[:-1] if scale > 1 else text
+        if not digits.isdigit() or int(digits) == 0:
+            raise ValueError(
+                f"--context_lengths: {text!r} is not a positive integer number of tokens "
+                f"(e.g. 2048, 8K, 1M)")
+        out.append(int(digits) * scale)
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalOptions:
     context_lengths: tuple[int, ...]
@@ -583,11 +602,13 @@ def run(
                 print(f"{spec.label}: restored step {step} from {spec.path}")
         vocab = int(cfg.model.vocab_size)
         for L, w in windows.items():
-            if w.num_windows and int(w.tokens_NxL1.max()) >= vocab:
+            bad = first_bad_id(w.tokens_NxL1, vocab)
+            if bad is not None:
+                (window, position), tok = bad
                 raise ValueError(
-                    f"checkpoint {spec.label!r}: held-out token id {int(w.tokens_NxL1.max())} at L={L} "
-                    f"is >= its model.vocab_size {vocab}"
-                )
+                    f"checkpoint {spec.label!r}: held-out token id {tok} (window {window} of "
+                    f"L={L}, position {position}) is outside [0, {vocab}) = its "
+                    f"model.vocab_size")
         scorer = Scorer(model)
         entry = {
             "label": spec.label,
@@ -597,8 +618,9 @@ def run(
             "params": _param_count(model),
             "results": {},
         }
+        # No bar in a log file: its carriage-return redraws would pile up there.
         with tqdm(total=pieces_per_model, desc=f"eval {spec.label}", unit="piece",
-                  disable=not progress) as bar:
+                  disable=not (progress and sys.stderr.isatty())) as bar:
             for L, w in windows.items():
                 if w.num_windows == 0:
                     continue

@@ -15,9 +15,9 @@ does not use yet wins; a name without a rule stays unsharded.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -60,9 +60,9 @@ def initialize_distributed(coordinator_address: str | None = None,
     if local_device_ids:
         kwargs["local_device_ids"] = list(local_device_ids)
     jax.distributed.initialize(**kwargs)
-    logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
-                 jax.process_index(), jax.process_count(), jax.local_device_count(),
-                 jax.device_count())
+    print(f"jax.distributed: process {jax.process_index()} of {jax.process_count()}, "
+          f"{jax.local_device_count()} local / {jax.device_count()} global devices",
+          file=sys.stderr, flush=True)
     return True
 
 

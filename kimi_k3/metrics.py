@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 
 # Dense bf16 matmul peak per JAX device, TFLOP/s, from the vendors' data sheets. Matched as a
@@ -154,15 +155,25 @@ class MetricsWriter:
 
 
 class ProgressBar:
-    """A tqdm bar over steps (rate and ETA), or nothing when disabled; ``write`` prints a line
-    above the bar without breaking it."""
+    """A tqdm bar over steps (rate and ETA), started by ``start`` (after the first step, so the
+    rate and ETA leave out compilation).
 
-    def __init__(self, total: int, initial: int, enabled: bool):
+    Shown only when enabled and stderr is a terminal: in a log file its carriage-return
+    redraws would pile up, and the periodic report lines say the same. ``write`` prints a line
+    above the bar without breaking it (or logs it when there is no bar).
+    """
+
+    def __init__(self, total: int, enabled: bool):
+        self.total = total
+        self.enabled = enabled and sys.stderr.isatty()
         self._bar = None
-        if enabled:
+
+    def start(self, initial: int) -> None:
+        """Shows the bar at ``initial`` steps done; a no-op once it is shown."""
+        if self.enabled and self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+            self._bar = tqdm(total=self.total, initial=initial, unit="step", dynamic_ncols=True,
                              smoothing=0.1)
 
     def update(self, n: int = 1, **postfix) -> None:
@@ -173,9 +184,9 @@ class ProgressBar:
 
     def write(self, msg: str) -> None:
         if self._bar is not None:
-            self._bar.write(msg)
+            self._bar.write(msg, file=sys.stderr)
         else:
-            logging.info(msg)
+            print(msg, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

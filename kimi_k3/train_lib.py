@@ -25,6 +25,8 @@ import dataclasses
 import logging
 import math
 import os
+import sys
+import tempfile
 import time
 
 import jax
@@ -138,6 +140,9 @@ def validate_config(config) -> None:
 
     validate_model_config(config.model)
     data_lib.validate_data_config(config.data)
+    if not (isinstance(config.seed, int) and not isinstance(config.seed, bool)
+            and 0 <= config.seed < 2**31):
+        raise ValueError(f"seed: {config.seed!r} must be an integer in [0, 2**31)")
     t = config.train
     for field in ("steps", "log_every", "eval_batches"):
         if not (isinstance(t[field], int) and t[field] > 0):
@@ -251,8 +256,9 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
         grad_norm = optax.tree.norm(grads)
         updates, new_opt = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-                  & jnp.isfinite(optax.tree.norm(updates)))
+        loss_finite, grad_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
+        update_finite = jnp.isfinite(optax.tree.norm(updates))
+        finite = loss_finite & grad_finite & update_finite
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = {
             "params": keep(new_params, params),
@@ -261,7 +267,8 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
             "rng": jax.random.fold_in(state["rng"], state["step"]),
         }
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-                   "finite": finite, "targets": n}
+                   "finite": finite, "loss_finite": loss_finite, "grad_finite": grad_finite,
+                   "update_finite": update_finite, "targets": n}
         return new_state, metrics
 
     return train_step
@@ -365,16 +372,31 @@ def build(config, mesh, model_fn=None) -> Setup:
 
 def check_finite(step: int, m: dict, policy: str, latest_checkpoint=lambda: None) -> bool:
     """The host's view of a step's ``finite`` flag. A non-finite step's update was not
-    applied; under ``policy="stop"`` this raises FloatingPointError naming the step, under
-    "skip" it logs a warning and returns False."""
+    applied; under ``policy="stop"`` this raises FloatingPointError naming the step, the
+    quantity that was not finite and the checkpoint a restart would resume from (from
+    ``latest_checkpoint()``: a step, a description of one, or None); under "skip" it logs a
+    warning and returns False."""
     if bool(m["finite"]):
         return True
-    msg = (f"step {step}: loss {float(m['loss'])} / gradient norm {float(m['grad_norm'])} is not "
-           f"finite; that update was not applied")
+    bad = [name for key, name in (("loss_finite", "the loss"), ("grad_finite", "the gradient"),
+                                  ("update_finite", "the optimizer's update")) if not bool(m.get(key, True))]
+    if not bad:
+        bad = ["the loss or the gradient"]
+    hint = ""
+    if bad == ["the optimizer's update"]:
+        hint = (" (loss and gradient were finite: the optimizer itself overflowed; look at "
+                "opt.eps, opt.lr and the parameter dtype)")
+    msg = (f"step {step}: loss {float(m['loss'])} and gradient norm {float(m['grad_norm'])}: "
+           f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite{hint}; that "
+           f"update was not applied")
     if policy == "stop":
+        latest = latest_checkpoint()
+        where = ("no checkpoint has been saved yet, so a restart begins at step 0"
+                 if latest is None else f"the latest checkpoint is step {latest}, where a "
+                 f"restart with the same --workdir resumes")
         raise FloatingPointError(
-            f"{msg}. Stopping (train.nan_policy='stop'); the latest checkpoint is step "
-            f"{latest_checkpoint()}. Lower opt.lr, or set train.nan_policy='skip'")
+            f"{msg}. Stopping (train.nan_policy='stop'); {where}. Lower opt.lr, or set "
+            f"train.nan_policy='skip'")
     logging.warning("%s (train.nan_policy='skip')", msg)
     return False
 
@@ -397,10 +419,14 @@ def count_params(abstract_params) -> int:
 
 
 class _QuietCheckpointLogs(logging.Filter):
-    """Orbax reports every save in a dozen INFO lines; keep its warnings and errors only."""
+    """Orbax reports every save in a dozen INFO lines; keep its warnings and errors only, less
+    the one it gives whenever a step's item metadata is read on its own (harmless)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+        if "orbax" not in record.pathname:
+            return True
+        return record.levelno >= logging.WARNING and not str(record.msg).startswith(
+            ("Metadata file does not exist", "Failed to get item metadata"))
 
 
 def quiet_library_logs() -> None:
@@ -410,27 +436,114 @@ def quiet_library_logs() -> None:
             lg.addFilter(_QuietCheckpointLogs())
 
 
-def train(config, workdir: str) -> dict:
+def check_workdir(workdir: str) -> str:
+    """``workdir`` made absolute; created if missing. Raises ValueError naming ``--workdir``
+    when it is a file, or a folder this process cannot write (probed by writing, since
+    permission bits say nothing to root)."""
+    workdir = ckpt_lib.absolute_path(workdir)
+    if "://" in workdir:
+        raise ValueError(f"--workdir: {workdir!r} must be a local folder (metrics and the config "
+                         f"are written there); put checkpoints elsewhere with checkpoint.dir")
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir: {workdir!r} is a file, not a folder")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as e:
+        raise ValueError(f"--workdir: {workdir!r} is not a folder this process can write "
+                         f"({e.strerror or e})") from e
+    return workdir
+
+
+def flat_config(config, prefix: str = "") -> list[str]:
+    """``["model.d_model = 128", ...]``: one line per field, sorted, values as Python literals."""
+    lines = []
+    for key in sorted(config.keys()):
+        value = config[key]
+        if isinstance(value, ml_collections.ConfigDict):
+            lines += flat_config(value, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key} = {value!r}")
+    return lines
+
+
+def write_config(config, workdir: str, start: int) -> str:
+    """``<workdir>/config.json`` (this start's config) and a dated copy of it in
+    ``<workdir>/config_history/`` (one per start, so a resume never loses the config of an
+    earlier one). Returns the path of config.json."""
+    text = config.to_json_best_effort(indent=2)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    history = os.path.join(workdir, "config_history")
+    os.makedirs(history, exist_ok=True)
+    with open(os.path.join(history, f"{stamp}_step{start}.json"), "w") as f:
+        f.write(text)
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def console(message: str) -> None:
+    """A plain line on stderr (process 0 only): summaries people read, without log prefixes."""
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def run_summary(config, *, workdir, config_name, mesh, n_params, train_rows, eval_rows,
+                eval_batches, start, ckpt_dir) -> str:
+    """The first screen of a run: what is trained, on what, where, and where things go."""
+    from kimi_k3.model import layer_pattern
+
+    m, d, o, t = config.model, config.data, config.opt, config.train
+    pattern = layer_pattern(m)
+    B, T = d.global_batch_size, d.seq_len
+    mesh_text = " x ".join(f"{a} {n}" for a, n in mesh.shape.items())
+    devices = f"{mesh.size} {jax.devices()[0].platform} device{'s' if mesh.size > 1 else ''}"
+    source = d.source if d.source == "stdlib" else f"{d.source} {d.paths!r}"
+    held_out = f"{eval_rows:,} held-out rows" if eval_rows else "no held-out split"
+    resume = (f"resuming from step {start:,} of {t.steps:,}" if start
+              else f"from scratch to step {t.steps:,}")
+    lines = [
+        f"kimi_k3 train  {config_name}  ->  {workdir}",
+        f"  model       {m.num_layers} layers {pattern} ({pattern.count('K')} KDA, "
+        f"{pattern.count('M')} MLA), d_model {m.d_model}, vocab {m.vocab_size}, "
+        f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}",
+        f"  data        {source}: {train_rows:,} train rows, {held_out} of {T} tokens; "
+        f"batch {B} x {T} = {B * T:,} tokens per step",
+        f"  mesh        {mesh_text} over {devices} ({jax.process_count()} process"
+        f"{'es' if jax.process_count() > 1 else ''})",
+        f"  steps       {resume}; {o.name} lr {o.lr:g} ({o.schedule}, warmup "
+        f"{o.warmup_steps}); eval every {t.eval_every or t.steps} steps "
+        f"({eval_batches} batches)",
+        f"  checkpoints {ckpt_dir + f' every {config.checkpoint.every_steps} steps' if ckpt_dir else 'off'}",
+        f"  writes      {workdir}/metrics.jsonl, config.json"
+        f"{', tensorboard/' if t.tensorboard else ''}",
+    ]
+    return "\n".join(lines)
+
+
+def train(config, workdir: str, config_name: str = "config") -> dict:
     """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns the last
-    train and eval metrics."""
+    train and eval metrics.
+
+    Nothing is written before everything that can be checked is: the config's fields, the
+    workdir, the mesh, the data files, the optimizer and the checkpoint to resume from. So a
+    run that fails on bad input leaves the workdir as it was.
+    """
     from kimi_k3.model import flops_per_token
 
     # ---- Config -----------------------------------------------------------------------------
     validate_config(config)
+    workdir = check_workdir(workdir)
     quiet_library_logs()
     chief = jax.process_index() == 0
-    if chief:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
     tc, dc = config.train, config.data
     B, T = dc.global_batch_size, dc.seq_len
-    writer = metrics_lib.MetricsWriter(workdir, enabled=chief, tensorboard=tc.tensorboard)
 
     # ---- Mesh -------------------------------------------------------------------------------
     mesh = mesh_lib.make_mesh(config.mesh)
-    logging.info("mesh %s over %d devices (%d processes)", dict(mesh.shape), mesh.size,
-                 jax.process_count())
 
     # ---- Input ------------------------------------------------------------------------------
     vocab = int(config.model.vocab_size)
@@ -449,33 +562,67 @@ def train(config, workdir: str) -> dict:
     fpt = float(flops_per_token(config.model, T))
     peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                              tc.peak_tflops_per_device)
-    logging.info("%s parameters; %.3g training FLOPs per token; data: %d train rows, %s eval "
-                 "rows of %d tokens", f"{n_params:,}", fpt, train_rows.num_rows,
-                 eval_rows.num_rows if eval_rows else 0, T)
 
     # ---- Checkpoint restore -------------------------------------------------------------------
     if config.checkpoint.enabled:
-        ckpt = ckpt_lib.Checkpointer(
-            config.checkpoint.dir or os.path.join(workdir, "checkpoints"), config.checkpoint)
+        ckpt_dir = ckpt_lib.absolute_path(config.checkpoint.dir
+                                          or os.path.join(workdir, "checkpoints"))
+        ckpt = ckpt_lib.Checkpointer(ckpt_dir, config.checkpoint)
     else:
-        logging.warning("checkpoint.enabled is False: nothing of this run is saved")
-        ckpt = ckpt_lib.NoCheckpoints()
-    it = data_lib.BatchIterator(train_rows, B, host_rows)
-    restored = ckpt.restore(setup.abstract_state)
-    if restored is None:
-        state = setup.init_state()
-        start = 0
-    else:
-        start, state, data_state = restored
-        it.restore(data_state)
-        logging.info("resumed from step %d (data position %d rows)", start, it.position)
-
-    # ---- Loop -------------------------------------------------------------------------------
-    bar = metrics_lib.ProgressBar(tc.steps, start, enabled=chief and tc.progress_bar)
-    writer.console = bar.write
-    writer.text("config", "```\n" + str(config) + "\n```")
-    preempt = ckpt_lib.PreemptionFlag()
+        ckpt_dir, ckpt = "", ckpt_lib.NoCheckpoints()
     last = {"train": {}, "eval": {}}
+    writer = bar = preempt = None
+    try:
+        it = data_lib.BatchIterator(train_rows, B, host_rows)
+        restored = ckpt.restore(setup.abstract_state)
+        start = 0 if restored is None else restored[0]
+        if start >= tc.steps:
+            console(f"{workdir}: already at step {start} of train.steps={tc.steps}; nothing to "
+                    f"train (raise --config.train.steps to go on)")
+            return last
+        if restored is None:
+            state = setup.init_state()
+        else:
+            _, state, data_state = restored
+            it.restore(data_state)
+
+        # ---- Outputs: only now that the run can start ------------------------------------
+        if chief:
+            write_config(config, workdir, start)
+        console(run_summary(config, workdir=workdir, config_name=config_name, mesh=mesh,
+                            n_params=n_params, train_rows=train_rows.num_rows,
+                            eval_rows=eval_rows.num_rows if eval_rows else 0,
+                            eval_batches=eval_batches, start=start, ckpt_dir=ckpt_dir))
+        if restored is not None:
+            console(f"resumed from step {start} ({ckpt_dir}/{start}); data position "
+                    f"{it.position:,} rows")
+        logging.info("config:\n%s", "\n".join(flat_config(config)))
+        if not config.checkpoint.enabled:
+            logging.warning("checkpoint.enabled is False: nothing of this run is saved")
+        writer = metrics_lib.MetricsWriter(workdir, enabled=chief, tensorboard=tc.tensorboard)
+        writer.text("config", "```\n" + "\n".join(flat_config(config)) + "\n```")
+        bar = metrics_lib.ProgressBar(tc.steps, enabled=chief and tc.progress_bar)
+        writer.console = bar.write
+        preempt = ckpt_lib.PreemptionFlag()
+        console(f"compiling the train step (the progress bar starts after step {start + 1})")
+        _train_loop(config, setup, state, it, start, ckpt, writer, bar, preempt, last,
+                    eval_rows, eval_batches, host_rows, fpt, peak)
+    finally:
+        ckpt.close()
+        if preempt is not None:
+            preempt.restore_handler()
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+    return last
+
+
+def _train_loop(config, setup, state, it, start, ckpt, writer, bar, preempt, last,
+                eval_rows, eval_batches, host_rows, fpt, peak) -> None:
+    """The steps from ``start`` to ``train.steps``: update, report, save, evaluate."""
+    tc = config.train
+    B, T = config.data.global_batch_size, config.data.seq_len
     window = {"loss": 0.0, "n": 0, "skipped": 0}
     clock = {"t": None, "step": start}
 
@@ -498,11 +645,14 @@ def train(config, workdir: str) -> dict:
         """Host side of a finished step: NaN check, progress, periodic metrics."""
         m = jax.device_get(m)
         loss = float(m["loss"])
-        if not check_finite(step, m, tc.nan_policy, ckpt.latest_step):
+        latest = lambda: (None if ckpt.latest_step() is None
+                          else f"{ckpt.latest_step()} ({ckpt.directory}/{ckpt.latest_step()})")
+        if not check_finite(step, m, tc.nan_policy, latest):
             window["skipped"] += 1
         else:
             window["loss"] += loss
             window["n"] += 1
+        bar.start(step - 1)  # after the first step, so its rate and ETA leave out compilation
         bar.update(1, loss=loss)
         now = time.perf_counter()
         if clock["t"] is None:  # the first step includes compilation: time from its end
@@ -528,40 +678,32 @@ def train(config, workdir: str) -> dict:
             window.update(loss=0.0, n=0, skipped=0)
 
     step, pending = start, None
-    saved_at = start if restored is not None else None
-    try:
-        while step < tc.steps:
-            if preempt.is_set() or ckpt.reached_preemption(step):
-                logging.warning("preempted: saving step %d and stopping", step)
-                if saved_at != step:
-                    ckpt.save(step, state, it.state())
-                    saved_at = step
-                break
-            batch = global_batch(next(it), setup.batch_sharding, B)
-            with setup.context():
-                state, m = setup.train_step(state, batch)
-            step += 1
-            if pending is not None:
-                report(*pending)
-            pending = (step, m)
-            if ckpt.should_save(step):
-                ckpt.save(step, state, it.state())
-                saved_at = step
-            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                report(*pending)
-                pending = None
-                evaluate(step)
-        if pending is not None:
-            report(*pending)
-            pending = None
-        if step == tc.steps:
+    saved_at = start if start else None
+    while step < tc.steps:
+        if preempt.is_set() or ckpt.reached_preemption(step):
+            logging.warning("preempted: saving step %d and stopping", step)
             if saved_at != step:
                 ckpt.save(step, state, it.state())
+                saved_at = step
+            break
+        batch = global_batch(next(it), setup.batch_sharding, B)
+        with setup.context():
+            state, m = setup.train_step(state, batch)
+        step += 1
+        if pending is not None:
+            report(*pending)
+        pending = (step, m)
+        if ckpt.should_save(step):
+            ckpt.save(step, state, it.state())
+            saved_at = step
+        if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+            report(*pending)
+            pending = None
             evaluate(step)
-    finally:
-        ckpt.close()
-        preempt.restore_handler()
-        bar.close()
-        writer.close()
-    return last
-
+    if pending is not None:
+        report(*pending)
+        pending = None
+    if step == tc.steps:
+        if saved_at != step:
+            ckpt.save(step, state, it.state())
+        evaluate(step)

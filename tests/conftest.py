@@ -14,3 +14,11 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"numpy seed: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def jax_cache(tmp_path_factory) -> str:
+    """A compilation cache shared by this session's subprocesses (and its xdist workers)."""
+    path = tmp_path_factory.getbasetemp().parent / "kimi_k3_jax_cache"
+    path.mkdir(exist_ok=True)
+    return str(path)

@@ -61,14 +61,6 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="session")
-def jax_cache(tmp_path_factory) -> str:
-    """A compilation cache shared by this session's subprocesses (and its xdist workers)."""
-    path = tmp_path_factory.getbasetemp().parent / "kimi_k3_jax_cache"
-    path.mkdir(exist_ok=True)
-    return str(path)
-
-
 def env(cache: str, devices: int = 1) -> dict:
     e = dict(os.environ)
     e.update(

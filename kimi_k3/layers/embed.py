@@ -17,7 +17,7 @@ from kimi_k3.sharding import param
 
 
 class Embed(nnx.Module):
-    """tokens [B, T] int -> x [B, T, D] in ``dtype``."""
+    """tokens [B, T] int -> x [B, T, D] in ``dtype``; an id outside [0, V) gives NaN."""
 
     def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
@@ -29,7 +29,12 @@ class Embed(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         if not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
             raise ValueError(f"Embed: tokens must be integers, got {tokens_BxT.dtype}")
-        return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.dtype)
+        # An id outside [0, V) gives a NaN row, never another token's row: jnp.take would
+        # wrap a negative id to the end of the table. The NaN reaches the loss, and the
+        # trainer refuses a non-finite step (callers check ids where tokens enter).
+        valid_BxT = (tokens_BxT >= 0) & (tokens_BxT < self.vocab_size)
+        x_BxTxD = jnp.take(self.embedding[...], jnp.where(valid_BxT, tokens_BxT, 0), axis=0)
+        return jnp.where(valid_BxT[..., None], x_BxTxD, jnp.nan).astype(self.dtype)
 
     def attend(self, h_BxTxD: jax.Array) -> jax.Array:
         """Tied output head: logits [B, T, V] float32 = h E^T / sqrt(D)."""

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_k3.ops.kda_chunked import kda_chunked
+from kimi_k3.ops.kda_guards import check_gate, isolate_documents
 from kimi_k3.ops.kda_recurrent import kda_recurrent
 
 IMPLS = ("auto", "recurrent", "xla", "pallas")
@@ -112,6 +113,26 @@ def resolve_impl(impl: str) -> str:
     return "xla"
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound):
+    """One implementation on validated, clamped arguments: (o float32 or v's dtype, S_T f32)."""
+    if impl == "recurrent":
+        return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
+                             segment_ids_BxT=seg)
+    if impl == "xla":
+        return kda_chunked(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
+                           segment_ids_BxT=seg, chunk_size=chunk_size)
+    kernel = _pallas_impl()
+    if kernel is None:
+        return kda_chunked(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
+                           segment_ids_BxT=seg, chunk_size=chunk_size)
+    return kernel(q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=seg,
+                  chunk_size=chunk_size, lower_bound=lower_bound)
+
+
 def kda(
     q: jax.Array,
     k: jax.Array,
@@ -126,6 +147,7 @@ def kda(
     chunk_size: int = 64,
     lower_bound: float | None = None,
     impl: str = "auto",
+    check_inputs: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention over a whole sequence.
 
@@ -135,38 +157,42 @@ def kda(
       initial_state: [B, HV, K, V] float32, the state before token 0 (of each row's first segment).
       output_final_state: return the state after the last token.
       segment_ids: [B, T] int, packed documents; the state restarts from zero at each new id.
-      chunk_size: chunk length of the chunked forms, a positive power of two.
+      chunk_size: chunk length of the chunked forms, a positive power of two; a chunk longer
+        than the sequence is cut to the next power of two >= T (the result does not depend on
+        it).
       lower_bound: a promise that every g >= lower_bound (the bounded gate's g_min, e.g. -5); the
         Pallas kernel then uses its tensor-core path. None: gates may be arbitrarily negative.
       impl: "auto" | "recurrent" | "xla" | "pallas".
+      check_inputs: also check the gate promise when the call is traced (under ``jit``), with a
+        host callback (a little slower). Concrete (eager) inputs are always checked.
+
+    What is promised, and what happens otherwise:
+      - g <= 0 everywhere, and g >= lower_bound when one is given. Broken, an eager call (or a
+        traced one with ``check_inputs=True``) raises ValueError with the offending value;
+        unchecked, the Pallas kernel's results are undefined (wrong numbers or NaN).
+      - With ``segment_ids``, a NaN or inf in one document never reaches another document:
+        that document's outputs from the bad token on (and its final state, if it is the
+        row's last) are NaN, and so are the gradients of its inputs; every other document is
+        exact (``kimi_k3.ops.kda_guards``).
+      - T = 0 gives empty outputs (and the initial state, or zeros, as the final state).
 
     Returns:
       (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32 or None).
     """
     _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl, lower_bound)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
     if scale is None:
-        scale = q.shape[-1] ** -0.5
-    impl = resolve_impl(impl)
-    if impl == "recurrent":
-        o, S = kda_recurrent(
-            q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=initial_state,
-            segment_ids_BxT=segment_ids,
-        )
-    elif impl == "xla":
-        o, S = kda_chunked(
-            q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=initial_state,
-            segment_ids_BxT=segment_ids, chunk_size=chunk_size,
-        )
+        scale = K ** -0.5
+    S0 = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state
+    if T == 0:
+        return jnp.zeros((B, 0, HV, V), v.dtype), (S0 if output_final_state else None)
+    check_gate(g, lower_bound, check_inputs)
+    run = functools.partial(_run, impl=resolve_impl(impl), scale=scale,
+                            chunk_size=min(chunk_size, _next_pow2(T)), lower_bound=lower_bound)
+    if segment_ids is None:
+        o, S = run(q, k, v, g, beta, S0, None)
     else:
-        kernel = _pallas_impl()
-        if kernel is None:
-            o, S = kda_chunked(
-                q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=initial_state,
-                segment_ids_BxT=segment_ids, chunk_size=chunk_size,
-            )
-        else:
-            o, S = kernel(
-                q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                segment_ids=segment_ids, chunk_size=chunk_size, lower_bound=lower_bound,
-            )
+        o, S = isolate_documents(run, q, k, v, g, beta, S0.astype(jnp.float32),
+                                 segment_ids.astype(jnp.int32))
     return o.astype(v.dtype), (S if output_final_state else None)
