@@ -21,7 +21,8 @@
 #          GPU 1: configs/small.py trained with impl="pallas" then "xla", same data and init
 #                 (loss curves to compare; nan_policy=stop).
 # kernel2: GPU 0: ours vs fla on the four shapes (no xla), per-kernel times, launch sweep.
-#          GPU 1: the GPU tests and kda_stress.py, as built and with the plain-tf32 inverse.
+#          GPU 1: the GPU tests (default launch parameters); kda_stress.py as built and with
+#                 the tf32x3 inverse (--tune inverse_x3=1).
 # final3:  GPU 0: ours vs fla on the four shapes with per-kernel times (no xla).
 #          GPU 1: the GPU tests, kda_stress.py, configs/small.py with impl="auto" (STEPS steps).
 # final2:  final3 after a launch-parameter sweep at 8x4096 (VARIANTS), the fastest adopted.
@@ -161,15 +162,15 @@ elif [ "$PHASE" = kernel2 ]; then
         --out "$W/kda_table.md" > "$W/kda_kernel.log" 2>&1; cp "$W/kda_table.md" "$OUT/" ) &
     (
         export CUDA_VISIBLE_DEVICES=1
-        for tune in "" inverse_x3=0; do
-            KDA_PALLAS_TUNE=$tune timeout 200 python3 -m pytest tests/test_kda_pallas.py -q -k gpu \
-                -p no:cacheprovider > "$W/gpu_tests_${tune:-default}.log" 2>&1
-            KDA_PALLAS_TUNE=$tune timeout 100 python3 benchmarks/kda_stress.py \
+        timeout 200 python3 -m pytest tests/test_kda_pallas.py -q -k gpu -p no:cacheprovider \
+            > "$W/gpu_tests.log" 2>&1
+        for tune in "" inverse_x3=1; do
+            timeout 100 python3 benchmarks/kda_stress.py --tune="$tune" \
                 > "$W/stress_${tune:-default}.log" 2>&1
         done
     ) &
     wait
-    for f in "$W"/gpu_tests_*.log; do echo "== $f"; grep -E "passed|failed|Error" "$f" | tail -n 8; done
+    grep -E "passed|failed|Error" "$W/gpu_tests.log" | tail -n 8
     tail -n 14 "$W"/stress_*.log; cat "$W/kda_table.md"
     grep -E "ms|failed" "$W/kda_kernel.log"
 elif [ "$PHASE" = final2 ] || [ "$PHASE" = final3 ]; then

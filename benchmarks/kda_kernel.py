@@ -1,8 +1,13 @@
-"""KDA kernel speed: forward and forward+backward, ours (impl="pallas") vs impl="xla" and fla.
+"""KDA kernel speed: forward and forward+backward, ours (the Pallas kernel) vs impl="xla", fla.
 
     python benchmarks/kda_kernel.py                      # the table of BENCHMARKS.md (GPU)
     python benchmarks/kda_kernel.py --shapes 8x4096 --no-xla --breakdown --sweep 8x4096
     python benchmarks/kda_kernel.py --sweep 8x4096 --variants "bk=64;bv_intra=128" --adopt
+    python benchmarks/kda_kernel.py --tune bk=16,warps_grad=8 --shapes 8x4096
+
+Ours is ``pallas_kernels.kda.kda_pallas``, what ``kda(..., impl="pallas")`` runs for these
+inputs, called with an explicit ``tuning=``: the card's ``default_tuning`` changed by --tune;
+--sweep times variants of it, and --adopt measures the table with the fastest.
 
 Inputs: bf16 q, k (L2-normalised), v, beta (sigmoid); float32 bounded gate g = -5 sigmoid(x)
 (K3's gate); H = HV = 16, K = V = 128. Forward+backward is the gradient of sum(o * do) with
@@ -14,6 +19,7 @@ card when fla-core is importable. Writes a markdown table (--out) and prints it.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kimi_k3.ops.kda import kda
 from pallas_kernels import kda as pk
+from pallas_kernels import kda_calls as calls
 
 SHAPES = {"8x4096": (8, 4096), "2x16384": (2, 16384), "1x65536": (1, 65536),
           "1x262144": (1, 262144), "smoke": (1, 128)}
@@ -63,10 +70,23 @@ def time_jax(fn, args, *, min_reps=3, max_reps=30, budget_s=1.5):
     return statistics.median(times) * 1e3
 
 
-def jax_fns(impl):
-    def fwd(q, k, v, g, beta):
-        return kda(q, k, v, g, beta, lower_bound=LOWER, impl=impl)[0]
+def xla_fwd(q, k, v, g, beta):
+    """o [B, T, H, D] of impl="xla"."""
+    return kda(q, k, v, g, beta, lower_bound=LOWER, impl="xla")[0]
 
+
+def ours_fwd(tuning: pk.KernelTuning):
+    """(q, k, v, g, beta) -> o [B, T, H, D] of the Pallas kernel launched with ``tuning``."""
+    return functools.partial(_ours, tuning=tuning)
+
+
+def _ours(q, k, v, g, beta, *, tuning):
+    return pk.kda_pallas(q, k, v, g, beta, scale=D ** -0.5, initial_state=None,
+                         segment_ids=None, chunk_size=64, lower_bound=LOWER, tuning=tuning)[0]
+
+
+def jax_fns(fwd):
+    """Jitted forward and forward+backward (gradients of sum(o * do) in all five inputs)."""
     def loss(q, k, v, g, beta, do):
         o = fwd(q, k, v, g, beta)
         return jnp.sum(o.astype(jnp.float32) * do)
@@ -75,8 +95,9 @@ def jax_fns(impl):
     return jax.jit(fwd), jax.jit(fwdbwd)
 
 
-def bench_jax(impl, arrays):
-    fwd, fwdbwd = jax_fns(impl)
+def bench_jax(fwd, arrays):
+    """(forward, forward+backward) median ms of ``fwd(q, k, v, g, beta) -> o``."""
+    fwd, fwdbwd = jax_fns(fwd)
     q, k, v, g, beta, do = arrays
     t_f = time_jax(fwd, (q, k, v, g, beta))
     t_fb = time_jax(fwdbwd, (q, k, v, g, beta, do))
@@ -84,7 +105,7 @@ def bench_jax(impl, arrays):
 
 
 def bench_fla(arrays):
-    try:
+    try:  # optional: torch, triton and fla-core are not project dependencies
         import torch
         import triton
         from fla.ops.kda import chunk_kda
@@ -109,14 +130,12 @@ def bench_fla(arrays):
     return t_f, t_fb
 
 
-def breakdown(name, arrays):
-    """Median ms of each kernel of impl="pallas" (printed as each one finishes)."""
-    from pallas_kernels import kda_calls as calls
-
+def breakdown(name, arrays, tuning: pk.KernelTuning):
+    """Median ms of each kernel of ours, launched with ``tuning`` (printed as each finishes)."""
     q, k, v, g, beta, do = arrays
     B = q.shape[0]
     cfg = pk.make_config(q, v, scale=D ** -0.5, segment_ids=None, chunk_size=64,
-                         lower_bound=LOWER, mode=pk._resolve_mode(None, None))
+                         lower_bound=LOWER, mode=pk._resolve_mode(None, None), tuning=tuning)
     h0t = pk._state_to_kernel(jnp.zeros((B, H, D, D), jnp.float32), cfg)
     qp, kp, vp, gp, bp, _ = pk._prep(q, k, v, g, beta, None, cfg)
     dop = do.astype(v.dtype)
@@ -159,90 +178,84 @@ def main(argv=None):
                     help="per-kernel times of ours (first shape)")
     ap.add_argument("--breakdown-only", action="store_true", help="only the per-kernel times")
     ap.add_argument("--sweep", default="", help="a shape key: try launch parameters there")
-    ap.add_argument("--variants", default="",
-                    help="';'-separated TUNING overrides for --sweep (default: SWEEP)")
-    ap.add_argument("--tune", default="", help="TUNING overrides, e.g. bv_seq=16,warps_seq=4")
+    ap.add_argument("--variants", default=SWEEP,
+                    help="';'-separated launch-parameter changes from --tune's, each like "
+                         "--tune, for --sweep (default: %(default)s)")
+    ap.add_argument("--tune", default="",
+                    help="launch parameters changed from the card's defaults, e.g. "
+                         "bv_seq=16,warps_seq=4 (pallas_kernels.kda.KernelTuning)")
     ap.add_argument("--adopt", action="store_true",
                     help="run --sweep first and measure the table with its fastest forward+backward "
                          "(the defaults included)")
     ap.add_argument("--out", default="", help="write the markdown table here")
     args = ap.parse_args(argv)
-    pk.apply_tuning(args.tune)
     dev = jax.devices()[0]
-    print(f"device: {dev.device_kind}, jax {jax.__version__}, TUNING {pk.TUNING}", flush=True)
+    tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(dev.device_kind),
+                                   source="--tune")
+    variants = parse_variants(args.variants, tuning) if args.sweep else []
+    print(f"device: {dev.device_kind}, jax {jax.__version__}, tuning {tuning}", flush=True)
 
     names = args.shapes.split(",")
     results = {n: {"ours": None, "xla": None, "fla": None} for n in names}
 
     def report():
-        table = format_table(dev, results)
+        table = format_table(dev, results, tuning)
         print(table, flush=True)
         if args.out:
             Path(args.out).write_text(table + "\n")
 
     if args.adopt and args.sweep:
-        variants = _variants(args.variants)
-        times = sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), [{}] + variants)
-        best = min(times, key=lambda i: times[i][1])
-        pk.TUNING.update(([{}] + variants)[best])
-        print(f"adopted {([{}] + variants)[best] or 'the defaults'}: TUNING {pk.TUNING}",
-              flush=True)
+        candidates = [(args.tune or "defaults", tuning), *variants]
+        times = sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), candidates)
+        if not times:
+            raise SystemExit(f"--adopt: every variant failed at {args.sweep}")
+        label, tuning = candidates[min(times, key=lambda i: times[i][1])]
+        print(f"adopted {label}: tuning {tuning}", flush=True)
     if args.breakdown_only:
         for name in names:
-            breakdown(name, make_inputs(*SHAPES[name]))
+            breakdown(name, make_inputs(*SHAPES[name]), tuning)
         return
     for i, name in enumerate(names):  # shape by shape, so a run cut short keeps whole rows
         arrays = make_inputs(*SHAPES[name])
-        results[name]["ours"] = bench_jax("pallas", arrays)
+        results[name]["ours"] = bench_jax(ours_fwd(tuning), arrays)
         print(f"{name}: ours fwd / fwd+bwd {fmt(results[name]['ours'])} ms", flush=True)
         if args.breakdown and i == 0:  # every kernel compiles again: the first shape only
-            breakdown(name, arrays)
+            breakdown(name, arrays, tuning)
         if not args.no_fla:  # fla autotunes its kernels on first use: slow to start
             results[name]["fla"] = bench_fla(arrays)
             print(f"{name}: fla fwd / fwd+bwd {fmt(results[name]['fla'])} ms", flush=True)
         if not args.no_xla:
             try:
-                results[name]["xla"] = bench_jax("xla", arrays)
+                results[name]["xla"] = bench_jax(xla_fwd, arrays)
             except Exception as err:
                 print(f"  xla {name} failed: {str(err).splitlines()[0][:200]}")
             print(f"{name}: xla fwd / fwd+bwd {fmt(results[name]['xla'])} ms", flush=True)
         del arrays
         report()
     if args.sweep and not args.adopt:  # last: a run cut short still has the table
-        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), _variants(args.variants))
+        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), variants)
 
 
-def _variants(spec: str) -> list[dict]:
-    return [dict(_parse(v)) for v in spec.split(";") if v] if spec else list(SWEEP)
+# The default --variants: one launch parameter changed at a time.
+SWEEP = "inverse_x3=1;bv_seq=32;bv_seq=64;warps_seq=8;bk=64;warps_grad=8;stages_seq=3"
 
 
-SWEEP = ({"inverse_x3": 1}, {"bv_seq": 32}, {"bv_seq": 64}, {"warps_seq": 8},
-         {"bk": 64}, {"warps_grad": 8}, {"stages_seq": 3})
+def parse_variants(spec: str, base: pk.KernelTuning) -> list[tuple[str, pk.KernelTuning]]:
+    """"bk=64;bv_intra=128" -> [("bk=64", base with bk=64), ("bv_intra=128", ...)], each
+    item checked like --tune (before anything is timed)."""
+    return [(item, pk.KernelTuning.parse(item, base=base, source="--variants"))
+            for item in spec.split(";") if item]
 
 
-def _parse(spec):
-    """"bk=64,warps_intra=8" -> {"bk": 64, "warps_intra": 8}, checked like --tune."""
-    base = dict(pk.TUNING)
-    try:
-        pk.apply_tuning(spec)
-        return {k: v for k, v in pk.TUNING.items() if base[k] != v or f"{k}=" in spec}
-    finally:
-        pk.TUNING.clear()
-        pk.TUNING.update(base)
-
-
-def sweep(name, arrays, variants=SWEEP) -> dict[int, tuple[float, float]]:
-    """Times of impl="pallas" with each TUNING variant: {variant index: (fwd, fwd+bwd) ms}."""
-    base, times = dict(pk.TUNING), {}
-    for i, var in enumerate(variants):
-        pk.TUNING.update(var)
+def sweep(name, arrays, variants) -> dict[int, tuple[float, float]]:
+    """Times of ours with each (label, tuning) of ``variants``: {index: (fwd, fwd+bwd) ms}."""
+    times = {}
+    for i, (label, tuning) in enumerate(variants):
         try:
-            times[i] = t = bench_jax("pallas", arrays)
-            print(f"  sweep {name} {var}: fwd {t[0]:.3f} ms, fwd+bwd {t[1]:.3f} ms", flush=True)
+            times[i] = t = bench_jax(ours_fwd(tuning), arrays)
+            print(f"  sweep {name} {label}: fwd {t[0]:.3f} ms, fwd+bwd {t[1]:.3f} ms", flush=True)
         except Exception as err:
-            print(f"  sweep {name} {var}: failed {str(err).splitlines()[0][:200]}")
-        pk.TUNING.clear()
-        pk.TUNING.update(base)
+            print(f"  sweep {name} {label}: failed {str(err).splitlines()[0][:200]}")
     return times
 
 
@@ -250,13 +263,13 @@ def fmt(t):
     return "—" if t is None else f"{t[0]:.2f} / {t[1]:.2f}"
 
 
-def format_table(dev, results):
+def format_table(dev, results, tuning: pk.KernelTuning):
     lines = [
         f"Card: {dev.device_kind}; JAX {jax.__version__}; bf16 q/k/v/beta, fp32 bounded gate "
         f"(lower_bound={LOWER}); H=16, K=V=128. Times in ms (median); Mtok/s = B*T / time; "
         "vs fla = fla time / our time.",
         "",
-        f"Our launch parameters (pallas_kernels.kda.TUNING): {pk.TUNING}",
+        f"Our launch parameters: {tuning}",
         "",
         "| B x T | ours fwd | ours fwd+bwd | xla fwd | xla fwd+bwd | fla fwd | fla fwd+bwd "
         "| ours Mtok/s fwd / fwd+bwd | fwd vs fla | fwd+bwd vs fla |",

@@ -1,17 +1,22 @@
-"""KDA kernel under model-like and extreme inputs: impl="pallas" against impl="xla", forward and
-all gradients, at a training shape (default that of configs/small.py: B=32, T=2048, H=12,
+"""KDA kernel under model-like and extreme inputs: the Pallas kernel against impl="xla", forward
+and all gradients, at a training shape (default that of configs/small.py: B=32, T=2048, H=12,
 K=V=64, bf16 q/k/v, float32 g and beta, packed documents). Prints, per case, the relative error
 of each output and the count of non-finite elements. A correctness probe for the GPU (CPU runs
 the kernel in interpret mode: use a small --shape there).
 
     python benchmarks/kda_stress.py                  # GPU
     python benchmarks/kda_stress.py --shape 2,128,2,32
+    python benchmarks/kda_stress.py --poison --tune inverse_x3=1 --cases 4
+
+The kernel is called directly (``pallas_kernels.kda.kda_pallas``, what ``kda(...,
+impl="pallas")`` runs on finite inputs) so that --tune (launch parameters, ``tuning=``) and
+--poison (every kernel output starts as NaN, ``poison=True``) reach it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -52,9 +57,23 @@ def inputs(key, B, T, H, D, *, gate, doc_len, beta_mode, kind):
     return q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), seg, ks[6]
 
 
-def run(impl, q, k, v, g, beta, seg, do):
+def ours(q, k, v, g, beta, seg, *, tuning, poison):
+    """o [B, T, H, D] of the Pallas kernel."""
+    return pk.kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
+                         segment_ids=seg, chunk_size=64, lower_bound=LB, tuning=tuning,
+                         poison=poison)[0]
+
+
+def xla(q, k, v, g, beta, seg):
+    """o [B, T, H, D] of impl="xla", the reference."""
+    return kda(q, k, v, g, beta, segment_ids=seg, lower_bound=LB, impl="xla")[0]
+
+
+def run(attend, q, k, v, g, beta, seg, do):
+    """(o, dq, dk, dv, dg, dbeta) of ``attend(q, k, v, g, beta, seg) -> o``; the gradients are
+    those of sum(o * do)."""
     def loss(q, k, v, g, beta):
-        o = kda(q, k, v, g, beta, segment_ids=seg, lower_bound=LB, impl=impl)[0]
+        o = attend(q, k, v, g, beta, seg)
         return jnp.sum(o.astype(jnp.float32) * do), o
 
     (_, o), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(q, k, v, g, beta)
@@ -68,9 +87,16 @@ def main(argv=None):
     ap.add_argument("--cases", type=int, default=0, help="run only the first N cases")
     ap.add_argument("--poison", action="store_true",
                     help="every kernel output starts as NaN (an unwritten element shows)")
+    ap.add_argument("--tune", default="",
+                    help="launch parameters changed from the card's defaults, e.g. "
+                         "inverse_x3=1 (pallas_kernels.kda.KernelTuning)")
     args = ap.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, B,T,H,D = {B},{T},{H},{D}")
+    dev = jax.devices()[0]
+    tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(dev.device_kind),
+                                   source="--tune")
+    print(f"device {dev.device_kind}, jax {jax.__version__}, B,T,H,D = {B},{T},{H},{D}, "
+          f"tuning {tuning}, poison {args.poison}")
     cases = [("random", 0, "random", "plain", 1.0), ("random", 100, "random", "plain", 1.0),
              ("at_bound", 100, "random", "plain", 1.0), ("near_zero", 100, "random", "plain", 1.0),
              ("mixed", 100, "one", "plain", 1.0), ("random", 3, "random", "plain", 1.0),
@@ -80,23 +106,20 @@ def main(argv=None):
     if args.cases:
         cases = cases[: args.cases]
     worst = 0.0
-    ctx = pk.poison_outputs if args.poison else contextlib.nullcontext
-    with ctx():
-        fns = {impl: jax.jit(lambda q, k, v, g, b, s, do, impl=impl: run(impl, q, k, v, g, b, s, do))
-               for impl in ("pallas", "xla")}
+    attend = {"pallas": functools.partial(ours, tuning=tuning, poison=args.poison), "xla": xla}
+    fns = {impl: jax.jit(functools.partial(run, fn)) for impl, fn in attend.items()}
     for i, (gate, doc_len, beta_mode, kind, do_scale) in enumerate(cases):
         q, k, v, g, beta, seg, kd = inputs(jax.random.PRNGKey(args.seed + i), B, T, H, D,
                                            gate=gate, doc_len=doc_len, beta_mode=beta_mode,
                                            kind=kind)
         do = (do_scale * jax.random.normal(kd, v.shape, jnp.float32)).astype(jnp.float32)
         seg_arg = seg if seg is not None else jnp.zeros((B, T), jnp.int32)
-        with ctx():
-            ours = fns["pallas"](q, k, v, g, beta, seg_arg, do)
-            again = fns["pallas"](q, k, v, g, beta, seg_arg, do)
+        got = fns["pallas"](q, k, v, g, beta, seg_arg, do)
+        again = fns["pallas"](q, k, v, g, beta, seg_arg, do)
         ref = fns["xla"](q, k, v, g, beta, seg_arg, do)
-        same = all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(ours, again, strict=True))
+        same = all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(got, again, strict=True))
         parts = []
-        for name, a, b in zip(NAMES, ours, ref, strict=True):
+        for name, a, b in zip(NAMES, got, ref, strict=True):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             bad = int(np.sum(~np.isfinite(a)))
             err = float(np.linalg.norm(np.nan_to_num(a - b)) / max(np.linalg.norm(b), 1e-30))

@@ -3,8 +3,10 @@
 Public entry points (``kimi_k3.ops.kda.kda(..., impl="pallas")`` calls the first):
 
     kda_pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, lower_bound,
-               interpret=None, backend=None) -> (o [B, T, HV, V], final_state [B, HV, K, V] f32)
+               interpret=None, backend=None, tuning=None, poison=False)
+        -> (o [B, T, HV, V], final_state [B, HV, K, V] f32)
     pallas_supported(backend) -> bool
+    KernelTuning, default_tuning(device_kind)     launch parameters, passed as ``tuning=``
 
 Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; state
 [B, HV, K, V] float32; HV a multiple of H. Per token, per value head:
@@ -28,55 +30,126 @@ Gates: ``lower_bound`` in [-5, 0) promises g >= lower_bound and selects the fact
 tensor-core path for the diagonal sub-blocks of the intra-chunk scores; None (or a bound below
 -5) selects the safe path, exact for arbitrarily negative gates.
 
-Tests: ``poison_outputs()`` starts every kernel output as NaN. ``python -m
+Tests: ``poison=True`` starts every kernel output as NaN. ``python -m
 pallas_kernels.triton_report`` prints the GPU kernels' shared memory, registers and spills for
 sm_90 without a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import os
 import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels import kda_calls as calls
 from pallas_kernels.kda_body import MAX_FACTORED_EXPONENT, KdaConfig
-from pallas_kernels.kda_calls import poison_outputs
 
-__all__ = ["kda_pallas", "pallas_supported", "poison_outputs", "make_config", "TUNING"]
+__all__ = ["kda_pallas", "pallas_supported", "make_config", "KernelTuning", "default_tuning"]
 
 f32 = jnp.float32
 MODES = ("gpu", "tpu", "interpret", "tpu_interpret")
 SAFE_SUB = 16  # sub-chunk rows of the unbounded-gate path (its diagonal blocks cost ~SUB)
 
-# Launch parameters of the compiled GPU kernels; benchmarks may override them. bv_seq 0: the
-# widest V tile that still gives the state passes TARGET_PROGRAMS programs (they are the
-# sequential part: at small batch, finer V tiles are the only parallelism left).
-# inverse_x3 0: plain tf32 for the triangular inverse (the GPU tests pass with either; three
-# passes cost 1.6 ms of 3.3 in intra_fwd at 8 x 4096 x 16 x 128 on the H200).
-TUNING = {"bv_seq": 0, "bv_intra": 128, "bk": 32, "warps_intra": 4, "warps_seq": 4,
-          "warps_grad": 4, "warps_chan": 4, "stages_seq": 2, "stages_intra": 1, "inverse_x3": 0}
-TARGET_PROGRAMS = 256
+TARGET_PROGRAMS = 256  # programs the state passes aim for when KernelTuning.bv_seq is 0
 
 
-def apply_tuning(spec: str, source: str = "--tune") -> None:
-    """Overrides TUNING from "key=int,key=int" (the benchmark's and report's --tune flag, or the
-    KDA_PALLAS_TUNE environment variable: ``source`` names it in the error)."""
-    for item in filter(None, spec.split(",")):
-        key, sep, val = item.partition("=")
-        if not sep or key not in TUNING or not val.lstrip("-").isdigit():
-            raise ValueError(
-                f"{source}: expected key=int with key in {sorted(TUNING)}, got {item!r}"
-            )
-        TUNING[key] = int(val)
+@dataclasses.dataclass(frozen=True)
+class KernelTuning:
+    """Launch parameters of the compiled GPU kernels (frozen and hashable, like the
+    ``BlockSizes`` of JAX's Pallas GPU attention): ``kda_pallas(..., tuning=)``.
+
+    The tiles (bv_seq, bv_intra, bk) also apply in interpret mode, so a tuning can be tested on
+    CPU; the TPU modes choose their own tiles (Mosaic wants lane tiles of 128 or the whole
+    dim), and warps and stages are Triton's only. Tiles larger than the padded K or V are cut
+    to it. ``default_tuning`` gives the defaults for a device kind; ``parse`` reads the
+    ``--tune`` flag of the command-line tools; ``dataclasses.replace`` makes variants.
+    """
+
+    # V tile of the state passes (state_fwd, state_bwd). 0: the widest tile that still gives
+    # them TARGET_PROGRAMS programs; they are the sequential part, and at small batch finer V
+    # tiles are the only parallelism left.
+    bv_seq: int = 0
+    # V tile of the loops inside the intra-chunk kernels (the launch sweep's winner).
+    bv_intra: int = 128
+    # K slice of the intra-chunk kernels, and the third grid axis of intra_bwd_channels. Wider
+    # slices spill registers in that kernel (python -m pallas_kernels.triton_report --tune bk=64).
+    bk: int = 32
+    warps_intra: int = 4  # Triton warps of intra_fwd
+    warps_seq: int = 4  # Triton warps of state_fwd and state_bwd
+    warps_grad: int = 4  # Triton warps of intra_bwd_scores
+    warps_chan: int = 4  # Triton warps of intra_bwd_channels
+    stages_seq: int = 2  # Triton pipeline stages of state_fwd and state_bwd
+    # Triton pipeline stages of the intra-chunk kernels. Software pipelining multiplies the
+    # shared memory of their slice loops (3 stages overflowed the H200's 227 KB in the
+    # backward), and they are not load-bound.
+    stages_intra: int = 1
+    # 1: three tf32 passes (float32 accuracy) for the triangular inverse; 0: one plain tf32
+    # pass. The GPU tests pass with either, and the three passes make intra_fwd markedly
+    # slower (BENCHMARKS.md).
+    inverse_x3: int = 0
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            allowed, ok = _TUNING_RULES[field.name]
+            # bool is an int subclass: True would pass as 1 and hide a mistaken argument
+            if type(value) is not int or not ok(value):
+                raise ValueError(f"KernelTuning.{field.name} must be {allowed}, got {value!r}")
+
+    @classmethod
+    def parse(cls, spec: str, base: KernelTuning | None = None,
+              source: str = "--tune") -> KernelTuning:
+        """``base`` (default: ``default_tuning()``) with the overrides of ``spec``, a string
+        "key=int,key=int" such as "bk=16,warps_grad=8" ("" gives ``base``). ``source`` names
+        where the string came from in the ValueError raised for a bad item or value."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        overrides = {}
+        for item in filter(None, spec.split(",")):
+            key, sep, val = item.partition("=")
+            if not sep or key not in names or not val.lstrip("-").isdigit():
+                raise ValueError(
+                    f"{source}: expected key=int with key in {sorted(names)}, got {item!r}"
+                )
+            overrides[key] = int(val)
+        try:
+            return dataclasses.replace(default_tuning() if base is None else base, **overrides)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
 
 
-# Overrides for a whole process (tests on the GPU, launch experiments), e.g.
-# KDA_PALLAS_TUNE=inverse_x3=0,warps_chan=8.
-apply_tuning(os.environ.get("KDA_PALLAS_TUNE", ""), source="KDA_PALLAS_TUNE")
+def _power_of_two(x: int, lo: int) -> bool:
+    return x >= lo and x & (x - 1) == 0
+
+
+# KernelTuning field -> (what is allowed, check). Tiles are powers of two (the padded K and V
+# are, and each must split into whole tiles) of at least 16 rows or columns (the least a dot
+# takes); Triton takes a power of two of warps.
+_TILE = ("a power of two >= 16", lambda x: _power_of_two(x, 16))
+_WARPS = ("a power of two >= 1", lambda x: _power_of_two(x, 1))
+_STAGES = ("an int >= 1", lambda x: x >= 1)
+_TUNING_RULES = {
+    "bv_seq": ("0 (automatic) or a power of two >= 16", lambda x: x == 0 or _power_of_two(x, 16)),
+    "bv_intra": _TILE, "bk": _TILE,
+    "warps_intra": _WARPS, "warps_seq": _WARPS, "warps_grad": _WARPS, "warps_chan": _WARPS,
+    "stages_seq": _STAGES, "stages_intra": _STAGES,
+    "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
+}
+
+
+def default_tuning(device_kind: str | None = None) -> KernelTuning:
+    """The launch parameters ``kda_pallas`` uses when it is given none, for a device kind
+    (``jax.Device.device_kind``, e.g. "NVIDIA H200"; None: any device).
+
+    Every kind gets ``KernelTuning()`` today: the defaults were chosen on the H200 and no other
+    card has been measured. This function is the one place a per-kind table goes when one
+    does need different parameters; nothing else should look at the device kind.
+    """
+    del device_kind  # one set for every kind (see above)
+    return KernelTuning()
 
 
 def _next_pow2(x: int, lo: int = 16) -> int:
@@ -110,7 +183,15 @@ def _sub_rows(lower_bound, C: int) -> tuple[bool, int]:
     return True, min(sub, C)
 
 
-def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode) -> KdaConfig:
+def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
+                tuning: KernelTuning, poison: bool = False) -> KdaConfig:
+    """The static ``KdaConfig`` of one call.
+
+    q [B, T, H, K] and v [B, T, HV, V] give the shapes and the compute dtype (arrays or
+    ``jax.ShapeDtypeStruct``); lower_bound the gate path; mode one of MODES; tuning the launch
+    parameters (GPU and interpret modes; the TPU modes pick their own tiles); poison: every
+    kernel output starts as NaN.
+    """
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     C = max(16, chunk_size)  # dots need >= 16 rows; the result does not depend on C
@@ -124,31 +205,39 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode) -> K
         bv_seq = bv_intra = Vp if Vp <= 128 else 128
         bk = Kp if Kp <= 128 else 128
     else:
-        bv_seq = TUNING["bv_seq"] or Vp
-        while not TUNING["bv_seq"] and bv_seq > 16 and B * HV * (Vp // bv_seq) < TARGET_PROGRAMS:
+        bv_seq = tuning.bv_seq or Vp
+        while not tuning.bv_seq and bv_seq > 16 and B * HV * (Vp // bv_seq) < TARGET_PROGRAMS:
             bv_seq //= 2
-        bv_seq, bv_intra = min(bv_seq, Vp), min(TUNING["bv_intra"], Vp)
-        bk = min(TUNING["bk"], Kp)
+        bv_seq, bv_intra = min(bv_seq, Vp), min(tuning.bv_intra, Vp)
+        bk = min(tuning.bk, Kp)
     return KdaConfig(
         B=B, T=T, H=H, HV=HV, K=Kp, V=Vp, k_dim=K, v_dim=V, C=C, sub=sub, scale=float(scale), bounded=bounded,
         has_seg=segment_ids is not None, cd=cd, platform=platform, mode=mode, bv_seq=bv_seq,
-        bv_intra=bv_intra, bk=bk, warps_intra=TUNING["warps_intra"], warps_seq=TUNING["warps_seq"],
-        warps_grad=TUNING["warps_grad"], warps_chan=TUNING["warps_chan"], stages_seq=TUNING["stages_seq"],
-        stages_intra=TUNING["stages_intra"],
-        inverse_x3=bool(TUNING["inverse_x3"]),
+        bv_intra=bv_intra, bk=bk, inverse_x3=bool(tuning.inverse_x3), warps_intra=tuning.warps_intra,
+        warps_seq=tuning.warps_seq, warps_grad=tuning.warps_grad, warps_chan=tuning.warps_chan,
+        stages_seq=tuning.stages_seq, stages_intra=tuning.stages_intra, poison=bool(poison),
     )
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, lower_bound,
-               interpret=None, backend=None):
+               interpret=None, backend=None, tuning: KernelTuning | None = None,
+               poison: bool = False):
     """KDA with the Pallas kernels. Inputs are validated by ``kimi_k3.ops.kda.kda``.
+
+    tuning: the launch parameters; None takes ``default_tuning`` for the default backend's
+    device kind. poison: every kernel output starts as NaN (an aliased NaN-filled buffer), so an
+    element a kernel never writes shows up as NaN downstream (tests, benchmarks/kda_stress.py).
 
     Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32). Differentiable in
     q, k, v, g, beta and initial_state.
     """
     mode = _resolve_mode(interpret, backend)
+    if tuning is None:
+        tuning = default_tuning(jax.devices()[0].device_kind)
+    elif not isinstance(tuning, KernelTuning):
+        raise TypeError(f"kda_pallas: tuning must be a KernelTuning or None, got {tuning!r}")
     cfg = make_config(q, v, scale=scale, segment_ids=segment_ids, chunk_size=chunk_size,
-                      lower_bound=lower_bound, mode=mode)
+                      lower_bound=lower_bound, mode=mode, tuning=tuning, poison=poison)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if initial_state is None:
@@ -275,8 +364,6 @@ def pallas_supported(backend: str) -> bool:
 
     Never raises: an unavailable lowering gives False and one warning line.
     """
-    from jax.experimental import pallas as pl
-
     try:
         if backend == "gpu":
             if not calls.triton_available():
@@ -304,7 +391,7 @@ def pallas_supported(backend: str) -> bool:
 
 
 def _probe_cfg(mode: str) -> KdaConfig:
-    return KdaConfig(B=1, T=16, H=1, HV=1, K=16, V=16, k_dim=16, v_dim=16, C=16, sub=16,
-                     scale=1.0, bounded=True, has_seg=False, cd="float32", platform=mode,
-                     mode=mode, bv_seq=16, bv_intra=16, bk=16)
-
+    """The config of a one-chunk 16 x 16 call in ``mode``, default launch parameters."""
+    x = jax.ShapeDtypeStruct((1, 16, 1, 16), f32)
+    return make_config(x, x, scale=1.0, segment_ids=None, chunk_size=16, lower_bound=-5.0,
+                       mode=mode, tuning=KernelTuning())

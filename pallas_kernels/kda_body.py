@@ -59,18 +59,20 @@ class KdaConfig:
     cd: str  # dtype of fast dot operands and stored intermediates ("bfloat16" / "float32")
     platform: str  # "gpu" | "tpu" | "cpu": where the body runs (decides dot precision)
     mode: str  # "gpu" | "tpu" | "interpret" | "tpu_interpret"
+    # Launch parameters, from pallas_kernels.kda.KernelTuning (whose comments say why).
     bv_seq: int  # V tile of the sequential (state-carrying) kernels
     bv_intra: int  # V tile of the loops inside the intra-chunk kernels
     bk: int  # K slice of the intra-chunk kernels
-    inverse_x3: bool = False  # GPU: tf32x3 (else plain tf32) for the triangular inverse
-    warps_intra: int = 4
-    warps_seq: int = 4
-    warps_grad: int = 8
-    warps_chan: int = 4
-    stages_seq: int = 2
-    # Triton software pipelining multiplies the shared memory of the intra kernels' slice loops
-    # (3 stages overflowed the H200's 227 KB in the backward); they are not load-bound.
-    stages_intra: int = 1
+    inverse_x3: bool  # GPU: tf32x3 (else plain tf32) for the triangular inverse
+    warps_intra: int  # Triton warps of intra_fwd
+    warps_seq: int  # of state_fwd and state_bwd
+    warps_grad: int  # of intra_bwd_scores
+    warps_chan: int  # of intra_bwd_channels
+    stages_seq: int  # Triton pipeline stages of the state passes
+    stages_intra: int  # of the intra-chunk kernels
+    # Tests: every kernel output starts as NaN (an aliased NaN-filled buffer), so an element a
+    # kernel never writes shows up downstream.
+    poison: bool = False
 
     @property
     def N(self) -> int:

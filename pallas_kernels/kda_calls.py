@@ -19,7 +19,6 @@ minor block dims to be tiles). Intermediates are ours: [B*HV, N, C, X] for per-c
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from types import SimpleNamespace
@@ -32,30 +31,18 @@ from jax.experimental import pallas as pl
 from pallas_kernels import kda_body as body
 from pallas_kernels.kda_body import KdaConfig
 
+# Optional backends: a JAX without one still runs the others (pallas_supported says which).
 try:  # Pallas-Triton (deprecated in JAX 0.11, may disappear)
     from jax.experimental.pallas import triton as pl_triton
 except ImportError:  # pragma: no cover - depends on the installed JAX
     pl_triton = None
-try:
+try:  # Pallas-Mosaic TPU
     from jax.experimental.pallas import tpu as pltpu
 except ImportError:  # pragma: no cover
     pltpu = None
 
 f32 = jnp.float32
 DA_NAMES = ("dAqk", "dAkk", "dAqkT", "dAkkT")  # the [C, C] score gradients between the two
-
-_POISON = [False]
-
-
-@contextlib.contextmanager
-def poison_outputs():
-    """Inside this context every kernel output starts as NaN (an aliased NaN-filled buffer), so
-    an element a kernel forgets to write shows up as NaN downstream. For tests."""
-    _POISON[0], old = True, _POISON[0]
-    try:
-        yield
-    finally:
-        _POISON[0] = old
 
 
 def _compiler_params(cfg: KdaConfig, *, warps: int, stages: int | None, dims: tuple[str, ...]):
@@ -81,8 +68,10 @@ def _interpret_arg(cfg: KdaConfig):
 
 def _call(kernel, cfg: KdaConfig, *, grid, in_specs, out_specs, out_shape, name,
           warps=4, stages=None, dims=None, scratch=()):
-    """pallas_call with backend-specific parameters chosen at call time (and optional poison)."""
-    poison = _POISON[0]
+    """pallas_call with backend-specific parameters chosen at call time. With ``cfg.poison``
+    every output is first filled with NaN and aliased to an extra input, so the kernel starts
+    from NaN wherever it does not write."""
+    poison = cfg.poison
     n_in, n_out = len(in_specs), len(out_specs)
     if poison:
         def kernel_fn(*refs):

@@ -23,10 +23,14 @@ from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels import kda as pk
 
+# The card the report is for (sm_90): its default launch parameters are the starting point.
+DEVICE_KIND = "NVIDIA H200"
 
-def dump_ttir(outdir: str, *, B=1, T=256, H=16, D=128, lower_bound=-5.0, segments=False):
-    """Lower forward+backward for the GPU and write each kernel's Triton IR to outdir.
-    Returns {kernel name: path}."""
+
+def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, lower_bound=-5.0,
+              segments=False):
+    """Lower forward+backward for the GPU with ``tuning`` and write each kernel's Triton IR to
+    outdir. Returns {kernel name: path}."""
     found = {}
     orig_lower = triton_lowering.lower_jaxpr_to_triton_module
 
@@ -50,7 +54,7 @@ def dump_ttir(outdir: str, *, B=1, T=256, H=16, D=128, lower_bound=-5.0, segment
         def loss(q, k, v, g, beta):
             o, _ = pk.kda_pallas(q, k, v, g, beta, scale=D ** -0.5, initial_state=None,
                                  segment_ids=seg, chunk_size=64, lower_bound=lower_bound,
-                                 backend="gpu")
+                                 backend="gpu", tuning=tuning)
             return jnp.sum(o.astype(jnp.float32))
 
         jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(
@@ -60,16 +64,17 @@ def dump_ttir(outdir: str, *, B=1, T=256, H=16, D=128, lower_bound=-5.0, segment
     return found
 
 
-def launch_params(name: str):
-    t = pk.TUNING
-    return {"kda_intra_fwd": (t["warps_intra"], t["stages_intra"]),
-            "kda_state_fwd": (t["warps_seq"], t["stages_seq"]),
-            "kda_state_bwd": (t["warps_seq"], t["stages_seq"]),
-            "kda_intra_bwd_scores": (t["warps_grad"], t["stages_intra"]),
-            "kda_intra_bwd_channels": (t["warps_chan"], t["stages_intra"])}[name]
+def launch_params(name: str, t: pk.KernelTuning) -> tuple[int, int]:
+    """(warps, stages) of kernel ``name`` under tuning ``t``, as kda_calls launches it."""
+    return {"kda_intra_fwd": (t.warps_intra, t.stages_intra),
+            "kda_state_fwd": (t.warps_seq, t.stages_seq),
+            "kda_state_bwd": (t.warps_seq, t.stages_seq),
+            "kda_intra_bwd_scores": (t.warps_grad, t.stages_intra),
+            "kda_intra_bwd_channels": (t.warps_chan, t.stages_intra)}[name]
 
 
 def report(path: str, warps: int, stages: int) -> str:
+    # Optional: the triton package is not a project dependency (see the module docstring).
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -89,15 +94,19 @@ def report(path: str, warps: int, stages: int) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tune", default="", help="TUNING overrides, e.g. bk=16,warps_grad=4")
+    ap.add_argument("--tune", default="",
+                    help=f"launch parameters changed from {DEVICE_KIND}'s defaults, e.g. "
+                         "bk=16,warps_grad=4 (pallas_kernels.kda.KernelTuning)")
     ap.add_argument("--safe", action="store_true", help="unbounded-gate path")
     ap.add_argument("--segments", action="store_true", help="packed-segment variant")
     args = ap.parse_args(argv)
-    pk.apply_tuning(args.tune)
+    tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(DEVICE_KIND), source="--tune")
+    print(f"tuning: {tuning}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        found = dump_ttir(tmp, lower_bound=None if args.safe else -5.0, segments=args.segments)
+        found = dump_ttir(tmp, tuning, lower_bound=None if args.safe else -5.0,
+                          segments=args.segments)
         for name, path in sorted(found.items()):
-            print(f"{name}: {report(path, *launch_params(name))}", flush=True)
+            print(f"{name}: {report(path, *launch_params(name, tuning))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Backends: "interpret" (the GPU kernels in Pallas interpret mode) and "tpu_interpret" (the TPU
 kernels in TPU interpret mode) run everywhere; "gpu" (compiled Pallas-Triton) is added when a
-GPU is present. Every kernel output is poisoned with NaN before the call (``poison_outputs``),
+GPU is present. Every kernel output is poisoned with NaN before the call (``poison=True``),
 so an element a kernel never writes fails the finiteness checks.
 
 Tolerances, relative ||x - ref|| / ||ref||: float32 arithmetic (CPU interpret) 1e-5 against a
@@ -12,17 +12,20 @@ cores, so GPU runs are held to fla's test tolerances: 5e-3 outputs, 8e-3 dq/dk/d
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from kimi_k3.ops.kda import kda
 from kimi_k3.ops.kda_recurrent import kda_recurrent
 from pallas_kernels import kda as pk
-from pallas_kernels.kda import kda_pallas, pallas_supported, poison_outputs
+from pallas_kernels import kda_calls as calls
+from pallas_kernels.kda import KernelTuning, kda_pallas, pallas_supported
 
 ON_GPU = jax.default_backend() == "gpu"
 GPU = ["gpu"] if ON_GPU else []
@@ -97,11 +100,11 @@ def rel(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def run_pallas(backend, q, k, v, g, beta, h0, *, seg=None, lower_bound=-5.0, chunk_size=64):
-    with poison_outputs():
-        return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
-                          segment_ids=seg, chunk_size=chunk_size, lower_bound=lower_bound,
-                          backend=backend)
+def run_pallas(backend, q, k, v, g, beta, h0, *, seg=None, lower_bound=-5.0, chunk_size=64,
+               tuning=None):
+    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
+                      segment_ids=seg, chunk_size=chunk_size, lower_bound=lower_bound,
+                      backend=backend, tuning=tuning, poison=True)
 
 
 def fwd_tol(backend, dtype):
@@ -248,16 +251,13 @@ def test_forward_residuals_for_the_backward(backend):
     """What the forward saves for the backward, per chunk, against float64 NumPy from the
     definitions: G = chunk-local cumsum of g, Akk_ij = sum_d k_id k_jd exp(G_id - G_jd) for
     j < i in one segment (else 0), Tinv = (I + Diag(beta) Akk)^-1."""
-    from pallas_kernels import kda_calls as calls
-
     B, T, H, HV, K, V, C = 1, 100, 1, 2, 16, 16, 32
     q, k, v, g, beta, _ = make_inputs(23, B, T, H, HV, K, V)
     seg = segments(B, T, 5)
     cfg = pk.make_config(q, v, scale=K ** -0.5, segment_ids=seg, chunk_size=C, lower_bound=-5.0,
-                         mode=backend)
-    with poison_outputs():
-        *_, G, Akk, Tinv = calls.intra_fwd(cfg, *pk._prep(q, k, v, g, beta, seg, cfg),
-                                           residuals=True)
+                         mode=backend, tuning=pk.default_tuning(), poison=True)
+    *_, G, Akk, Tinv = calls.intra_fwd(cfg, *pk._prep(q, k, v, g, beta, seg, cfg),
+                                       residuals=True)
     N = cfg.N
     pad = N * C - T
     kk = np.pad(np.asarray(k, np.float64), [(0, 0), (0, pad), (0, 0), (0, 0)])
@@ -358,39 +358,55 @@ def test_lowers_for_gpu_and_tpu():
 
 
 def test_bad_tuning_is_named():
-    # KDA_PALLAS_TUNE is read when the module is imported: a fresh interpreter sees it
-    import os
-    import subprocess
-    import sys
+    """A bad --tune item or value is refused, naming where it came from and the field."""
+    with pytest.raises(ValueError, match=r"--tune: expected key=int with key in .* got 'warps=8'"):
+        KernelTuning.parse("bk=32,warps=8", source="--tune")
+    with pytest.raises(ValueError, match=r"--variants: expected key=int .* got 'bk=x'"):
+        KernelTuning.parse("bk=x", source="--variants")
+    with pytest.raises(ValueError, match=r"--tune: KernelTuning.bk must be a power of two >= 16, "
+                                         r"got 0"):
+        KernelTuning.parse("bk=0")
+    with pytest.raises(ValueError, match=r"KernelTuning.warps_seq must be .*, got 3"):
+        KernelTuning(warps_seq=3)
+    with pytest.raises(ValueError, match=r"KernelTuning.inverse_x3 must be 0 or 1, got True"):
+        KernelTuning(inverse_x3=True)
+    assert KernelTuning.parse("") == pk.default_tuning()
+    base = KernelTuning(warps_grad=8)
+    assert KernelTuning.parse("bk=16", base=base) == dataclasses.replace(base, bk=16)
 
-    env = dict(os.environ, KDA_PALLAS_TUNE="bk=32,warps=8", JAX_PLATFORMS="cpu")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", "import pallas_kernels.kda"], env=env, cwd=repo,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0
-    assert "KDA_PALLAS_TUNE: expected key=int" in p.stderr and "'warps=8'" in p.stderr
-    before = dict(pk.TUNING)
-    with pytest.raises(ValueError, match=r"--tune: expected key=int .* got 'bk=x'"):
-        pk.apply_tuning("bk=x")
-    assert pk.TUNING == before
+
+def test_tuning_reaches_the_kernels():
+    """tuning= is passed down: bk=16 cuts K = 32 into two slices, with the same result."""
+    B, T, H, HV, K, V = 2, 50, 1, 2, 32, 16
+    q, k, v, g, beta, h0 = make_inputs(29, B, T, H, HV, K, V)
+    narrow = KernelTuning(bk=16)
+    config = lambda tuning: pk.make_config(q, v, scale=K ** -0.5, segment_ids=None,
+                                           chunk_size=32, lower_bound=-5.0, mode="interpret",
+                                           tuning=tuning)
+    assert config(narrow).bk == 16 and config(pk.default_tuning()).bk == 32 == K
+    assert hash(narrow) == hash(KernelTuning(bk=16))  # static: it keys jit caches via KdaConfig
+    o, S = run_pallas("interpret", q, k, v, g, beta, h0, chunk_size=32, tuning=narrow)
+    o_ref, S_ref = run_pallas("interpret", q, k, v, g, beta, h0, chunk_size=32)
+    assert rel(o, o_ref) < 1e-6 and rel(S, S_ref) < 1e-6
+    with pytest.raises(TypeError, match="kda_pallas: tuning must be a KernelTuning"):
+        run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
 
 
 def test_gate_path_selection():
     cfg = lambda lb: pk.make_config(jnp.zeros((1, 64, 1, 16)), jnp.zeros((1, 64, 1, 16)),
                                     scale=1.0, segment_ids=None, chunk_size=64,
-                                    lower_bound=lb, mode="interpret")
+                                    lower_bound=lb, mode="interpret",
+                                    tuning=pk.default_tuning())
     assert cfg(-5.0).bounded and cfg(-5.0).sub == 16
     assert cfg(-1.0).bounded and cfg(-1.0).sub == 64  # 63 * 1 <= 80: one anchor per chunk
     assert not cfg(None).bounded and not cfg(-6.0).bounded
 
 
 def test_pallas_supported_never_raises(monkeypatch):
-    from pallas_kernels import kda_calls
-
     for backend in ("gpu", "tpu"):
         assert isinstance(pallas_supported(backend), bool)
     pallas_supported.cache_clear()
-    monkeypatch.setattr(kda_calls, "triton_available", lambda: False)
+    monkeypatch.setattr(calls, "triton_available", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert pallas_supported("gpu") is False
@@ -401,11 +417,7 @@ def test_pallas_supported_never_raises(monkeypatch):
 
 def test_poison_detects_unwritten_output():
     """The poison harness itself: a kernel that skips a row leaves NaN behind."""
-    from jax.experimental import pallas as pl
-
-    from pallas_kernels.kda_calls import _call
-
-    cfg = pk._probe_cfg("interpret")
+    cfg = dataclasses.replace(pk._probe_cfg("interpret"), poison=True)
 
     def kernel(x_ref, o_ref):
         rows = jax.lax.broadcasted_iota(jnp.int32, (16, 16), 0)
@@ -415,8 +427,7 @@ def test_poison_detects_unwritten_output():
             o_ref[...] = jnp.where(rows < 15, x_ref[...], o_ref[...])
 
     spec = pl.BlockSpec((16, 16), lambda i: (0, 0))
-    with poison_outputs():
-        fn = _call(kernel, cfg, grid=(1,), in_specs=[spec], out_specs=[spec],
-                   out_shape=[jax.ShapeDtypeStruct((16, 16), jnp.float32)], name="probe")
-        (out,) = fn(jnp.ones((16, 16), jnp.float32))
+    fn = calls._call(kernel, cfg, grid=(1,), in_specs=[spec], out_specs=[spec],
+                     out_shape=[jax.ShapeDtypeStruct((16, 16), jnp.float32)], name="probe")
+    (out,) = fn(jnp.ones((16, 16), jnp.float32))
     assert bool(jnp.all(jnp.isnan(out[15]))) and bool(jnp.all(out[:15] == 1.0))
