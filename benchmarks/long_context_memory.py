@@ -41,6 +41,9 @@ import subprocess
 import sys
 import time
 
+# JAX and the model are imported inside the functions that run in each series' own child
+# process: the parent only spawns them and gathers their results, so it never holds a device.
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -66,7 +69,7 @@ def pattern_for(variant: str, num_layers: int) -> str:
 
 
 def model_config(args, variant: str):
-    from kimi_k3.model import default_model_config
+    from kimi_k3.config import default_model_config
 
     m = default_model_config()
     m.vocab_size = 256

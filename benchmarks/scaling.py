@@ -38,6 +38,9 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
+# JAX and kimi_k3 are imported inside the function that runs in each device count's own
+# child process: the device count of a JAX process is fixed when JAX is first imported.
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

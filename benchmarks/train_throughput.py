@@ -24,6 +24,7 @@ from ml_collections import config_flags
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import train_lib
+from kimi_k3.model import count_params, flops_per_token
 
 config_flags.DEFINE_config_file("config", "configs/small.py", "Config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "A fresh run folder (an existing checkpoint would resume).")
@@ -34,8 +35,6 @@ FLAGS = flags.FLAGS
 
 def summarise(config, workdir: str, command: str) -> str:
     """The Markdown table from ``<workdir>/metrics.jsonl``."""
-    from kimi_k3.model import count_params, flops_per_token
-
     summary = metrics_lib.throughput_summary(os.path.join(workdir, "metrics.jsonl"))
     mfu = summary["mfu"]
     mfu = f"{100 * mfu:.1f}%" if mfu is not None else "n/a (unknown peak)"

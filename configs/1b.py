@@ -7,13 +7,12 @@ queries 768, head dims 128 + 64 shared / 128), SwiGLU 5632, block Attention Resi
 5 layers), bf16 compute, full rematerialisation.
 """
 
-from kimi_k3.model import default_model_config
-from kimi_k3.train_lib import add_training_defaults
+import ml_collections
+
+from kimi_k3.config import add_training_defaults, default_model_config
 
 
 def get_config(arg: str | None = None):
-    import ml_collections
-
     if arg:
         raise ValueError(f"configs/1b.py takes no argument, got {arg!r}")
     m = default_model_config()

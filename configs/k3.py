@@ -13,13 +13,13 @@ width of the Kimi K2 / DeepSeek-V3 family), so parameter counts and FLOPs differ
 The vocabulary (163840) is Kimi K2's.
 """
 
-from kimi_k3.model import default_model_config
-from kimi_k3.train_lib import add_training_defaults
+import ml_collections
+
+from kimi_k3.config import add_training_defaults, default_model_config, model_spec
+from kimi_k3.model import count_params, flops_per_token
 
 
 def get_config(arg: str | None = None):
-    import ml_collections
-
     if arg:
         raise ValueError(f"configs/k3.py takes no argument, got {arg!r}")
     m = default_model_config()
@@ -56,11 +56,9 @@ def get_config(arg: str | None = None):
 
 
 if __name__ == "__main__":
-    from kimi_k3.model import count_params, flops_per_token, layer_pattern
-
-    cfg = get_config().model
-    pattern = layer_pattern(cfg)
+    spec = model_spec(get_config().model)
+    pattern = spec.pattern
     print(f"pattern: {pattern}")
     print(f"KDA layers: {pattern.count('K')}, MLA layers: {pattern.count('M')}")
-    print(f"parameters (dense FFN stand-in): {count_params(cfg):,}")
-    print(f"training FLOPs per token at 8192 tokens: {flops_per_token(cfg, 8192):.4g}")
+    print(f"parameters (dense FFN stand-in): {count_params(spec):,}")
+    print(f"training FLOPs per token at 8192 tokens: {flops_per_token(spec, 8192):.4g}")

@@ -12,15 +12,14 @@ interfere), while MLA keeps every key exactly. (In CPU pilots a KDA head dim of 
 not learn 4-8 pairs within 500 steps; with 32, 3:1 learned 8 pairs in about 200.)
 
 The trainer sections (data, opt, mesh, checkpoint, train) come from
-``train_lib.add_training_defaults``; the MQAR training in ``kimi_k3.mqar.train_mqar`` uses
+``kimi_k3.config.add_training_defaults``; the MQAR training in ``kimi_k3.mqar.train_mqar`` uses
 ``opt`` and ``train.steps`` / ``seed`` from them.
 """
 
 import ml_collections
 
 from configs import parse_arg
-from kimi_k3.model import default_model_config
-from kimi_k3.train_lib import add_training_defaults
+from kimi_k3.config import add_training_defaults, default_model_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

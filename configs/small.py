@@ -7,13 +7,12 @@ queries 384), SwiGLU 3072, block Attention Residuals (blocks of 3 layers), bf16 
 rematerialisation.
 """
 
-from kimi_k3.model import default_model_config
-from kimi_k3.train_lib import add_training_defaults
+import ml_collections
+
+from kimi_k3.config import add_training_defaults, default_model_config
 
 
 def get_config(arg: str | None = None):
-    import ml_collections
-
     if arg:
         raise ValueError(f"configs/small.py takes no argument, got {arg!r}")
     m = default_model_config()
@@ -31,9 +30,9 @@ def get_config(arg: str | None = None):
     m.mlp_dim = 3072
     m.attn_res_block_size = 6  # sublayers = 3 layers
     m.dtype = "bfloat16"
-    # Without rematerialisation every layer keeps ~185 KB of activations per token (KDA) and
-    # 8 rows of 2048 already peaked at 41 GiB on an H200; with remat="full", 32 rows peak at
-    # 28.5 GiB and train faster (54.6k vs 45.4k tokens/s, H200, 2026-11-29; BENCHMARKS.md).
+    # Without rematerialisation every KDA layer keeps its intra-chunk activations per token,
+    # and 32 rows of 2048 no longer fit one GPU; full remat trades recompute for that memory
+    # (the measurements are in BENCHMARKS.md).
     m.remat = "full"
     config = ml_collections.ConfigDict()
     config.model = m

@@ -6,13 +6,12 @@
 Attention Residuals over blocks of 2 layers, float32.
 """
 
-from kimi_k3.model import default_model_config
-from kimi_k3.train_lib import add_training_defaults
+import ml_collections
+
+from kimi_k3.config import add_training_defaults, default_model_config
 
 
 def get_config(arg: str | None = None):
-    import ml_collections
-
     if arg:
         raise ValueError(f"configs/tiny.py takes no argument, got {arg!r}")
     config = ml_collections.ConfigDict()

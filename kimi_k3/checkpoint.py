@@ -101,9 +101,8 @@ class Checkpointer:
     """The run's CheckpointManager; ``ckpt_cfg`` is ``config.checkpoint``."""
 
     def __init__(self, directory: str, ckpt_cfg):
-        for field in ("every_steps", "keep"):
-            if not (isinstance(ckpt_cfg[field], int) and ckpt_cfg[field] > 0):
-                raise ValueError(f"checkpoint.{field}: {ckpt_cfg[field]!r} must be a positive int")
+        """``ckpt_cfg``: the checked ``config.checkpoint`` (a CkptSpec: every_steps, keep,
+        async_save)."""
         self.directory = epath.Path(absolute_path(directory))
         silence_aborted_reads()
         self.every_steps = ckpt_cfg.every_steps

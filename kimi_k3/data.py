@@ -27,6 +27,7 @@ its devices hold under the batch sharding.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import logging
@@ -35,11 +36,13 @@ import sysconfig
 import zlib
 from collections.abc import Iterator, Sequence
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from kimi_k3.config import TOKEN_DTYPES, data_spec
 
 BYTE_VOCAB = 256
-SOURCES = ("stdlib", "text", "tokens")
-TOKEN_DTYPES = ("uint16", "uint32")
 _CHECK_CHUNK = 1 << 24  # tokens scanned at a time when checking ids in a token file
 
 
@@ -305,14 +308,10 @@ def open_token_file(path: str, dtype: str) -> np.ndarray:
 def _check_token_files(chunks, names, vocab_size: int) -> None:
     """Token files are checked in parallel across hosts: host p scans files p, p+P, ...;
     the per-file maxima are then gathered so every host raises the same error."""
-    import jax
-
     n, p = jax.process_count(), jax.process_index()
     if n == 1:
         check_ids(chunks, names, vocab_size)
         return
-    from jax.experimental import multihost_utils
-
     maxima = np.full(len(chunks), -1, np.int64)
     for i in range(p, len(chunks), n):
         for s in range(0, len(chunks[i]), _CHECK_CHUNK):
@@ -324,8 +323,9 @@ def _check_token_files(chunks, names, vocab_size: int) -> None:
 
 def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStream | None]:
     """The train and held-out streams for ``config.data``; the held-out one is None when the
-    split leaves no eval file. Raises (naming the field and path) before any step runs."""
-    validate_data_config(data_cfg)
+    split leaves no eval file. Raises (naming the field and path) before any step runs.
+    ``data_cfg``: a DataSpec, or the ``config.data`` ConfigDict (checked into one)."""
+    data_cfg = data_spec(data_cfg)
     source = data_cfg.source
     eval_fraction = float(data_cfg.eval_fraction)
     eval_patterns = split_paths(data_cfg.eval_paths)
@@ -371,32 +371,6 @@ def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStr
     return train_stream, eval_stream
 
 
-def validate_data_config(data_cfg) -> None:
-    """The fields that can be checked without reading data, each error naming its field."""
-    for field in ("seq_len", "global_batch_size"):
-        v = data_cfg[field]
-        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-            raise ValueError(f"data.{field}: {v!r} must be a positive integer")
-    if data_cfg.seq_len < 2:
-        raise ValueError(
-            f"data.seq_len: {data_cfg.seq_len} leaves no next token to predict inside a row; "
-            f"it must be >= 2")
-    if data_cfg.source not in SOURCES:
-        raise ValueError(f"data.source: {data_cfg.source!r} is not one of {SOURCES}")
-    if data_cfg.source == "stdlib" and split_paths(data_cfg.paths):
-        raise ValueError(
-            f"data.paths: {data_cfg.paths!r} is given, but data.source is 'stdlib' (the default: "
-            f"the Python standard library), which reads no files; set data.source='text' (or "
-            f"'tokens') to train on them")
-    if data_cfg.token_dtype not in TOKEN_DTYPES:
-        raise ValueError(f"data.token_dtype: {data_cfg.token_dtype!r} is not one of {TOKEN_DTYPES}")
-    if not (isinstance(data_cfg.eos_id, int) and data_cfg.eos_id >= -1):
-        raise ValueError(f"data.eos_id: {data_cfg.eos_id!r} must be an integer >= -1 (-1 = none)")
-    eval_fraction = data_cfg.eval_fraction
-    if not (isinstance(eval_fraction, int | float) and 0.0 <= eval_fraction < 1.0):
-        raise ValueError(f"data.eval_fraction: {eval_fraction!r} must be in [0, 1)")
-
-
 # ---------------------------------------------------------------------------------------------
 # Pre-tokenising text into a token file
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +399,6 @@ def tokenize_to_file(patterns: Sequence[str], tokenizer: str, out_path: str,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import argparse
-
     p = argparse.ArgumentParser(
         prog="python -m kimi_k3.data",
         description="Tokenise text files into a flat token file for data.source='tokens'.",

@@ -18,6 +18,8 @@ import statistics
 import sys
 import time
 
+import jax
+
 # Dense bf16 matmul peak per JAX device, TFLOP/s, from the vendors' data sheets. Matched as a
 # case-insensitive substring of ``device.device_kind``, first match wins.
 PEAK_TFLOPS = (
@@ -85,8 +87,6 @@ def throughput_summary(jsonl_path: str | os.PathLike) -> dict:
 def peak_memory_bytes() -> int | None:
     """The largest allocator high-water mark over this process's devices, or None where the
     backend keeps no statistics (CPU)."""
-    import jax
-
     peaks = []
     for d in jax.local_devices():
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None

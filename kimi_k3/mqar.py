@@ -22,14 +22,21 @@ score a ``HybridLM`` on it (used by ``benchmarks/mqar_sweep.py``).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from kimi_k3 import optim, plots
+from kimi_k3.train_lib import make_model, merge_model, split_model
 
 FILLER = 0
 
@@ -176,12 +183,6 @@ def train_mqar(
     accuracy on ``config.mqar.eval_examples`` held-out examples (a generator stream no training
     batch uses), the last training loss, the parameter count and the wall time.
     """
-    import optax
-    from tqdm.auto import tqdm
-
-    from kimi_k3 import optim
-    from kimi_k3.train_lib import make_model, merge_model, split_model
-
     if config.model.vocab_size < spec.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={config.model.vocab_size} must be >= the MQAR "
@@ -263,10 +264,6 @@ def run_sweep(config, patterns, seq_lens, out_dir: str, *, progress: bool = True
     Key-value pairs per example follow ``config.mqar`` (configs/mqar.py: seq_len // 4, so longer
     sequences also ask the fixed KDA state to hold more keys).
     """
-    import os
-
-    from tqdm.auto import tqdm
-
     patterns, seq_lens = list(patterns), [int(t) for t in seq_lens]
     for p in patterns:
         if not p or set(p) - {"K", "M"}:
@@ -293,10 +290,6 @@ def run_sweep(config, patterns, seq_lens, out_dir: str, *, progress: bool = True
 
 def write_sweep_outputs(rows: list[dict], config, out_dir: str) -> str:
     """mqar_sweep.csv, mqar_sweep.md (returned) and mqar_sweep.png in ``out_dir``."""
-    import csv
-    import os
-
-    from kimi_k3 import plots
 
     with open(os.path.join(out_dir, "mqar_sweep.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

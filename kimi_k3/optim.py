@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd", "constant")
+from kimi_k3.config import opt_spec
 
 
 def path_str(path) -> str:
@@ -48,7 +47,8 @@ def path_str(path) -> str:
 
 
 def lr_schedule(opt_cfg, total_steps: int) -> Callable[[jax.Array], jax.Array]:
-    """lr(step) for step = 0, 1, ... (the update's index).
+    """lr(step) for step = 0, 1, ... (the update's index). ``opt_cfg``: an OptSpec or the
+    ``config.opt`` ConfigDict (checked into one).
 
     warmup:   lr = peak * (step + 1) / warmup_steps           for step < warmup_steps
     cosine:   lr = end + (peak - end) * (1 + cos(pi * u)) / 2, u = (step - warmup) / (total - warmup)
@@ -56,18 +56,10 @@ def lr_schedule(opt_cfg, total_steps: int) -> Callable[[jax.Array], jax.Array]:
     constant: lr = peak
     end = peak * min_lr_ratio; u is clipped to [0, 1].
     """
-    peak, kind = float(opt_cfg.lr), opt_cfg.schedule
-    warmup = int(opt_cfg.warmup_steps)
-    end = peak * float(opt_cfg.min_lr_ratio)
-    if kind not in SCHEDULES:
-        raise ValueError(f"opt.schedule: {kind!r} is not one of {SCHEDULES}")
-    if warmup < 0:
-        raise ValueError(f"opt.warmup_steps: {warmup} must be >= 0")
-    if not 0.0 <= float(opt_cfg.min_lr_ratio) <= 1.0:
-        raise ValueError(f"opt.min_lr_ratio: {opt_cfg.min_lr_ratio} must be in [0, 1]")
-    frac = float(opt_cfg.decay_fraction)
-    if kind == "wsd" and not 0.0 < frac <= 1.0:
-        raise ValueError(f"opt.decay_fraction: {frac} must be in (0, 1] for opt.schedule='wsd'")
+    opt = opt_spec(opt_cfg)
+    peak, kind, warmup = opt.lr, opt.schedule, opt.warmup_steps
+    end = peak * opt.min_lr_ratio
+    frac = opt.decay_fraction
     decay_steps = max(1, round(frac * total_steps))
     decay_start = max(warmup, total_steps - decay_steps)
 
@@ -121,6 +113,7 @@ def muon_dimension_numbers(params, logical_axes, opt_cfg):
     output projection [..., embed]) reduces over all other axes; any other reduces over its
     first axis and outputs the rest ([embed, heads, head_dim] -> reduce embed).
     """
+    # Optional: optax.contrib's Muon exists from optax 0.2.5 on (make_optimizer says so).
     from optax.contrib import MuonDimensionNumbers
 
     excl = [re.compile(p, re.IGNORECASE) for p in (*opt_cfg.no_decay, *opt_cfg.muon_exclude)]
@@ -194,13 +187,10 @@ def _muon_direction(params, logical_axes, opt_cfg) -> optax.GradientTransformati
 
 
 def make_optimizer(opt_cfg, total_steps: int, params, logical_axes=None):
-    """(optax transformation, lr schedule) for ``config.opt``; ``params`` may be abstract
-    (shapes only); ``logical_axes`` is a tree of per-parameter logical axis-name tuples."""
-    if opt_cfg.name not in OPTIMIZERS:
-        raise ValueError(f"opt.name: {opt_cfg.name!r} is not one of {OPTIMIZERS}")
-    for field in ("lr", "weight_decay", "grad_clip", "eps"):
-        if float(opt_cfg[field]) < 0:
-            raise ValueError(f"opt.{field}: {opt_cfg[field]} must be >= 0")
+    """(optax transformation, lr schedule) for ``config.opt`` (an OptSpec, or the ConfigDict,
+    checked into one); ``params`` may be abstract (shapes only); ``logical_axes`` is a tree of
+    per-parameter logical axis-name tuples (or None per parameter)."""
+    opt_cfg = opt_spec(opt_cfg)
     schedule = lr_schedule(opt_cfg, total_steps)
     if opt_cfg.name == "adamw":
         direction = optax.scale_by_adam(b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps)

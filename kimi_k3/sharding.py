@@ -30,6 +30,7 @@ unchanged on one device and in tests.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -37,6 +38,9 @@ from flax import linen as nn
 from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kimi_k3.config import DEFAULT_RULES
+from kimi_k3.optim import path_str
 
 # Every logical name the model uses, parameter axes first.
 PARAM_AXES = ("vocab", "embed", "heads", "kv", "mlp", "kv_lora", "q_lora", "rank", "conv", "norm",
@@ -52,29 +56,6 @@ BTD = ("activation_batch", "activation_length", "activation_embed")
 BTHK = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 BTF = ("activation_batch", "activation_length", "activation_mlp")
 BTV = ("activation_batch", "activation_length", "activation_vocab")
-
-# Data parallel over ("data", "fsdp"), parameters sharded over "fsdp" (ZeRO-3 style) along the
-# model width and over "tensor" along heads / MLP / vocabulary (Megatron style).
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("activation_batch", ("data", "fsdp")),
-    ("activation_length", None),
-    ("activation_embed", None),
-    ("activation_heads", "tensor"),
-    ("activation_kv", None),
-    ("activation_mlp", "tensor"),
-    ("activation_vocab", "tensor"),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("mlp", "tensor"),
-    ("kv_lora", None),
-    ("q_lora", None),
-    ("rank", None),
-    ("conv", None),
-    ("norm", None),
-    ("layers", None),
-)
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -129,37 +110,106 @@ def param(value: jax.Array, names: Sequence[str | None]) -> nnx.Param:
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def logical_to_mesh_sharding(tree, mesh: Mesh, rules: Rules):
-    """NamedShardings for every ``nnx.Variable`` in ``tree`` (a module, an nnx.State, or their
-    abstract versions from ``nnx.eval_shape``), same structure, ready for ``jax.jit``'s
-    ``in_shardings`` / ``out_shardings`` or ``jax.device_put``.
+# ---------------------------------------------------------------------------------------------
+# Shardings of whole trees: parameters, optimizer state, a model
+# ---------------------------------------------------------------------------------------------
 
-    Names with no rule, and Variables without names, are replicated.
-    """
 
-    def one(x):
-        if not isinstance(x, nnx.Variable):
-            return x
-        names = x.get_metadata().get("out_sharding")
-        spec = nn.logical_to_mesh_axes(tuple(names), rules) if names else PartitionSpec()
-        return x.replace(NamedSharding(mesh, spec))
+def logical_to_spec(names: Sequence[str | None] | None, rules) -> PartitionSpec:
+    """The PartitionSpec for one array's logical axis names under ``rules``: Flax's own engine
+    (``flax.linen.logical_to_mesh_axes``), the one the model's activation constraints use, so
+    parameters and activations can never disagree. Names without a rule stay unsharded."""
+    if names is None:
+        return PartitionSpec()
+    return nn.logical_to_mesh_axes(tuple(names), rules)
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+def _axes_size(mesh: Mesh, entry) -> int:
+    if entry is None:
+        return 1
+    entry = (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[a] for a in entry)
+
+
+def check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh,
+                    names: Sequence[str | None] | None = None) -> None:
+    """Raise naming ``path`` if a sharded dimension does not divide by its mesh axes."""
+    for d, entry in enumerate(spec):
+        n = _axes_size(mesh, entry)
+        if shape[d] % n:
+            logical = f" (logical {names[d]!r})" if names else ""
+            raise ValueError(
+                f"{path}: dimension {d}{logical} of shape {tuple(shape)} has size {shape[d]}, "
+                f"which does not divide by mesh axes {entry} of size {n}; change the model "
+                f"size, the mesh (config.mesh) or mesh.axis_rules"
+            )
+
+
+def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules, root: str = ""):
+    """NamedShardings for every array of ``abstract_tree`` from its logical names, checking
+    divisibility. ``logical_tree`` mirrors it with a tuple of names (or None) per array."""
+    def one(path, x, names):
+        spec = logical_to_spec(names, rules)
+        check_divisible(f"{root}{path_str(path)}", x.shape, spec, mesh, names)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(
+        one, abstract_tree, logical_tree, is_leaf=lambda x: x is None or isinstance(x, tuple)
+    )
+
+
+def shardings_like_params(tree, abstract_params, param_shardings, default: NamedSharding):
+    """Shardings for a tree that holds copies of the parameters (optimizer moments, ...): a
+    leaf whose key path ends with a parameter's path and has its shape gets that parameter's
+    sharding; every other leaf (step counts, scalars) gets ``default``."""
+    by_path = {}
+    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
+                            jax.tree.leaves(param_shardings), strict=True):
+        by_path[tuple(path)] = (tuple(x.shape), s)
+    depths = sorted({len(p) for p in by_path}, reverse=True)
+
+    def one(path, x):
+        path = tuple(path)
+        for d in depths:
+            hit = by_path.get(path[-d:]) if len(path) >= d else None
+            if hit is not None and hit[0] == tuple(x.shape):
+                return hit[1]
+        return default
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def variable_axes(abstract_state) -> dict:
+    """A nested dict mirroring an nnx State's arrays, each leaf the tuple of its logical axis
+    names (from the ``out_sharding`` metadata ``param`` puts there; None for unnamed ones)."""
+    flat = {}
+    for path, var in nnx.to_flat_state(abstract_state):
+        names = var.get_metadata().get("out_sharding")
+        flat[tuple(path)] = tuple(names) if names else None
+    tree: dict = {}
+    for path, names in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = names
+    return tree
 
 
 def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> nnx.Module:
     """Builds ``make_model()`` directly into its sharded layout (no replicated copy first).
 
-    The shapes come from ``nnx.eval_shape``; the initialiser then runs under ``jax.jit`` with
-    ``out_shardings`` from :func:`logical_to_mesh_sharding`.
+    The shapes come from ``nnx.eval_shape``, the shardings from :func:`tree_shardings` (the
+    trainer's, with its divisibility checks); the initialiser then runs under ``jax.jit`` with
+    those ``out_shardings``.
     """
-    abstract = nnx.eval_shape(make_model)
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = logical_to_mesh_sharding(abstract_state, mesh, rules)
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make_model))
+    arrays = nnx.to_pure_dict(abstract_state)
+    shardings = tree_shardings(arrays, variable_axes(abstract_state), mesh, rules)
 
     def init():
-        return nnx.state(make_model())
+        return nnx.to_pure_dict(nnx.state(make_model()))
 
     with jax.set_mesh(mesh), axis_rules(rules):
-        state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+        values = jax.jit(init, out_shardings=shardings)()
+    nnx.replace_by_pure_dict(abstract_state, values)
+    return nnx.merge(graphdef, abstract_state)

@@ -43,152 +43,23 @@ from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
-
-NAN_POLICIES = ("stop", "skip")
-
-# Weight decay is off for every vector (also when stacked over layers) and for parameters whose
-# path matches one of these (case-insensitive regex): norm scales, biases, KDA's A_log and
-# dt_bias, the Attention Residual pseudo-queries (mixer_query / mlp_query / final_query).
-NO_DECAY = ("norm", "bias", "A_log", "dt_bias", "query")
-
-
-# ---------------------------------------------------------------------------------------------
-# Config: the non-model sections, and their checks
-# ---------------------------------------------------------------------------------------------
-
-
-def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Adds ``seed``, ``data``, ``opt``, ``mesh``, ``checkpoint`` and ``train`` with their
-    defaults; a field the config already set keeps its value. Returns ``config``."""
-    defaults = {
-        "seed": 0,  # parameters' init and the data order
-        "data": {
-            "source": "stdlib",  # stdlib | text | tokens (see kimi_k3/data.py)
-            "paths": "",  # comma-separated files / globs for text or tokens
-            "eval_paths": "",  # held-out files; empty: split data by file with eval_fraction
-            "eval_fraction": 0.05,  # share of files held out (CRC32 of path)
-            "tokenizer": "",  # tokenizers JSON for text; empty: bytes, ids 0..255
-            "token_dtype": "uint16",  # uint16 | uint32, for token files
-            "eos_id": -1,  # end-of-document id inside token files; -1: one document per file
-            "seq_len": 256,  # T, tokens per row
-            "global_batch_size": 16,  # B, rows per step over all hosts
-            "shuffle": True,  # a new seeded row order every epoch
-        },
-        "opt": {
-            "name": "adamw",  # adamw | muon
-            "lr": 3e-3,  # peak learning rate
-            "schedule": "cosine",  # cosine | wsd | constant, after the warmup
-            "warmup_steps": 100,  # linear warmup from lr / warmup_steps
-            "min_lr_ratio": 0.1,  # final lr = lr * min_lr_ratio
-            "decay_fraction": 0.2,  # wsd: share of steps in the final linear decay
-            "b1": 0.9,
-            "b2": 0.95,
-            "eps": 1e-8,
-            "weight_decay": 0.1,  # decoupled, times lr
-            "no_decay": NO_DECAY,  # regexes of parameter paths without weight decay
-            "grad_clip": 1.0,  # global-norm clip; 0 = off
-            "grad_accum_steps": 1,  # micro-batches per step
-            "muon_beta": 0.95,  # Muon momentum
-            "muon_ns_steps": 5,  # Newton-Schulz iterations
-            "muon_rms": 0.2,  # Muon update RMS (matches AdamW's, so lr and decay carry over)
-            "muon_adam_axes": ("vocab", "conv"),  # logical axes whose weights stay on AdamW
-            "muon_batch_axes": ("layers",),  # stacked axes: per-slice Muon, not counted in rank
-            "muon_exclude": (),  # further path regexes kept on AdamW
-        },
-        "mesh": {
-            "data": -1,  # data-parallel size; -1 = all devices not used by the others
-            "fsdp": 1,  # parameter-sharded data parallelism
-            "tensor": 1,  # tensor parallelism
-            "axis_rules": sharding_lib.DEFAULT_RULES,  # (logical name, mesh axes | None)
-        },
-        "checkpoint": {
-            "enabled": True,  # False: never save nor resume (benchmarks, throwaway runs)
-            "every_steps": 200,  # save every N steps (and at the end, and on SIGTERM)
-            "keep": 3,  # keep the last K
-            "async_save": True,  # write in the background while training goes on
-            "dir": "",  # default <workdir>/checkpoints
-        },
-        "train": {
-            "steps": 1000,  # total optimizer steps
-            "log_every": 10,  # steps between console / JSONL / TensorBoard reports
-            "eval_every": 200,  # steps between held-out evaluations; 0 = only at the end
-            "eval_batches": 4,  # global batches per evaluation
-            "nan_policy": "stop",  # stop | skip, on a non-finite loss or gradient
-            "progress_bar": True,
-            "tensorboard": True,
-            "peak_tflops_per_device": 0.0,  # for MFU; 0 = look up the device kind
-        },
-    }
-
-    def fill(cd, d):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                if k not in cd:
-                    cd[k] = ml_collections.ConfigDict()
-                fill(cd[k], v)
-            elif k not in cd:
-                cd[k] = v
-
-    with config.unlocked() if config.is_locked else contextlib.nullcontext():
-        fill(config, defaults)
-    return config
-
-
-def validate_config(config) -> None:
-    """Checks every non-model field (the model checks its own), naming the field."""
-    from kimi_k3.model import validate_model_config
-
-    validate_model_config(config.model)
-    data_lib.validate_data_config(config.data)
-    if not (isinstance(config.seed, int) and not isinstance(config.seed, bool)
-            and 0 <= config.seed < 2**31):
-        raise ValueError(f"seed: {config.seed!r} must be an integer in [0, 2**31)")
-    t = config.train
-    for field in ("steps", "log_every", "eval_batches"):
-        if not (isinstance(t[field], int) and t[field] > 0):
-            raise ValueError(f"train.{field}: {t[field]!r} must be a positive integer")
-    if not (isinstance(t.eval_every, int) and t.eval_every >= 0):
-        raise ValueError(f"train.eval_every: {t.eval_every!r} must be an integer >= 0")
-    if t.nan_policy not in NAN_POLICIES:
-        raise ValueError(f"train.nan_policy: {t.nan_policy!r} is not one of {NAN_POLICIES}")
-    if not isinstance(config.checkpoint.enabled, bool):
-        raise ValueError(f"checkpoint.enabled: {config.checkpoint.enabled!r} must be True or False")
-    a = config.opt.grad_accum_steps
-    if not (isinstance(a, int) and a > 0):
-        raise ValueError(f"opt.grad_accum_steps: {a!r} must be a positive integer")
-    mesh_lib.normalize_rules(config.mesh.axis_rules)
-
+from kimi_k3.config import RunSpec, run_spec
+from kimi_k3.model import HybridLM, flops_per_token
 
 # ---------------------------------------------------------------------------------------------
 # Model: parameters as plain nested dicts, logical names beside them
 # ---------------------------------------------------------------------------------------------
 
 
-def make_model(model_cfg, seed: int):
-    from kimi_k3.model import HybridLM
-
-    return HybridLM(model_cfg, rngs=nnx.Rngs(seed))
+def make_model(model_spec, seed: int) -> HybridLM:
+    """``HybridLM(model_spec)`` initialised from ``seed`` (a ModelSpec or config.model)."""
+    return HybridLM(model_spec, rngs=nnx.Rngs(seed))
 
 
 def split_model(model):
     """(graphdef, params as a nested dict of arrays, the other state)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return graphdef, nnx.to_pure_dict(params), rest
-
-
-def logical_axes(abstract_params_state) -> dict:
-    """A nested dict mirroring the parameters, each leaf the tuple of its logical axis names."""
-    flat = {}
-    for path, var in nnx.to_flat_state(abstract_params_state):
-        names = var.get_metadata().get("out_sharding")
-        flat[tuple(path)] = tuple(names) if names else (None,) * var.value.ndim
-    tree: dict = {}
-    for path, names in flat.items():
-        node = tree
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = names
-    return tree
 
 
 def merge_model(graphdef, params, rest):
@@ -289,7 +160,7 @@ def make_eval_step(graphdef, rest):
 
 @dataclasses.dataclass
 class Setup:
-    config: ml_collections.ConfigDict
+    spec: RunSpec
     mesh: jax.sharding.Mesh
     rules: tuple
     graphdef: object
@@ -313,27 +184,30 @@ class Setup:
 
 def build(config, mesh, model_fn=None) -> Setup:
     """Abstract shapes, shardings (checked for divisibility), the optimizer and the jitted
-    init / train / eval functions for ``config`` on ``mesh``.
+    init / train / eval functions on ``mesh``.
 
-    ``model_fn(seed) -> nnx.Module`` builds the model (default: HybridLM(config.model)); it is
-    called under ``jax.eval_shape`` and inside the jitted initialiser, never eagerly.
+    ``config``: a RunSpec, or the ConfigDict (checked into one). ``model_fn(seed) ->
+    nnx.Module`` builds the model (default: ``HybridLM(spec.model)``; with a model_fn of its
+    own, a stand-in in tests, the config needs no model section); it is called under
+    ``jax.eval_shape`` and inside the jitted initialiser, never eagerly.
     """
-    rules = mesh_lib.normalize_rules(config.mesh.axis_rules)
-    seed = int(config.seed)
-    mesh_lib.check_batch(config.data.global_batch_size, config.opt.grad_accum_steps, mesh)
+    spec = run_spec(config, with_model=model_fn is None)
+    rules = spec.mesh.axis_rules
+    seed = spec.seed
+    mesh_lib.check_batch(spec.data.global_batch_size, spec.opt.grad_accum_steps, mesh)
     if model_fn is None:
-        model_fn = lambda s: make_model(config.model, s)
+        model_fn = lambda s: make_model(spec.model, s)
 
     abstract_model = nnx.eval_shape(lambda: model_fn(seed))
     graphdef, abs_params_state, abs_rest = nnx.split(abstract_model, nnx.Param, ...)
     abs_params = nnx.to_pure_dict(abs_params_state)
-    names = logical_axes(abs_params_state)
-    param_shardings = mesh_lib.tree_shardings(abs_params, names, mesh, rules, root="params/")
+    names = sharding_lib.variable_axes(abs_params_state)
+    param_shardings = sharding_lib.tree_shardings(abs_params, names, mesh, rules, root="params/")
 
-    tx, schedule = optim.make_optimizer(config.opt, config.train.steps, abs_params, names)
+    tx, schedule = optim.make_optimizer(spec.opt, spec.train.steps, abs_params, names)
     repl = mesh_lib.replicated(mesh)
     abs_opt = jax.eval_shape(tx.init, abs_params)
-    opt_shardings = mesh_lib.shardings_like_params(abs_opt, abs_params, param_shardings, repl)
+    opt_shardings = sharding_lib.shardings_like_params(abs_opt, abs_params, param_shardings, repl)
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings,
                        "step": repl, "rng": repl}
 
@@ -356,7 +230,7 @@ def build(config, mesh, model_fn=None) -> Setup:
         with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
             rest = jax.jit(lambda: init_state()[1],
                            out_shardings=jax.tree.map(lambda _: repl, abs_rest))()
-    step = make_train_step(graphdef, rest, tx, schedule, config.opt.grad_accum_steps, mesh)
+    step = make_train_step(graphdef, rest, tx, schedule, spec.opt.grad_accum_steps, mesh)
     train_step = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, repl), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(graphdef, rest),
@@ -366,7 +240,7 @@ def build(config, mesh, model_fn=None) -> Setup:
         with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
             return jit_init()
 
-    return Setup(config, mesh, rules, graphdef, rest, tx, schedule, abstract_state,
+    return Setup(spec, mesh, rules, graphdef, rest, tx, schedule, abstract_state,
                  state_shardings, batch_sharding, train_step, eval_step, init_fn)
 
 
@@ -407,10 +281,6 @@ def global_batch(local: dict[str, np.ndarray], sharding, global_rows: int) -> di
         k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
         for k, v in local.items()
     }
-
-
-def count_params(abstract_params) -> int:
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,25 +361,27 @@ def console(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def run_summary(config, *, workdir, config_name, mesh, n_params, train_rows, eval_rows,
+def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_rows, eval_rows,
                 eval_batches, start, ckpt_dir) -> str:
     """The first screen of a run: what is trained, on what, where, and where things go."""
-    from kimi_k3.model import layer_pattern
-
-    m, d, o, t = config.model, config.data, config.opt, config.train
-    pattern = layer_pattern(m)
+    m, d, o, t = spec.model, spec.data, spec.opt, spec.train
     B, T = d.global_batch_size, d.seq_len
     mesh_text = " x ".join(f"{a} {n}" for a, n in mesh.shape.items())
     devices = f"{mesh.size} {jax.devices()[0].platform} device{'s' if mesh.size > 1 else ''}"
-    source = d.source if d.source == "stdlib" else f"{d.source} {d.paths!r}"
+    source = d.source if d.source == "stdlib" else f"{d.source} {','.join(d.paths)!r}"
     held_out = f"{eval_rows:,} held-out rows" if eval_rows else "no held-out split"
     resume = (f"resuming from step {start:,} of {t.steps:,}" if start
               else f"from scratch to step {t.steps:,}")
+    kinds = []
+    if "K" in m.pattern:
+        kinds.append(f"KDA impl {m.kda.impl}")
+    if "M" in m.pattern:
+        kinds.append(f"attention impl {m.mla.attn_impl}")
     lines = [
         f"kimi_k3 train  {config_name}  ->  {workdir}",
-        f"  model       {m.num_layers} layers {pattern} ({pattern.count('K')} KDA, "
-        f"{pattern.count('M')} MLA), d_model {m.d_model}, vocab {m.vocab_size}, "
-        f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}",
+        f"  model       {m.num_layers} layers {m.pattern} ({m.pattern.count('K')} KDA, "
+        f"{m.pattern.count('M')} MLA), d_model {m.d_model}, vocab {m.vocab_size}, "
+        f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}; {', '.join(kinds)}",
         f"  data        {source}: {train_rows:,} train rows, {held_out} of {T} tokens; "
         f"batch {B} x {T} = {B * T:,} tokens per step",
         f"  mesh        {mesh_text} over {devices} ({jax.process_count()} process"
@@ -517,7 +389,7 @@ def run_summary(config, *, workdir, config_name, mesh, n_params, train_rows, eva
         f"  steps       {resume}; {o.name} lr {o.lr:g} ({o.schedule}, warmup "
         f"{o.warmup_steps}); eval every {t.eval_every or t.steps} steps "
         f"({eval_batches} batches)",
-        f"  checkpoints {ckpt_dir + f' every {config.checkpoint.every_steps} steps' if ckpt_dir else 'off'}",
+        f"  checkpoints {ckpt_dir + f' every {spec.checkpoint.every_steps} steps' if ckpt_dir else 'off'}",
         f"  writes      {workdir}/metrics.jsonl, config.json"
         f"{', tensorboard/' if t.tensorboard else ''}",
     ]
@@ -525,30 +397,28 @@ def run_summary(config, *, workdir, config_name, mesh, n_params, train_rows, eva
 
 
 def train(config, workdir: str, config_name: str = "config") -> dict:
-    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint); returns the last
-    train and eval metrics.
+    """Trains ``config`` (the ConfigDict of a configs/ file) in ``workdir``, resuming from its
+    latest checkpoint; returns the last train and eval metrics.
 
-    Nothing is written before everything that can be checked is: the config's fields, the
-    workdir, the mesh, the data files, the optimizer and the checkpoint to resume from. So a
-    run that fails on bad input leaves the workdir as it was.
+    The config is checked once, into a RunSpec (kimi_k3/config.py). Nothing is written before
+    everything that can be checked is: the fields, the workdir, the mesh, the data files, the
+    optimizer and the checkpoint to resume from. So a run that fails on bad input leaves the
+    workdir as it was.
     """
-    from kimi_k3.model import flops_per_token
-
     # ---- Config -----------------------------------------------------------------------------
-    validate_config(config)
+    spec = run_spec(config)
     workdir = check_workdir(workdir)
     quiet_library_logs()
     chief = jax.process_index() == 0
-    tc, dc = config.train, config.data
+    tc, dc = spec.train, spec.data
     B, T = dc.global_batch_size, dc.seq_len
 
     # ---- Mesh -------------------------------------------------------------------------------
-    mesh = mesh_lib.make_mesh(config.mesh)
+    mesh = mesh_lib.make_mesh(spec.mesh)
 
     # ---- Input ------------------------------------------------------------------------------
-    vocab = int(config.model.vocab_size)
-    train_stream, eval_stream = data_lib.load_split_streams(dc, vocab)
-    train_rows = data_lib.PackedRows(train_stream, T, int(config.seed), bool(dc.shuffle))
+    train_stream, eval_stream = data_lib.load_split_streams(dc, spec.model.vocab_size)
+    train_rows = data_lib.PackedRows(train_stream, T, spec.seed, dc.shuffle)
     eval_rows = data_lib.PackedRows(eval_stream, T, 0, False) if eval_stream else None
     eval_batches = min(tc.eval_batches, eval_rows.num_rows // B) if eval_rows else 0
     if eval_rows and eval_batches == 0:
@@ -556,18 +426,18 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
                         eval_rows.num_rows, B)
 
     # ---- Model, optimizer, sharding, update step ---------------------------------------------
-    setup = build(config, mesh)
+    setup = build(spec, mesh)
     host_rows = data_lib.host_batch_slice(setup.batch_sharding, (B, T))
-    n_params = count_params(setup.abstract_state["params"])
-    fpt = float(flops_per_token(config.model, T))
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state["params"]))
+    fpt = float(flops_per_token(spec.model, T))
     peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                              tc.peak_tflops_per_device)
 
     # ---- Checkpoint restore -------------------------------------------------------------------
-    if config.checkpoint.enabled:
-        ckpt_dir = ckpt_lib.absolute_path(config.checkpoint.dir
+    if spec.checkpoint.enabled:
+        ckpt_dir = ckpt_lib.absolute_path(spec.checkpoint.dir
                                           or os.path.join(workdir, "checkpoints"))
-        ckpt = ckpt_lib.Checkpointer(ckpt_dir, config.checkpoint)
+        ckpt = ckpt_lib.Checkpointer(ckpt_dir, spec.checkpoint)
     else:
         ckpt_dir, ckpt = "", ckpt_lib.NoCheckpoints()
     last = {"train": {}, "eval": {}}
@@ -589,7 +459,7 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
         # ---- Outputs: only now that the run can start ------------------------------------
         if chief:
             write_config(config, workdir, start)
-        console(run_summary(config, workdir=workdir, config_name=config_name, mesh=mesh,
+        console(run_summary(spec, workdir=workdir, config_name=config_name, mesh=mesh,
                             n_params=n_params, train_rows=train_rows.num_rows,
                             eval_rows=eval_rows.num_rows if eval_rows else 0,
                             eval_batches=eval_batches, start=start, ckpt_dir=ckpt_dir))
@@ -597,7 +467,7 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
             console(f"resumed from step {start} ({ckpt_dir}/{start}); data position "
                     f"{it.position:,} rows")
         logging.info("config:\n%s", "\n".join(flat_config(config)))
-        if not config.checkpoint.enabled:
+        if not spec.checkpoint.enabled:
             logging.warning("checkpoint.enabled is False: nothing of this run is saved")
         writer = metrics_lib.MetricsWriter(workdir, enabled=chief, tensorboard=tc.tensorboard)
         writer.text("config", "```\n" + "\n".join(flat_config(config)) + "\n```")
@@ -605,7 +475,7 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
         writer.console = bar.write
         preempt = ckpt_lib.PreemptionFlag()
         console(f"compiling the train step (the progress bar starts after step {start + 1})")
-        _train_loop(config, setup, state, it, start, ckpt, writer, bar, preempt, last,
+        _train_loop(spec, setup, state, it, start, ckpt, writer, bar, preempt, last,
                     eval_rows, eval_batches, host_rows, fpt, peak)
     finally:
         ckpt.close()
@@ -618,11 +488,11 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
     return last
 
 
-def _train_loop(config, setup, state, it, start, ckpt, writer, bar, preempt, last,
+def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preempt, last,
                 eval_rows, eval_batches, host_rows, fpt, peak) -> None:
     """The steps from ``start`` to ``train.steps``: update, report, save, evaluate."""
-    tc = config.train
-    B, T = config.data.global_batch_size, config.data.seq_len
+    tc = spec.train
+    B, T = spec.data.global_batch_size, spec.data.seq_len
     window = {"loss": 0.0, "n": 0, "skipped": 0}
     clock = {"t": None, "step": start}
 

@@ -6,14 +6,29 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 import numpy as np
 import pytest
 
+# A test's random inputs are fresh every run; the seed is printed with a failure, and
+# KIMI_K3_TEST_SEED=<seed> replays it:  KIMI_K3_TEST_SEED=1234 pytest tests/x.py::test_y
+SEED_ENV = "KIMI_K3_TEST_SEED"
+
 
 @pytest.fixture
 def rng(request):
-    """A fresh random generator per test, seeded from the OS, and the seed printed on failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A fresh random generator per test, seeded from the OS (or from $KIMI_K3_TEST_SEED)."""
+    fixed = os.environ.get(SEED_ENV, "").strip()
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("seed", seed))
-    print(f"numpy seed: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Puts the seed at the end of a failed test's report, with the command that replays it."""
+    report = yield
+    seed = dict(item.user_properties).get("seed")
+    if report.failed and seed is not None:
+        report.sections.append(
+            ("random seed", f"{seed}: replay with {SEED_ENV}={seed} pytest '{item.nodeid}'"))
+    return report
 
 
 @pytest.fixture(scope="session")

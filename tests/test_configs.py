@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from configs import CONFIG_DIR, load_config, parse_arg
-from kimi_k3.model import count_params, flops_per_token, layer_pattern, validate_model_config
+from kimi_k3.config import layer_pattern, model_spec
+from kimi_k3.model import count_params, flops_per_token
 
 NAMES = ("tiny", "ablate_ratio", "small", "1b", "k3")
 
@@ -13,7 +14,7 @@ NAMES = ("tiny", "ablate_ratio", "small", "1b", "k3")
 @pytest.mark.parametrize("name", NAMES)
 def test_config_loads_validates_and_shows_its_command(name):
     config = load_config(f"configs/{name}.py")
-    validate_model_config(config.model)
+    model_spec(config.model)
     doc = (CONFIG_DIR / f"{name}.py").read_text().split('"""')[1]
     assert f"configs/{name}.py" in doc or f"configs.{name}" in doc
     assert "python" in doc
@@ -39,7 +40,7 @@ def test_tiny_is_the_cpu_default():
 )
 def test_ablate_ratio_argument_sets_the_pattern(arg, pattern):
     m = load_config(f"configs/ablate_ratio.py:{arg}").model
-    validate_model_config(m)
+    model_spec(m)
     assert layer_pattern(m) == pattern
 
 
@@ -55,7 +56,7 @@ def test_ablate_ratio_bad_arguments_name_the_key(arg, match):
 def test_negative_ratio_is_rejected_naming_the_field():
     m = load_config("ablate_ratio.py:ratio=-1").model
     with pytest.raises(ValueError, match=r"config\.model\.kda_per_mla"):
-        validate_model_config(m)
+        model_spec(m)
 
 
 def test_configs_without_arguments_reject_one():

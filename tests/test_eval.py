@@ -18,8 +18,9 @@ from flax import nnx
 
 from kimi_k3 import evaluation, plots
 from kimi_k3.checkpoint import Checkpointer
-from kimi_k3.model import HybridLM, default_model_config
-from kimi_k3.train_lib import add_training_defaults, split_model
+from kimi_k3.config import add_training_defaults, default_model_config
+from kimi_k3.model import HybridLM
+from kimi_k3.train_lib import split_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_k3.ops import init_dt_bias, kda, kda_gate, resolve_impl
+from kimi_k3.dispatch import choose_kda_impl as resolve_impl
+from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from tests.kda_numpy import kda_numpy, rel_err
 
 
@@ -212,7 +213,7 @@ def test_auto_is_pallas_on_accelerators(backend, monkeypatch):
     import pallas_kernels.kda as pk
 
     assert pk.pallas_supported(backend)  # before the patch below: the probe asks the backend
-    monkeypatch.setattr(importlib.import_module("kimi_k3.ops.kda").jax, "default_backend",
+    monkeypatch.setattr(importlib.import_module("kimi_k3.dispatch").jax, "default_backend",
                         lambda: backend)
     assert resolve_impl("auto") == "pallas"
     monkeypatch.setattr(pk, "pallas_supported", lambda b: False)

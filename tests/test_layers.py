@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from kimi_k3.config import KdaSpec, MlaSpec
 from kimi_k3.layers import GatedMLA, KDALayer, ShortConv
 from kimi_k3.layers.attention import (
     _splash_attention,
@@ -130,8 +133,9 @@ def test_attention_rejects_bad_arguments():
 
 
 def kda_layer(gate="bounded", num_v_heads=4):
-    return KDALayer(D, num_heads=2, head_dim=8, num_v_heads=num_v_heads, gate=gate, chunk_size=8,
-                    impl="xla", rngs=rngs(1))
+    spec = KdaSpec(num_heads=2, head_dim=8, num_v_heads=num_v_heads, conv_width=4, gate=gate,
+                   lower_bound=-5.0 if gate == "bounded" else None, chunk_size=8, impl="xla")
+    return KDALayer(D, spec, rngs=rngs(1))
 
 
 def test_kda_layer_core_equals_recurrent_reference():
@@ -141,16 +145,16 @@ def test_kda_layer_core_equals_recurrent_reference():
     x = normal(5, (2, 19, D))
     seg = packed_segments(2, 19, seed=1)
     out_xla, _ = apply(layer, x, seg)
-    layer.impl = "recurrent"
+    layer.spec = dataclasses.replace(layer.spec, impl="recurrent")
     out_rec, _ = apply(layer, x, seg)
     np.testing.assert_allclose(out_xla, out_rec, atol=2e-5)
-    assert layer.lower_bound == -5.0
+    assert layer.spec.lower_bound == -5.0
 
 
 def test_kda_layer_is_causal_by_gradient_across_documents():
     """Chunked core, softplus (unbounded) gate."""
     layer = kda_layer("softplus")
-    assert layer.lower_bound is None
+    assert layer.spec.lower_bound is None
     A = np.exp(np.asarray(layer.A_log[...]))
     assert ((A >= 1) & (A <= 16)).all()
     x = normal(6, (2, 12, D))
@@ -162,7 +166,7 @@ def test_kda_layer_prefill_in_pieces_equals_one_pass():
     layer = kda_layer()
     x = normal(7, (2, 13, D))
     one, _ = apply(layer, x)
-    cache = layer.init_cache(2)
+    cache = layer.init_cache(2, 13)
     outs = []
     for a, b in ((0, 6), (6, 7), (7, 13)):  # a piece shorter than the conv width too
         o, cache = apply(layer, x[:, a:b], cache=cache)
@@ -194,9 +198,10 @@ def test_short_conv_matches_direct_convolution_and_masks_documents():
 
 
 def mla_layer(q_lora_rank=0, impl="xla", block=8):
-    return GatedMLA(D, num_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=12, qk_nope_head_dim=8,
-                    shared_head_dim=4, v_head_dim=6, attn_impl=impl, attn_block_size=block,
-                    rngs=rngs(3))
+    spec = MlaSpec(num_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=12, qk_nope_head_dim=8,
+                   shared_head_dim=4, v_head_dim=6, output_gate=True, attn_impl=impl,
+                   attn_block_size=block)
+    return GatedMLA(D, spec, rngs=rngs(3))
 
 
 def test_mla_blockwise_path_equals_plain_softmax():
@@ -204,7 +209,7 @@ def test_mla_blockwise_path_equals_plain_softmax():
     x = normal(9, (2, 20, D))
     seg = packed_segments(2, 20, seed=4)
     blockwise, _ = apply(layer, x, seg)
-    layer.attn_impl = "reference"
+    layer.spec = dataclasses.replace(layer.spec, attn_impl="reference")
     plain, _ = apply(layer, x, seg)
     np.testing.assert_allclose(blockwise, plain, atol=2e-5)
 

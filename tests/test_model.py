@@ -13,15 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kimi_k3.config import default_model_config, layer_pattern, model_spec, scan_plan
 from kimi_k3.layers import Dense
-from kimi_k3.model import (
-    HybridLM,
-    default_model_config,
-    flops_per_token,
-    layer_pattern,
-    scan_plan,
-    validate_model_config,
-)
+from kimi_k3.model import HybridLM, flops_per_token
 from kimi_k3.sharding import LOGICAL_AXES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +90,7 @@ def test_all_kda_and_explicit_pattern():
     assert layer_pattern(cfg) == "KKKKKM"
     cfg.pattern = "MKKMKK"
     assert layer_pattern(cfg) == "MKKMKK"
-    validate_model_config(cfg)
+    model_spec(cfg)
 
 
 def test_scan_plan_compiles_the_fewest_layers():
@@ -129,18 +123,18 @@ def test_bad_configs_raise_naming_the_field(field, value, match):
     node, _, leaf = field.rpartition(".")
     (cfg[node] if node else cfg)[leaf] = value
     with pytest.raises(ValueError, match=rf"config\.model\.{match}"):
-        validate_model_config(cfg)
+        model_spec(cfg)
 
 
 def test_heads_not_dividing_the_width_raise_naming_the_field():
     cfg = default_model_config()
     cfg.d_model, cfg.num_heads, cfg.kda.head_dim = 130, 4, 0  # head dim derived from the width
     with pytest.raises(ValueError, match=r"config\.model\.num_heads"):
-        validate_model_config(cfg)
+        model_spec(cfg)
     cfg = default_model_config()
     cfg.d_model, cfg.mla.num_heads, cfg.mla.v_head_dim = 130, 4, 0
     with pytest.raises(ValueError, match=r"config\.model\.mla\.num_heads"):
-        validate_model_config(cfg)
+        model_spec(cfg)
     with pytest.raises(ValueError, match=r"config\.model\.mla\.num_heads"):
         HybridLM(cfg, rngs=nnx.Rngs(0))
 

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_k3 import optim, train_lib
+from kimi_k3 import optim, sharding
+from kimi_k3.config import add_training_defaults
 from kimi_k3.optim import path_str
 
 
 def opt_config(**kw) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = ml_collections.ConfigDict()
-    train_lib.add_training_defaults(c)
+    add_training_defaults(c)
     c.opt.update(kw)
     return c.opt
 
@@ -31,7 +32,7 @@ def tiny_params():
     cfg = load_config("tiny.py")
     abstract = nnx.eval_shape(lambda: HybridLM(cfg.model, rngs=nnx.Rngs(0)))
     _, params_state, _ = nnx.split(abstract, nnx.Param, ...)
-    return nnx.to_pure_dict(params_state), train_lib.logical_axes(params_state)
+    return nnx.to_pure_dict(params_state), sharding.variable_axes(params_state)
 
 
 def flat(tree, is_leaf=None):

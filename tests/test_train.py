@@ -35,7 +35,8 @@ from flax import nnx
 from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
-from kimi_k3 import train_lib
+from kimi_k3 import sharding, train_lib
+from kimi_k3.config import add_training_defaults, normalize_rules
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.embed import Embed
 from kimi_k3.layers.norms import RMSNorm
@@ -275,7 +276,7 @@ class StandIn(nnx.Module):
 def standin_config(**opt) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = ml_collections.ConfigDict({"vocab_size": 64})
-    train_lib.add_training_defaults(c)
+    add_training_defaults(c)
     c.data.seq_len, c.data.global_batch_size = 16, 8
     c.mesh.data = 1
     c.opt.warmup_steps = 1
@@ -346,12 +347,12 @@ def test_shapes_that_do_not_divide_the_mesh_are_refused():
     cfg = load_config("tiny.py")
     abstract = nnx.eval_shape(lambda: train_lib.make_model(cfg.model, 0))
     _, state, _ = nnx.split(abstract, nnx.Param, ...)
-    params, names = nnx.to_pure_dict(state), train_lib.logical_axes(state)
-    rules = mesh_lib.normalize_rules(cfg.mesh.axis_rules)
+    params, names = nnx.to_pure_dict(state), sharding.variable_axes(state)
+    rules = normalize_rules(cfg.mesh.axis_rules)
     mesh = AbstractMesh((1, 1, 3), mesh_lib.MESH_AXES)  # 4 heads over tensor = 3
     with pytest.raises(ValueError, match=r"params/.*: dimension \d \(logical '(heads|vocab)'\)"
                                          r" of shape .* does not divide by mesh axes tensor"):
-        mesh_lib.tree_shardings(params, names, mesh, rules, root="params/")
+        sharding.tree_shardings(params, names, mesh, rules, root="params/")
     with pytest.raises(ValueError, match=r"data.global_batch_size: 6 / opt.grad_accum_steps=1 "
                                          r"= 6 rows per micro-batch, which does not divide by "
                                          r"data x fsdp = 2 x 2 = 4"):

@@ -22,10 +22,8 @@ Implementations (``impl=``), one equation:
                  On CPU, splash in interpret mode (checks the TPU path's semantics).
     "auto"       GPU, bf16/fp16: cudnn, or pallas with packed documents (T % 128 == 0);
                  TPU: pallas (T % 128 == 0); otherwise, and whenever q_offset != 0 or S != T
-                 (prefill, decoding), xla.
-
-Measured on one H200 (JAX 0.11.2, bf16, B=2, T=2048, H=8, head dims 192 / 128, causal,
-forward + backward): cudnn 0.44 ms, pallas (Triton) 1.05 ms, xla 3.4 ms.
+                 (prefill, decoding), xla. Decided in kimi_k3/dispatch.py; an explicit impl
+                 runs or raises.
 
 Value heads narrower than key heads (MLA: 192 vs 128) are zero-padded where a kernel wants
 equal head dims, and the padding is sliced off.
@@ -35,13 +33,12 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
+from kimi_k3.dispatch import attention_fallback, choose_attention_impl
 
 # Finite "minus infinity": masked scores never turn into NaN, even in fully masked blocks.
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -323,31 +320,6 @@ def pl_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _kernel_shapes_ok(q, k, q_offset) -> bool:
-    T, S = q.shape[1], k.shape[1]
-    return isinstance(q_offset, int) and q_offset == 0 and T == S
-
-
-def resolve_attention_impl(impl: str, q, k, segment_ids, q_offset) -> str:
-    """The implementation ``impl`` stands for with these arguments on this backend."""
-    if impl not in ATTN_IMPLS:
-        raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    backend = jax.default_backend()
-    if not _kernel_shapes_ok(q, k, q_offset):
-        return "xla"
-    half = q.dtype in (jnp.bfloat16, jnp.float16)
-    if backend == "gpu" and half:
-        # cuDNN has no segment ids: packed documents take the Triton kernel.
-        if segment_ids is None:
-            return "cudnn"
-        return "pallas" if q.shape[1] % 128 == 0 else "xla"
-    if backend == "tpu" and q.shape[1] % 128 == 0:
-        return "pallas"
-    return "xla"
-
-
 def attention(q, k, v, *, scale=None, segment_ids=None, kv_segment_ids=None, q_offset=0,
               impl="auto", block_size=512):
     """Causal attention; see the module docstring.
@@ -375,11 +347,10 @@ def attention(q, k, v, *, scale=None, segment_ids=None, kv_segment_ids=None, q_o
         if S != T:
             raise ValueError("attention: kv_segment_ids is needed when S != T")
         kv_segment_ids = segment_ids
-    chosen = resolve_attention_impl(impl, q, k, segment_ids, q_offset)
-    if chosen in ("cudnn", "pallas") and not _kernel_shapes_ok(q, k, q_offset):
-        raise ValueError(f"attention: impl={chosen!r} needs q_offset=0 and S == T")
-    if chosen == "cudnn" and segment_ids is not None:
-        raise ValueError("attention: impl='cudnn' has no segment ids; use 'pallas' or 'xla'")
+    continues_cache = not (isinstance(q_offset, int) and q_offset == 0)
+    chosen = choose_attention_impl(impl, dtype=jnp.dtype(q.dtype).name, T=T, S=S,
+                                   packed=segment_ids is not None,
+                                   continues_cache=continues_cache)
     if chosen == "reference":
         return reference_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
                                    kv_segment_ids=kv_segment_ids, q_offset=q_offset)
@@ -387,18 +358,13 @@ def attention(q, k, v, *, scale=None, segment_ids=None, kv_segment_ids=None, q_o
         try:
             return _cudnn_attention(q, k, v, scale=scale)
         except (NotImplementedError, RuntimeError) as err:
-            if impl != "auto":
-                raise
-            warnings.warn(f"attention: cuDNN unavailable for these shapes ({err}); using xla",
-                          stacklevel=2)
+            attention_fallback(impl, chosen, err)
     elif chosen == "pallas":
         kernel = _triton_attention if jax.default_backend() == "gpu" else _splash_attention
         try:
             return kernel(q, k, v, scale=scale, segment_ids=segment_ids)
         except (ImportError, NotImplementedError, RuntimeError) as err:
-            if impl != "auto":
-                raise
-            warnings.warn(f"attention: Pallas kernel unavailable ({err}); using xla", stacklevel=2)
+            attention_fallback(impl, chosen, err)
     return blockwise_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
                                kv_segment_ids=kv_segment_ids, q_offset=q_offset,
                                block_q=block_size, block_k=block_size)

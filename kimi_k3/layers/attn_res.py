@@ -38,9 +38,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kimi_k3.config import ATTN_RES_MODES
 from kimi_k3.sharding import BTD, constrain, param
-
-ATTN_RES_MODES = ("none", "full", "block")
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _SRC = (None, *BTD)

@@ -21,64 +21,44 @@ last W-1 pre-convolution inputs of q, k and v.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kimi_k3.config import KdaSpec
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm, l2_normalize
 from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.sharding import BTHK, constrain, param
 
-GATES = ("bounded", "softplus")
-
 
 class KDALayer(nnx.Module):
-    """x [B, T, D] -> [B, T, D], optionally continuing from and returning a cache."""
+    """x [B, T, D] -> [B, T, D], optionally continuing from and returning a cache.
 
-    def __init__(
-        self,
-        d_model: int,
-        *,
-        num_heads: int,
-        head_dim: int,
-        num_v_heads: int | None = None,
-        conv_width: int = 4,
-        gate: str = "bounded",
-        gate_lower_bound: float = -5.0,
-        chunk_size: int = 64,
-        impl: str = "auto",
-        rngs: nnx.Rngs,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-    ):
-        HV = num_heads if num_v_heads is None else num_v_heads
-        if HV % num_heads != 0:
-            raise ValueError(f"KDALayer: num_v_heads={HV} must be a multiple of num_heads={num_heads}")
-        if gate not in GATES:
-            raise ValueError(f"KDALayer: gate must be one of {GATES}, got {gate!r}")
-        if not (math.isfinite(gate_lower_bound) and gate_lower_bound < 0):
-            raise ValueError(f"KDALayer: gate_lower_bound must be finite and < 0, got {gate_lower_bound}")
-        H, K, V = num_heads, head_dim, head_dim
-        self.num_heads, self.num_v_heads, self.head_dim = H, HV, K
-        self.lower_bound = gate_lower_bound if gate == "bounded" else None
-        self.chunk_size, self.impl, self.dtype = chunk_size, impl, dtype
+    The mixer interface (shared with GatedMLA): ``Mixer(d_model, spec, *, rngs, dtype,
+    param_dtype)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache, pos)
+    -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
+    """
+
+    def __init__(self, d_model: int, spec: KdaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        H, HV, K = spec.num_heads, spec.num_v_heads, spec.head_dim
+        V = K
+        self.spec, self.dtype = spec, dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.q_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
         self.k_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
         self.v_proj = Dense(d_model, (HV, V), names=("embed", "heads", "kv"), **kw)
         conv_kw = dict(names=("heads", "kv"), rngs=rngs, param_dtype=param_dtype)
-        self.q_conv = ShortConv((H, K), conv_width, **conv_kw)
-        self.k_conv = ShortConv((H, K), conv_width, **conv_kw)
-        self.v_conv = ShortConv((HV, V), conv_width, **conv_kw)
+        self.q_conv = ShortConv((H, K), spec.conv_width, **conv_kw)
+        self.k_conv = ShortConv((H, K), spec.conv_width, **conv_kw)
+        self.v_conv = ShortConv((HV, V), spec.conv_width, **conv_kw)
         # Decay gate: low rank (rank = head dim) into per-channel logits.
         self.f_down = Dense(d_model, K, names=("embed", "rank"), **kw)
         self.f_up = Dense(K, (HV, K), names=("rank", "heads", "kv"), **kw)
         # Bounded gate: A_log = 0 (notes/kda.md); softplus gate: A = U(1, 16) as in Kimi Linear.
-        if gate == "bounded":
+        if spec.gate == "bounded":
             A_log = jnp.zeros((HV,), jnp.float32)
         else:
             A_log = jnp.log(jax.random.uniform(rngs.params(), (HV,), jnp.float32, 1.0, 16.0))
@@ -91,9 +71,11 @@ class KDALayer(nnx.Module):
         self.g_up = Dense(V, (HV, V), names=("rank", "heads", "kv"), **kw)
         self.o_proj = Dense((HV, V), d_model, names=("heads", "kv", "embed"), **kw)
 
-    def init_cache(self, batch_size: int) -> dict[str, jax.Array]:
-        """Zero cache: state [B, HV, K, V] f32 and the conv tails [B, W-1, heads, dim]."""
-        HV, K = self.num_v_heads, self.head_dim
+    def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
+        """Zero cache: state [B, HV, K, V] f32 and the conv tails [B, W-1, heads, dim]. Its
+        size does not depend on ``max_len``: that is the point of KDA."""
+        del max_len
+        HV, K = self.spec.num_v_heads, self.spec.head_dim
         return {
             "state": jnp.zeros((batch_size, HV, K, K), jnp.float32),
             "conv_q": self.q_conv.init_tail(batch_size, self.dtype),
@@ -106,12 +88,14 @@ class KDALayer(nnx.Module):
         x_BxTxD: jax.Array,
         segment_ids_BxT: jax.Array | None = None,
         cache: dict[str, jax.Array] | None = None,
+        pos: jax.Array | int = 0,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """Returns (out [B, T, D], the cache after the last token or None when none was given).
 
         With a cache, the sequence continues the cached one (one document per row:
-        ``segment_ids`` must then be None).
+        ``segment_ids`` must then be None). ``pos`` is not needed: the state carries order.
         """
+        del pos
         if cache is not None and segment_ids_BxT is not None:
             raise ValueError("KDALayer: segment_ids must be None when continuing from a cache")
         c = cache if cache is not None else {}
@@ -123,7 +107,8 @@ class KDALayer(nnx.Module):
         v_BxTxHVxV = constrain(jax.nn.silu(v), BTHK)
 
         f_BxTxHVxK = self.f_up(self.f_down(x_BxTxD))
-        g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...], self.lower_bound)
+        g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...],
+                              self.spec.lower_bound)
         beta_BxTxHV = jax.nn.sigmoid(self.b_proj(x_BxTxD).astype(jnp.float32))
 
         o_BxTxHVxV, state = kda(
@@ -131,9 +116,9 @@ class KDALayer(nnx.Module):
             initial_state=c.get("state"),
             output_final_state=cache is not None,
             segment_ids=segment_ids_BxT,
-            chunk_size=self.chunk_size,
-            lower_bound=self.lower_bound,
-            impl=self.impl,
+            chunk_size=self.spec.chunk_size,
+            lower_bound=self.spec.lower_bound,
+            impl=self.spec.impl,
         )
         gate_BxTxHVxV = jax.nn.sigmoid(self.g_up(self.g_down(x_BxTxD)).astype(jnp.float32))
         o_BxTxHVxV = (self.o_norm(o_BxTxHVxV) * gate_BxTxHVxV).astype(self.dtype)

@@ -27,39 +27,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_k3.layers.attention import ATTN_IMPLS, attention
+from kimi_k3.config import MlaSpec
+from kimi_k3.layers.attention import attention
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.sharding import BTHK, constrain
 
 
 class GatedMLA(nnx.Module):
-    """x [B, T, D] -> [B, T, D], optionally continuing from and returning a latent cache."""
+    """x [B, T, D] -> [B, T, D], optionally continuing from and returning a latent cache.
 
-    def __init__(
-        self,
-        d_model: int,
-        *,
-        num_heads: int,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        shared_head_dim: int,
-        v_head_dim: int,
-        q_lora_rank: int = 0,
-        output_gate: bool = True,
-        attn_impl: str = "auto",
-        attn_block_size: int = 512,
-        rngs: nnx.Rngs,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-    ):
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"GatedMLA: attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
-        H, R, dn, ds, dv = num_heads, kv_lora_rank, qk_nope_head_dim, shared_head_dim, v_head_dim
-        self.num_heads, self.kv_lora_rank = H, R
-        self.qk_nope_head_dim, self.shared_head_dim, self.v_head_dim = dn, ds, dv
-        self.q_lora_rank, self.output_gate = q_lora_rank, output_gate
-        self.attn_impl, self.attn_block_size, self.dtype = attn_impl, attn_block_size, dtype
+    The mixer interface (shared with KDALayer): ``Mixer(d_model, spec, *, rngs, dtype,
+    param_dtype)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache, pos)
+    -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
+    """
+
+    def __init__(self, d_model: int, spec: MlaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        H, R, dn = spec.num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim
+        ds, dv, q_lora_rank = spec.shared_head_dim, spec.v_head_dim, spec.q_lora_rank
+        self.spec, self.dtype = spec, dtype
         self.scale = (dn + ds) ** -0.5
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if q_lora_rank > 0:
@@ -73,17 +60,17 @@ class GatedMLA(nnx.Module):
         self.k_shared = Dense(d_model, ds, names=("embed", "kv"), **kw)
         self.k_up = Dense(R, (H, dn), names=("kv_lora", "heads", "kv"), **kw)
         self.v_up = Dense(R, (H, dv), names=("kv_lora", "heads", "kv"), **kw)
-        if output_gate:
+        if spec.output_gate:
             self.g_proj = Dense(d_model, (H, dv), names=("embed", "heads", "kv"), **kw)
         self.o_proj = Dense((H, dv), d_model, names=("heads", "kv", "embed"), **kw)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
         """Zero cache: ``latent_kv`` [B, max_len, R + ds] = [c ; k_s] per position."""
-        R, ds = self.kv_lora_rank, self.shared_head_dim
+        R, ds = self.spec.kv_lora_rank, self.spec.shared_head_dim
         return {"latent_kv": jnp.zeros((batch_size, max_len, R + ds), self.dtype)}
 
     def _queries(self, x_BxTxD):
-        if self.q_lora_rank > 0:
+        if self.spec.q_lora_rank > 0:
             return self.q_up(self.q_norm(self.q_down(x_BxTxD)))
         return self.q_proj(x_BxTxD)
 
@@ -101,7 +88,7 @@ class GatedMLA(nnx.Module):
         document per row); their latents are written there and they attend to positions <= their
         own. pos + T must not exceed the cache's max_len.
         """
-        H, R, dn = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
+        H, R, dn = self.spec.num_heads, self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
         q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
         c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
         ks_BxTxS = self.k_shared(x_BxTxD)
@@ -112,7 +99,7 @@ class GatedMLA(nnx.Module):
             v_BxTxHxV = constrain(self.v_up(c_BxTxR), BTHK)
             o_BxTxHxV = attention(
                 q_BxTxHxQ, k_BxTxHxQ, v_BxTxHxV, scale=self.scale, segment_ids=segment_ids_BxT,
-                impl=self.attn_impl, block_size=self.attn_block_size,
+                impl=self.spec.attn_impl, block_size=self.spec.attn_block_size,
             )
             new_cache = None
         else:
@@ -130,13 +117,13 @@ class GatedMLA(nnx.Module):
             kv = kv_BxSxL.astype(self.dtype)[:, :, None, :]  # one key/value head
             o_lat = attention(
                 q_abs, kv, kv[..., :R], scale=self.scale, q_offset=pos, impl="xla",
-                block_size=self.attn_block_size,
+                block_size=self.spec.attn_block_size,
             )  # [B, T, H, R]
             W_uv = self.v_up.kernel[...].astype(self.dtype)  # [R, H, dv]
             o_BxTxHxV = jnp.einsum("bthr,rhv->bthv", o_lat, W_uv,
                                    preferred_element_type=jnp.float32).astype(self.dtype)
             new_cache = {"latent_kv": kv_BxSxL}
-        if self.output_gate:
+        if self.spec.output_gate:
             gate = jax.nn.sigmoid(self.g_proj(x_BxTxD).astype(jnp.float32))
             o_BxTxHxV = (o_BxTxHxV.astype(jnp.float32) * gate).astype(self.dtype)
         return self.o_proj(constrain(o_BxTxHxV, BTHK)), new_cache

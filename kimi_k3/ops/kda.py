@@ -14,23 +14,23 @@ Implementations (``impl=``):
     "recurrent"  token by token with lax.scan: the definition.
     "xla"        the chunked (WY) form in plain JAX; any T; differentiable; O(T) memory.
     "pallas"     the Pallas kernel (pallas_kernels/); interpret mode on CPU.
-    "auto"       the best one available on the current backend (see AUTO_PALLAS_BACKENDS).
+    "auto"       the best one available on the current backend, decided in kimi_k3/dispatch.py
+                 (an explicit impl runs or raises, never silently becomes another).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 
+from kimi_k3.dispatch import KDA_IMPLS, choose_kda_impl
 from kimi_k3.ops.kda_chunked import kda_chunked
 from kimi_k3.ops.kda_guards import check_gate, isolate_documents
 from kimi_k3.ops.kda_recurrent import kda_recurrent
-
-IMPLS = ("auto", "recurrent", "xla", "pallas")
+from pallas_kernels.kda import KernelTuning, kda_pallas
 
 
 def _shape_error(name: str, got, allowed: str) -> ValueError:
@@ -38,8 +38,8 @@ def _shape_error(name: str, got, allowed: str) -> ValueError:
 
 
 def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl, lower_bound):
-    if impl not in IMPLS:
-        raise ValueError(f"kda: impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in KDA_IMPLS:
+        raise ValueError(f"kda: impl must be one of {KDA_IMPLS}, got {impl!r}")
     if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size & (chunk_size - 1) == 0):
         raise ValueError(f"kda: chunk_size must be a positive power of two, got {chunk_size!r}")
     if lower_bound is not None and not (
@@ -82,42 +82,11 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl, lo
             raise ValueError(f"kda: {name} must be a floating dtype, got {x.dtype}")
 
 
-@functools.cache
-def _pallas_impl():
-    """The Pallas kernel entry point, or None when this JAX cannot provide it."""
-    try:
-        from pallas_kernels.kda import kda_pallas
-    except ImportError as err:  # pragma: no cover - depends on the installed JAX
-        warnings.warn(f"kda: Pallas kernel unavailable ({err}); using impl='xla'", stacklevel=3)
-        return None
-    return kda_pallas
-
-
-# Backends on which "auto" takes the Pallas kernel (when it lowers there with this JAX; else
-# "xla" with a warning). GPU: on the H200 the kernel passes the GPU tests and trains
-# configs/small.py to the same loss curve as "xla" at 2.5x its speed (BENCHMARKS.md). TPU: the
-# same kernel source through Mosaic, tested in TPU interpret mode.
-AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset({"gpu", "tpu"})
-
-
-def resolve_impl(impl: str) -> str:
-    """The concrete implementation ``impl='auto'`` stands for on the current backend."""
-    if impl != "auto":
-        return impl
-    backend = jax.default_backend()
-    if backend in AUTO_PALLAS_BACKENDS and _pallas_impl() is not None:
-        from pallas_kernels.kda import pallas_supported
-
-        if pallas_supported(backend):
-            return "pallas"
-    return "xla"
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound):
+def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound, tuning):
     """One implementation on validated, clamped arguments: (o float32 or v's dtype, S_T f32)."""
     if impl == "recurrent":
         return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
@@ -125,12 +94,8 @@ def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound):
     if impl == "xla":
         return kda_chunked(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
                            segment_ids_BxT=seg, chunk_size=chunk_size)
-    kernel = _pallas_impl()
-    if kernel is None:
-        return kda_chunked(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
-                           segment_ids_BxT=seg, chunk_size=chunk_size)
-    return kernel(q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=seg,
-                  chunk_size=chunk_size, lower_bound=lower_bound)
+    return kda_pallas(q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=seg,
+                      chunk_size=chunk_size, lower_bound=lower_bound, tuning=tuning)
 
 
 def kda(
@@ -148,6 +113,7 @@ def kda(
     lower_bound: float | None = None,
     impl: str = "auto",
     check_inputs: bool = False,
+    tuning: KernelTuning | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention over a whole sequence.
 
@@ -165,6 +131,8 @@ def kda(
       impl: "auto" | "recurrent" | "xla" | "pallas".
       check_inputs: also check the gate promise when the call is traced (under ``jit``), with a
         host callback (a little slower). Concrete (eager) inputs are always checked.
+      tuning: the Pallas kernel's launch parameters (``pallas_kernels.kda.KernelTuning``);
+        None: ``default_tuning`` for the device kind. Ignored by the other implementations.
 
     What is promised, and what happens otherwise:
       - g <= 0 everywhere, and g >= lower_bound when one is given. Broken, an eager call (or a
@@ -188,8 +156,9 @@ def kda(
     if T == 0:
         return jnp.zeros((B, 0, HV, V), v.dtype), (S0 if output_final_state else None)
     check_gate(g, lower_bound, check_inputs)
-    run = functools.partial(_run, impl=resolve_impl(impl), scale=scale,
-                            chunk_size=min(chunk_size, _next_pow2(T)), lower_bound=lower_bound)
+    run = functools.partial(_run, impl=choose_kda_impl(impl), scale=scale,
+                            chunk_size=min(chunk_size, _next_pow2(T)), lower_bound=lower_bound,
+                            tuning=tuning)
     if segment_ids is None:
         o, S = run(q, k, v, g, beta, S0, None)
     else:

@@ -1,0 +1,659 @@
+"""The config room: every section's defaults, their checks, and the typed spec derived from them.
+
+    configs/x.py (ml_collections.ConfigDict, command-line overrides)
+        -> run_spec(config) / model_spec(config.model): checked once, here
+        -> RunSpec / ModelSpec: frozen dataclasses, everything derived already resolved
+        -> the trainer, the model, the layers and the FLOP count read the spec and trust it.
+
+A config file builds its ConfigDict from :func:`default_model_config` and
+:func:`add_training_defaults`, changes what it needs, and is loaded by ``configs.load_config``
+or ``--config=configs/x.py[:arg]``. Every field, its default and its unit are listed below;
+an error always names the field (``config.model.kda.chunk_size: must be a positive power of
+two, got 48``).
+
+What the spec resolves, so nothing downstream re-derives it: the layer pattern
+("KKKM...KKKMM") and its scan plan (unit x repeats + tail), the KDA and MLA head dimensions
+(0 = derived from d_model), the KDA gate's bound (None for the softplus form), the KDA
+implementation for the backend (``kimi_k3.dispatch``), the mesh's axis rules, the dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from kimi_k3 import dispatch
+
+# Named choices of the model section.
+GATES = ("bounded", "softplus")
+ATTN_RES_MODES = ("none", "full", "block")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+# ... and of the trainer's sections.
+SOURCES = ("stdlib", "text", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+NAN_POLICIES = ("stop", "skip")
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Weight decay is off for every vector (also when stacked over layers) and for parameters whose
+# path matches one of these (case-insensitive regex): norm scales, biases, KDA's A_log and
+# dt_bias, the Attention Residual pseudo-queries (mixer_query / mlp_query / final_query).
+NO_DECAY = ("norm", "bias", "A_log", "dt_bias", "query")
+
+# Data parallel over ("data", "fsdp"), parameters sharded over "fsdp" (ZeRO-3 style) along the
+# model width and over "tensor" along heads / MLP / vocabulary (Megatron style). The model's
+# logical names are listed in kimi_k3/sharding.py.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("kv_lora", None),
+    ("q_lora", None),
+    ("rank", None),
+    ("conv", None),
+    ("norm", None),
+    ("layers", None),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults
+# ---------------------------------------------------------------------------------------------
+
+
+def default_model_config() -> ml_collections.ConfigDict:
+    """The model section with every field and its default (a CPU-sized K3-style stack)."""
+    cfg = ml_collections.ConfigDict()
+    cfg.vocab_size = 256  # tokens; 256 = bytes
+    cfg.d_model = 128  # model width D
+    cfg.num_layers = 4  # layers (each = mixer sublayer + MLP sublayer)
+    cfg.kda_per_mla = 3  # r: r KDA layers then one MLA, repeating; 0 = all MLA
+    cfg.final_mla = True  # force the last layer to be MLA
+    cfg.pattern = ""  # explicit "K"/"M" string of length num_layers; overrides the two above
+    cfg.num_heads = 4  # KDA query/key heads
+
+    cfg.kda = ml_collections.ConfigDict()
+    cfg.kda.head_dim = 32  # K = V per head; 0 = d_model // num_heads
+    cfg.kda.num_v_heads = 0  # value heads HV, a multiple of num_heads; 0 = num_heads
+    cfg.kda.conv_width = 4  # causal depthwise conv taps on q, k, v
+    cfg.kda.gate = "bounded"  # "bounded" (K3) | "softplus" (Kimi Linear)
+    cfg.kda.gate_lower_bound = -5.0  # g_min of the bounded gate (per-token log-decay floor)
+    cfg.kda.chunk_size = 64  # tokens per chunk of the chunked KDA forms (power of two)
+    cfg.kda.impl = "auto"  # "auto" | "recurrent" | "xla" | "pallas"
+
+    cfg.mla = ml_collections.ConfigDict()
+    cfg.mla.num_heads = 4  # MLA heads H
+    cfg.mla.q_lora_rank = 0  # low-rank query bottleneck; 0 = full-rank queries
+    cfg.mla.kv_lora_rank = 64  # latent rank R (cached per token)
+    cfg.mla.qk_nope_head_dim = 32  # per-head key/query dim from the latent; 0 = d_model // H
+    cfg.mla.shared_head_dim = 16  # the shared key slice (cached), "rope dim" in DeepSeek terms
+    cfg.mla.v_head_dim = 32  # per-head value dim; 0 = d_model // H
+    cfg.mla.output_gate = True  # elementwise sigmoid gate per head before W_o
+    cfg.mla.attn_impl = "auto"  # "auto" | "xla" | "cudnn" | "pallas" | "reference"
+    cfg.mla.attn_block_size = 512  # query/key block of the blockwise "xla" attention
+
+    cfg.mlp_dim = 384  # SwiGLU hidden width F
+    cfg.attn_res = "block"  # "none" | "full" | "block"
+    cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
+    cfg.tie_embeddings = True  # output head = embedding^T / sqrt(D)
+    cfg.norm_eps = 1e-6
+    cfg.dtype = "float32"  # compute dtype: "float32" | "bfloat16" | "float16"
+    cfg.param_dtype = "float32"  # parameter storage dtype
+    cfg.remat = "none"  # "none" | "full" | "dots": rematerialisation of each scanned unit
+    cfg.scan_layers = True  # scan over the repeating unit of the pattern
+    return cfg
+
+
+def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Adds ``seed``, ``data``, ``opt``, ``mesh``, ``checkpoint`` and ``train`` with their
+    defaults; a field the config already set keeps its value. Returns ``config``."""
+    defaults = {
+        "seed": 0,  # parameters' init and the data order
+        "data": {
+            "source": "stdlib",  # stdlib | text | tokens (see kimi_k3/data.py)
+            "paths": "",  # comma-separated files / globs for text or tokens
+            "eval_paths": "",  # held-out files; empty: split data by file with eval_fraction
+            "eval_fraction": 0.05,  # share of files held out (CRC32 of path)
+            "tokenizer": "",  # tokenizers JSON for text; empty: bytes, ids 0..255
+            "token_dtype": "uint16",  # uint16 | uint32, for token files
+            "eos_id": -1,  # end-of-document id inside token files; -1: one document per file
+            "seq_len": 256,  # T, tokens per row
+            "global_batch_size": 16,  # B, rows per step over all hosts
+            "shuffle": True,  # a new seeded row order every epoch
+        },
+        "opt": {
+            "name": "adamw",  # adamw | muon
+            "lr": 3e-3,  # peak learning rate
+            "schedule": "cosine",  # cosine | wsd | constant, after the warmup
+            "warmup_steps": 100,  # linear warmup from lr / warmup_steps
+            "min_lr_ratio": 0.1,  # final lr = lr * min_lr_ratio
+            "decay_fraction": 0.2,  # wsd: share of steps in the final linear decay
+            "b1": 0.9,
+            "b2": 0.95,
+            "eps": 1e-8,
+            "weight_decay": 0.1,  # decoupled, times lr
+            "no_decay": NO_DECAY,  # regexes of parameter paths without weight decay
+            "grad_clip": 1.0,  # global-norm clip; 0 = off
+            "grad_accum_steps": 1,  # micro-batches per step
+            "muon_beta": 0.95,  # Muon momentum
+            "muon_ns_steps": 5,  # Newton-Schulz iterations
+            "muon_rms": 0.2,  # Muon update RMS (matches AdamW's, so lr and decay carry over)
+            "muon_adam_axes": ("vocab", "conv"),  # logical axes whose weights stay on AdamW
+            "muon_batch_axes": ("layers",),  # stacked axes: per-slice Muon, not counted in rank
+            "muon_exclude": (),  # further path regexes kept on AdamW
+        },
+        "mesh": {
+            "data": -1,  # data-parallel size; -1 = all devices not used by the others
+            "fsdp": 1,  # parameter-sharded data parallelism
+            "tensor": 1,  # tensor parallelism
+            "axis_rules": DEFAULT_RULES,  # (logical name, mesh axes | None)
+        },
+        "checkpoint": {
+            "enabled": True,  # False: never save nor resume (benchmarks, throwaway runs)
+            "every_steps": 200,  # save every N steps (and at the end, and on SIGTERM)
+            "keep": 3,  # keep the last K
+            "async_save": True,  # write in the background while training goes on
+            "dir": "",  # default <workdir>/checkpoints
+        },
+        "train": {
+            "steps": 1000,  # total optimizer steps
+            "log_every": 10,  # steps between console / JSONL / TensorBoard reports
+            "eval_every": 200,  # steps between held-out evaluations; 0 = only at the end
+            "eval_batches": 4,  # global batches per evaluation
+            "nan_policy": "stop",  # stop | skip, on a non-finite loss or gradient
+            "progress_bar": True,  # shown only when stderr is a terminal
+            "tensorboard": True,
+            "peak_tflops_per_device": 0.0,  # for MFU; 0 = look up the device kind
+        },
+    }
+
+    def fill(cd, d):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                if k not in cd:
+                    cd[k] = ml_collections.ConfigDict()
+                fill(cd[k], v)
+            elif k not in cd:
+                cd[k] = v
+
+    with config.unlocked() if config.is_locked else contextlib.nullcontext():
+        fill(config, defaults)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaSpec:
+    """A KDA layer: H query/key heads of dim K, HV = G * H value heads of dim V = K."""
+
+    num_heads: int  # H
+    head_dim: int  # K = V
+    num_v_heads: int  # HV
+    conv_width: int  # ShortConv taps
+    gate: str  # "bounded" | "softplus"
+    lower_bound: float | None  # the bounded gate's g_min; None for the softplus form
+    chunk_size: int  # tokens per chunk of the chunked forms
+    impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaSpec:
+    """A Gated MLA layer: H heads, latent rank R, head dims dn (+ ds shared) / dv."""
+
+    num_heads: int  # H
+    q_lora_rank: int  # 0 = full-rank queries
+    kv_lora_rank: int  # R
+    qk_nope_head_dim: int  # dn
+    shared_head_dim: int  # ds
+    v_head_dim: int  # dv
+    output_gate: bool
+    attn_impl: str  # as requested; "auto" is decided per call (it depends on the shapes)
+    attn_block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """``config.model``, checked, with everything derived resolved."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    pattern: str  # one letter per layer: "K" = KDA, "M" = Gated MLA
+    scan_unit: str  # pattern == scan_unit * scan_repeats + scan_tail
+    scan_repeats: int
+    scan_tail: str
+    kda: KdaSpec
+    mla: MlaSpec
+    mlp_dim: int
+    attn_res: str
+    attn_res_block_size: int
+    tie_embeddings: bool
+    norm_eps: float
+    dtype: str
+    param_dtype: str
+    remat: str
+    scan_layers: bool
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def storage_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    @property
+    def remat_policy(self):
+        return REMAT_POLICIES[self.remat]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    source: str
+    paths: tuple[str, ...]
+    eval_paths: tuple[str, ...]
+    eval_fraction: float
+    tokenizer: str
+    token_dtype: str
+    eos_id: int
+    seq_len: int
+    global_batch_size: int
+    shuffle: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OptSpec:
+    name: str
+    lr: float
+    schedule: str
+    warmup_steps: int
+    min_lr_ratio: float
+    decay_fraction: float
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    no_decay: tuple[str, ...]
+    grad_clip: float
+    grad_accum_steps: int
+    muon_beta: float
+    muon_ns_steps: int
+    muon_rms: float
+    muon_adam_axes: tuple[str, ...]
+    muon_batch_axes: tuple[str, ...]
+    muon_exclude: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    data: int  # -1 = the devices the other axes leave
+    fsdp: int
+    tensor: int
+    axis_rules: tuple  # ((logical name, mesh axis | (mesh axes) | None), ...), normalised
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptSpec:
+    enabled: bool
+    every_steps: int
+    keep: int
+    async_save: bool
+    dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    steps: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    nan_policy: str
+    progress_bar: bool
+    tensorboard: bool
+    peak_tflops_per_device: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A whole training run's config, checked."""
+
+    model: ModelSpec | None  # None only for runs that bring their own model (stand-ins)
+    data: DataSpec
+    opt: OptSpec
+    mesh: MeshSpec
+    checkpoint: CkptSpec
+    train: TrainSpec
+    seed: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class _Fields:
+    """Reads one section's fields, raising ValueError naming ``<prefix><field>``."""
+
+    def __init__(self, section, prefix: str):
+        self.section, self.prefix = section, prefix
+
+    def fail(self, field: str, got, allowed: str):
+        raise ValueError(f"{self.prefix}{field}: {got!r} {allowed}")
+
+    def get(self, field: str, ok: Callable[[object], bool], allowed: str):
+        value = getattr(self.section, field)
+        if not ok(value):
+            self.fail(field, value, allowed)
+        return value
+
+    def int(self, field: str, lo: int | None = None, allowed: str | None = None) -> int:
+        ok = lambda v: _is_int(v) and (lo is None or v >= lo)
+        default = ("must be a positive integer" if lo == 1 else
+                   f"must be an integer >= {lo}" if lo is not None else "must be an integer")
+        return self.get(field, ok, allowed or default)
+
+    def number(self, field: str, lo: float | None = None, hi: float | None = None,
+               allowed: str | None = None) -> float:
+        ok = lambda v: _is_number(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+        if allowed is None:
+            allowed = (f"must be in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else
+                       f"must be >= {lo:g}" if lo is not None else "must be a finite number")
+        return float(self.get(field, ok, allowed))
+
+    def bool(self, field: str) -> bool:
+        return self.get(field, lambda v: isinstance(v, bool), "must be True or False")
+
+    def choice(self, field: str, choices) -> str:
+        return self.get(field, lambda v: v in choices, f"is not one of {tuple(choices)}")
+
+    def strings(self, field: str) -> tuple[str, ...]:
+        value = getattr(self.section, field)
+        if isinstance(value, str):
+            return tuple(p.strip() for p in value.split(",") if p.strip())
+        if isinstance(value, list | tuple) and all(isinstance(x, str) for x in value):
+            return tuple(value)
+        self.fail(field, value, "must be a comma-separated string or a list of strings")
+        return ()
+
+
+def layer_pattern(cfg) -> str:
+    """The stack as a string, one letter per layer: "K" = KDA, "M" = Gated MLA (from
+    ``config.model``; an explicit ``pattern`` wins). K3 (93 layers, r = 3, final_mla):
+    "KKKM" * 23 + "M", MLA at layers 4, 8, ..., 92, 93."""
+    f = _Fields(cfg, "config.model.")
+    L = f.int("num_layers", 1)
+    r = f.int("kda_per_mla", 0, "must be an integer >= 0 (0 = all MLA)")
+    pattern = f.get("pattern", lambda v: isinstance(v, str), "must be a string of 'K' and 'M'")
+    if pattern:
+        bad = sorted(set(pattern) - {"K", "M"})
+        if bad:
+            f.fail("pattern", pattern, f"may only contain 'K' (KDA) and 'M' (MLA), found {bad}")
+        if len(pattern) != L:
+            f.fail("pattern", pattern, f"must have num_layers={L} letters")
+        return pattern
+    unit = "K" * r + "M"
+    pattern = (unit * (L // len(unit) + 1))[:L]
+    if f.bool("final_mla"):
+        pattern = pattern[:-1] + "M"
+    return pattern
+
+
+def scan_plan(pattern: str, scan_layers: bool = True) -> tuple[str, int, str]:
+    """(unit, repeats, tail) with pattern == unit * repeats + tail, compiling the fewest layers.
+
+    "KKKM" * 23 + "M" -> ("KKKM", 23, "M"). Without scanning, or when nothing repeats, the whole
+    pattern is the unrolled tail.
+    """
+    best = ("", 0, pattern)
+    if not scan_layers:
+        return best
+    best_cost = len(pattern)
+    for p in range(1, len(pattern) // 2 + 1):
+        unit = pattern[:p]
+        n = 1
+        while pattern.startswith(unit * (n + 1)):
+            n += 1
+        cost = p + len(pattern) - n * p
+        if n >= 2 and cost < best_cost:
+            best, best_cost = (unit, n, pattern[n * p:]), cost
+    return best
+
+
+def _kda_spec(cfg, d_model: int, backend: str | None) -> KdaSpec:
+    f, k = _Fields(cfg.kda, "config.model.kda."), cfg.kda
+    H = _Fields(cfg, "config.model.").int("num_heads", 1)
+    head_dim = f.int("head_dim", 0, "must be an integer >= 0 (0 = d_model // num_heads)")
+    if head_dim == 0 and d_model % H:
+        _Fields(cfg, "config.model.").fail(
+            "num_heads", H, f"must divide d_model={d_model} when kda.head_dim=0 derives the head dim")
+    HV = f.int("num_v_heads", 0, "must be an integer >= 0 (0 = num_heads)") or H
+    if HV % H:
+        f.fail("num_v_heads", k.num_v_heads, f"must be a multiple of num_heads={H}")
+    gate = f.choice("gate", GATES)
+    bound = f.number("gate_lower_bound", allowed="must be a finite number < 0")
+    if bound >= 0:
+        f.fail("gate_lower_bound", k.gate_lower_bound, "must be a finite number < 0")
+    chunk = f.get("chunk_size", lambda v: _is_int(v) and v > 0 and v & (v - 1) == 0,
+                  "must be a positive power of two")
+    impl = f.choice("impl", dispatch.KDA_IMPLS)
+    return KdaSpec(num_heads=H, head_dim=head_dim or d_model // H, num_v_heads=HV,
+                   conv_width=f.int("conv_width", 1), gate=gate,
+                   lower_bound=bound if gate == "bounded" else None, chunk_size=chunk,
+                   impl=dispatch.choose_kda_impl(impl, backend))
+
+
+def _mla_spec(cfg, d_model: int) -> MlaSpec:
+    f = _Fields(cfg.mla, "config.model.mla.")
+    H = f.int("num_heads", 1)
+    dims = {}
+    for field in ("qk_nope_head_dim", "v_head_dim"):
+        dims[field] = f.int(field, 0, "must be an integer >= 0 (0 = d_model // mla.num_heads)")
+        if dims[field] == 0 and d_model % H:
+            f.fail("num_heads", H, f"must divide d_model={d_model} when mla.{field}=0 derives "
+                                   f"the head dim")
+    block = f.get("attn_block_size", lambda v: _is_int(v) and v > 0 and v % 8 == 0,
+                  "must be a positive multiple of 8")
+    return MlaSpec(
+        num_heads=H, q_lora_rank=f.int("q_lora_rank", 0, "must be an integer >= 0 (0 = no "
+                                                            "low-rank queries)"),
+        kv_lora_rank=f.int("kv_lora_rank", 1),
+        qk_nope_head_dim=dims["qk_nope_head_dim"] or d_model // H,
+        shared_head_dim=f.int("shared_head_dim", 0), v_head_dim=dims["v_head_dim"] or d_model // H,
+        output_gate=f.bool("output_gate"), attn_impl=f.choice("attn_impl", dispatch.ATTN_IMPLS),
+        attn_block_size=block)
+
+
+def model_spec(cfg, backend: str | None = None) -> ModelSpec:
+    """``config.model`` checked once and resolved into a ModelSpec (a ModelSpec passes through).
+
+    ``backend`` ("cpu" / "gpu" / "tpu"; default: JAX's) decides ``kda.impl="auto"``. Raises
+    ValueError naming the first bad field."""
+    if isinstance(cfg, ModelSpec):
+        return cfg
+    f = _Fields(cfg, "config.model.")
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim"):
+        f.int(field, 1)
+    pattern = layer_pattern(cfg)
+    f.bool("final_mla")
+    scan_layers = f.bool("scan_layers")
+    unit, repeats, tail = scan_plan(pattern, scan_layers)
+    norm_eps = f.get("norm_eps", lambda v: isinstance(v, float) and v > 0,
+                     "must be a positive float")
+    return ModelSpec(
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
+        pattern=pattern, scan_unit=unit, scan_repeats=repeats, scan_tail=tail,
+        kda=_kda_spec(cfg, cfg.d_model, backend), mla=_mla_spec(cfg, cfg.d_model),
+        mlp_dim=cfg.mlp_dim, attn_res=f.choice("attn_res", ATTN_RES_MODES),
+        attn_res_block_size=f.int("attn_res_block_size", 1,
+                                  "must be a positive integer (sublayers per block)"),
+        tie_embeddings=f.bool("tie_embeddings"), norm_eps=norm_eps,
+        dtype=f.choice("dtype", DTYPES), param_dtype=f.choice("param_dtype", DTYPES),
+        remat=f.choice("remat", REMAT_POLICIES), scan_layers=scan_layers)
+
+
+def data_spec(cfg) -> DataSpec:
+    """``config.data`` checked (the fields that need no file reading)."""
+    if isinstance(cfg, DataSpec):
+        return cfg
+    f = _Fields(cfg, "data.")
+    seq_len = f.int("seq_len", 1)
+    if seq_len < 2:
+        f.fail("seq_len", seq_len, "leaves no next token to predict inside a row; it must be >= 2")
+    source = f.choice("source", SOURCES)
+    paths = f.strings("paths")
+    if source == "stdlib" and paths:
+        raise ValueError(
+            f"data.paths: {cfg.paths!r} is given, but data.source is 'stdlib' (the default: the "
+            f"Python standard library), which reads no files; set data.source='text' (or "
+            f"'tokens') to train on them")
+    eval_fraction = f.number("eval_fraction", 0.0, allowed="must be in [0, 1)")
+    if eval_fraction >= 1:
+        f.fail("eval_fraction", cfg.eval_fraction, "must be in [0, 1)")
+    return DataSpec(
+        source=source, paths=paths, eval_paths=f.strings("eval_paths"),
+        eval_fraction=eval_fraction,
+        tokenizer=f.get("tokenizer", lambda v: isinstance(v, str), "must be a path or ''"),
+        token_dtype=f.choice("token_dtype", TOKEN_DTYPES),
+        eos_id=f.int("eos_id", -1, "must be an integer >= -1 (-1 = none)"),
+        seq_len=seq_len, global_batch_size=f.int("global_batch_size", 1),
+        shuffle=f.bool("shuffle"))
+
+
+def opt_spec(cfg) -> OptSpec:
+    """``config.opt`` checked."""
+    if isinstance(cfg, OptSpec):
+        return cfg
+    f = _Fields(cfg, "opt.")
+    name, schedule = f.choice("name", OPTIMIZERS), f.choice("schedule", SCHEDULES)
+    decay_fraction = f.number("decay_fraction", 0.0, 1.0)
+    if schedule == "wsd" and decay_fraction == 0:
+        f.fail("decay_fraction", decay_fraction, "must be in (0, 1] for opt.schedule='wsd'")
+    return OptSpec(
+        name=name, lr=f.number("lr", 0.0), schedule=schedule,
+        warmup_steps=f.int("warmup_steps", 0), min_lr_ratio=f.number("min_lr_ratio", 0.0, 1.0),
+        decay_fraction=decay_fraction, b1=f.number("b1", 0.0, 1.0), b2=f.number("b2", 0.0, 1.0),
+        eps=f.number("eps", 0.0), weight_decay=f.number("weight_decay", 0.0),
+        no_decay=f.strings("no_decay"), grad_clip=f.number("grad_clip", 0.0),
+        grad_accum_steps=f.int("grad_accum_steps", 1), muon_beta=f.number("muon_beta", 0.0, 1.0),
+        muon_ns_steps=f.int("muon_ns_steps", 1), muon_rms=f.number("muon_rms", 0.0),
+        muon_adam_axes=f.strings("muon_adam_axes"), muon_batch_axes=f.strings("muon_batch_axes"),
+        muon_exclude=f.strings("muon_exclude"))
+
+
+def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """Rules as ((logical, mesh_axis | (mesh_axis, ...) | None), ...), checked against the
+    mesh's axis names; errors name ``mesh.axis_rules[i]``."""
+    out = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(
+                f"mesh.axis_rules[{i}]: {rule!r} must be (logical_name, mesh_axis | "
+                f"(mesh_axis, ...) | None)"
+            )
+        name, target = rule
+        if target is None:
+            out.append((name, None))
+            continue
+        axes = (target,) if isinstance(target, str) else tuple(target)
+        bad = [a for a in axes if a not in MESH_AXES]
+        if bad:
+            raise ValueError(
+                f"mesh.axis_rules[{i}] ({name!r}): mesh axes {bad} are not among {MESH_AXES}"
+            )
+        out.append((name, axes[0] if len(axes) == 1 else axes))
+    return tuple(out)
+
+
+def mesh_sizes(cfg) -> tuple[int, int, int]:
+    """The (data, fsdp, tensor) sizes of ``config.mesh`` (or a MeshSpec), checked; at most one
+    is -1 ("the rest of the devices", resolved in kimi_k3/mesh.py)."""
+    f = _Fields(cfg, "mesh.")
+    sizes = tuple(f.get(a, lambda v: _is_int(v) and (v >= 1 or v == -1),
+                        "must be a positive integer or -1 (the rest)") for a in MESH_AXES)
+    rest = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
+    if len(rest) > 1:
+        raise ValueError(f"mesh: only one axis may be -1, got {rest}")
+    return sizes
+
+
+def mesh_spec(cfg) -> MeshSpec:
+    """``config.mesh`` checked; the sizes are resolved against the devices in kimi_k3/mesh.py."""
+    if isinstance(cfg, MeshSpec):
+        return cfg
+    return MeshSpec(*mesh_sizes(cfg), axis_rules=normalize_rules(cfg.axis_rules))
+
+
+def ckpt_spec(cfg) -> CkptSpec:
+    """``config.checkpoint`` checked."""
+    if isinstance(cfg, CkptSpec):
+        return cfg
+    f = _Fields(cfg, "checkpoint.")
+    return CkptSpec(enabled=f.bool("enabled"), every_steps=f.int("every_steps", 1),
+                    keep=f.int("keep", 1), async_save=f.bool("async_save"),
+                    dir=f.get("dir", lambda v: isinstance(v, str), "must be a path or ''"))
+
+
+def train_spec(cfg) -> TrainSpec:
+    """``config.train`` checked."""
+    if isinstance(cfg, TrainSpec):
+        return cfg
+    f = _Fields(cfg, "train.")
+    return TrainSpec(
+        steps=f.int("steps", 1), log_every=f.int("log_every", 1),
+        eval_every=f.int("eval_every", 0, "must be an integer >= 0"),
+        eval_batches=f.int("eval_batches", 1), nan_policy=f.choice("nan_policy", NAN_POLICIES),
+        progress_bar=f.bool("progress_bar"), tensorboard=f.bool("tensorboard"),
+        peak_tflops_per_device=f.number("peak_tflops_per_device", 0.0))
+
+
+def run_spec(config, backend: str | None = None, with_model: bool = True) -> RunSpec:
+    """The whole config checked once and resolved: raises ValueError naming the first bad
+    field (a RunSpec passes through). ``backend`` decides ``model.kda.impl="auto"`` (default:
+    JAX's backend); ``with_model=False`` skips the model section (a run that brings its own
+    model function)."""
+    if isinstance(config, RunSpec):
+        return config
+    seed = _Fields(config, "").get("seed", lambda v: _is_int(v) and 0 <= v < 2**31,
+                                   "must be an integer in [0, 2**31)")
+    model = model_spec(config.model, backend) if with_model else None
+    spec = RunSpec(model=model, data=data_spec(config.data), opt=opt_spec(config.opt),
+                   mesh=mesh_spec(config.mesh), checkpoint=ckpt_spec(config.checkpoint),
+                   train=train_spec(config.train), seed=seed)
+    accum = spec.opt.grad_accum_steps
+    if spec.data.global_batch_size % accum:
+        raise ValueError(f"data.global_batch_size: {spec.data.global_batch_size} does not divide "
+                         f"by opt.grad_accum_steps={accum}")
+    return spec

@@ -1,0 +1,132 @@
+"""Which implementation runs: the one place where "auto" is decided, for KDA and attention alike.
+
+The contract, for every operator with an ``impl`` argument:
+
+- an explicitly requested implementation runs, or raises an error saying why it cannot; it
+  never silently becomes another;
+- ``"auto"`` picks the fastest implementation that works for the backend (and, for attention,
+  for the call's shapes and dtype), falling back with one warning line where a compiled kernel
+  is unavailable with the installed JAX;
+- every choice is reported once per process (``logging.info``), and :func:`choices` lists them,
+  so a run can say what it used.
+
+KDA (``kimi_k3.ops.kda``): "recurrent" (the definition), "xla" (chunked, plain JAX), "pallas"
+(the Pallas kernel; interpret mode on CPU). "auto": "pallas" on the backends in
+``AUTO_PALLAS_BACKENDS`` when the kernel lowers there, else "xla".
+
+Attention (``kimi_k3.layers.attention``): "reference", "xla" (blockwise), "cudnn", "pallas".
+"auto": on GPU in bf16/fp16, cuDNN for one document per row, the Pallas (Triton) kernel for
+packed documents when T % 128 == 0; on TPU, splash when T % 128 == 0; "xla" otherwise, and
+whenever the queries continue a cache (prefill, decoding: q_offset != 0 or S != T).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from pallas_kernels.kda import pallas_supported
+
+KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
+ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
+
+# Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX).
+# GPU: it trains to the reference's loss curve several times faster (BENCHMARKS.md). TPU: the
+# same kernel source through Mosaic, tested in TPU interpret mode.
+AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset({"gpu", "tpu"})
+
+_CHOSEN: dict[tuple[str, str], str] = {}
+
+
+def _report(op: str, requested: str, chosen: str, why: str) -> None:
+    key = (op, f"{requested} ({why})")
+    if key not in _CHOSEN:
+        _CHOSEN[key] = chosen
+        logging.info("%s: impl=%r -> %r (%s)", op, requested, chosen, why)
+
+
+def choices() -> dict[str, str]:
+    """``{"kda": "pallas", "attention": "cudnn", ...}``: what this process has run so far (the
+    last choice per operator)."""
+    return {op: chosen for (op, _), chosen in _CHOSEN.items()}
+
+
+def kda_kernel_error(backend: str) -> str | None:
+    """None when the Pallas KDA kernel can run on ``backend`` with the installed JAX (compiled
+    on "gpu" / "tpu", interpreted on "cpu"), else why not (one line)."""
+    if backend in ("gpu", "tpu") and not pallas_supported(backend):
+        return f"the Pallas kernel does not lower for {backend!r} with JAX {jax.__version__}"
+    return None
+
+
+def choose_kda_impl(requested: str, backend: str | None = None) -> str:
+    """The KDA implementation to run for ``requested`` on ``backend`` (default: JAX's)."""
+    if requested not in KDA_IMPLS:
+        raise ValueError(f"kda: impl must be one of {KDA_IMPLS}, got {requested!r}")
+    backend = backend or jax.default_backend()
+    if requested == "pallas":
+        error = kda_kernel_error(backend)
+        if error:
+            raise ValueError(f"kda: impl='pallas' cannot run here: {error}; use impl='auto' or "
+                             f"'xla'")
+        _report("kda", requested, "pallas", backend)
+        return "pallas"
+    if requested != "auto":
+        _report("kda", requested, requested, backend)
+        return requested
+    if backend in AUTO_PALLAS_BACKENDS:
+        error = kda_kernel_error(backend)
+        if error is None:
+            _report("kda", requested, "pallas", backend)
+            return "pallas"
+        _report("kda", requested, "xla", f"{backend}: {error}")
+        return "xla"
+    _report("kda", requested, "xla", f"{backend}: the kernel only interprets here")
+    return "xla"
+
+
+def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool,
+                          continues_cache: bool, backend: str | None = None) -> str:
+    """The attention implementation to run for ``requested`` with these queries: ``T`` queries
+    against ``S`` keys, ``packed`` documents (segment ids given), ``continues_cache`` when the
+    queries sit after a cache (q_offset != 0). Raises when an explicit kernel cannot take them.
+    """
+    if requested not in ATTN_IMPLS:
+        raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {requested!r}")
+    backend = backend or jax.default_backend()
+    whole = not continues_cache and T == S
+    if requested in ("cudnn", "pallas") and not whole:
+        raise ValueError(f"attention: impl={requested!r} needs q_offset=0 and S == T (got T={T}, "
+                         f"S={S}, continues a cache: {continues_cache}); use 'xla' or 'auto'")
+    if requested == "cudnn" and packed:
+        raise ValueError("attention: impl='cudnn' has no segment ids; use 'pallas' or 'xla'")
+    if requested != "auto":
+        _report("attention", requested, requested, backend)
+        return requested
+    half = str(dtype) in ("bfloat16", "float16")
+    chosen, why = "xla", f"{backend}, {dtype}"
+    if not whole:
+        why += ", continues a cache"
+    elif backend == "gpu" and half:
+        if not packed:
+            chosen = "cudnn"
+        elif T % 128 == 0:
+            chosen, why = "pallas", why + ", packed documents"
+        else:
+            why += f", packed documents, T={T} not a multiple of 128"
+    elif backend == "tpu" and T % 128 == 0:
+        chosen = "pallas"
+    _report("attention", requested, chosen, why)
+    return chosen
+
+
+def attention_fallback(requested: str, chosen: str, err: Exception) -> None:
+    """An "auto" kernel failed at trace time for these shapes: the caller falls back to "xla";
+    an explicit request re-raises."""
+    if requested != "auto":
+        raise err
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    logging.warning("attention: %s kernel unavailable for these shapes (%s); using xla",
+                    chosen, first)
+    _report("attention", requested, "xla", f"{chosen} failed: {first[:80]}")
