@@ -11,13 +11,14 @@ r"""Held-out perplexity at long context and loss by token position, one line per
 
 Writes eval.json, eval_perplexity.csv, eval_loss_by_position.csv, eval_perplexity.png and
 eval_loss_by_position.png to --workdir, and prints the perplexity table. All logic lives in
-``kimi_k3.evaluation``.
+``kimi_k3.evaluation`` (the run), ``kimi_k3.eval_scoring`` (what is measured) and
+``kimi_k3.eval_report`` (the files).
 """
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from kimi_k3 import evaluation
+from kimi_k3 import eval_scoring, evaluation
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (model + held-out data), e.g. configs/tiny.py.", lock_config=True
@@ -38,7 +39,7 @@ _LENGTHS = flags.DEFINE_list(
 @flags.validator("context_lengths")
 def _lengths_parse(values):
     try:
-        evaluation.parse_context_lengths(values)
+        eval_scoring.parse_context_lengths(values)
     except ValueError as e:  # names the flag and the bad item
         raise flags.ValidationError(str(e)) from e
     return True
@@ -46,7 +47,7 @@ def _lengths_parse(values):
 _PIECE = flags.DEFINE_integer("piece_len", 2048, "Tokens per prefill call (bounds memory).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Windows evaluated together.")
 _SHORT = flags.DEFINE_enum(
-    "short_docs", "skip", list(evaluation.SHORT_DOC_RULES),
+    "short_docs", "skip", list(eval_scoring.SHORT_DOC_RULES),
     "Documents shorter than a context length: skip them, or concatenate all documents.",
 )
 _MAX_WINDOWS = flags.DEFINE_integer("max_windows", 16, "Windows per context length (0 = all).")
@@ -63,7 +64,7 @@ def main(argv):
         _CONFIG.value,
         _WORKDIR.value,
         _CHECKPOINT.value,
-        evaluation.parse_context_lengths(_LENGTHS.value),
+        eval_scoring.parse_context_lengths(_LENGTHS.value),
         piece_len=_PIECE.value,
         batch_size=_BATCH.value,
         short_docs=_SHORT.value,

@@ -133,7 +133,7 @@ def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
     import numpy as np
     from flax import nnx
 
-    from kimi_k3.evaluation import align_cache
+    from kimi_k3.eval_scoring import align_cache
     from kimi_k3.model import HybridLM
 
     cfg = model_config(args, variant)

@@ -9,6 +9,12 @@ start). A step folder that exists but cannot be read (corrupt, truncated, files 
 reported, the previous step is tried, and once an older step restores, the unreadable newer
 ones are moved aside to ``<step>.unreadable`` so that training can write that step again.
 If no step can be read, the run stops with each step's error rather than start from scratch.
+
+Before a step is read, its saved parameters are held against config.model's
+(``check_params_match``, the one check for resuming and for evaluation): another model is an
+error naming the parameters that differ, never a partial or silently reshaped load.
+``restore_model_for_eval`` reads only the parameters of one step into a ``HybridLM`` (evaluation,
+sampling); ``resolve_step_dir`` finds that step from a step, checkpoints or run folder.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ import threading
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from kimi_k3.model import HybridLM
+from kimi_k3.optim import path_str
 
 
 class PreemptionFlag:
@@ -150,13 +161,14 @@ class Checkpointer:
         steps = sorted(self.manager.all_steps(), reverse=True)
         errors = []
         for step in steps:
-            problems = param_mismatches(self.directory / str(step) / "state",
-                                        abstract_state["params"])
-            if problems:
-                raise ValueError(
-                    f"checkpoint {str(self.directory / str(step))!r} holds another model than "
-                    f"config.model: {problems}. Resume with the run's own config (its "
-                    f"config.json), or start a new --workdir / checkpoint.dir")
+            try:
+                saved = saved_params_metadata(self.directory / str(step) / "state")
+            except Exception:  # unreadable: the restore below reports it and falls back
+                saved = None
+            if saved is not None:
+                check_params_match(saved, abstract_state["params"], self.directory / str(step),
+                                   advice="Resume with the run's own config (its config.json), "
+                                          "or start a new --workdir / checkpoint.dir")
             try:
                 out = self.manager.restore(
                     step,
@@ -191,15 +203,8 @@ class Checkpointer:
                     os.rename(os.fspath(src), os.fspath(dst))
                     logging.warning("moved unreadable checkpoint %s to %s", src, dst)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("kimi_k3_checkpoint_set_aside")
         self.manager.reload()
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a checkpoint's parameters outside training (evaluation, sampling)
-# ---------------------------------------------------------------------------------------------
 
 
 class NoCheckpoints:
@@ -228,92 +233,131 @@ class NoCheckpoints:
         pass
 
 
-def resolve_step_dir(path: str) -> tuple[epath.Path, int | None]:
-    """A step folder (``.../checkpoints/2000``) as given, or the newest step folder inside a
-    run's checkpoint folder. Raises FileNotFoundError naming the path."""
-    p = epath.Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"checkpoint: {path!r} does not exist")
-    if (p / "state").exists():
-        return p, int(p.name) if p.name.isdigit() else None
-    steps = sorted(int(d.name) for d in p.iterdir() if d.name.isdigit() and (d / "state").exists())
-    if not steps:
-        raise FileNotFoundError(
-            f"checkpoint: {path!r} is neither a step folder (with state/) nor a folder of them"
-        )
-    return p / str(steps[-1]), steps[-1]
+# ---------------------------------------------------------------------------------------------
+# The saved parameters against a model's: one check for resuming a run and for reading a model
+# ---------------------------------------------------------------------------------------------
 
 
-def _flat_shapes(tree) -> dict[str, tuple]:
-    from kimi_k3.optim import path_str
+def saved_params_metadata(state_dir):
+    """The ``"params"`` subtree of the metadata saved in a step's ``state`` folder: the saved
+    parameters' paths, shapes and dtypes, no array read. Raises what Orbax raises for a folder
+    it cannot read, and KeyError when the state holds no "params"."""
+    meta = ocp.PyTreeCheckpointer().metadata(epath.Path(state_dir))
+    tree = getattr(meta, "item_metadata", meta)  # Orbax versions nest the tree differently
+    return getattr(tree, "tree", tree)["params"]
 
+
+def _shapes(tree) -> dict[str, tuple]:
+    """'embed/embedding' -> shape, for every leaf of a parameter tree (arrays,
+    ``jax.ShapeDtypeStruct``s or Orbax metadata alike)."""
     return {path_str(k): tuple(x.shape) for k, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def param_mismatches(state_dir, abstract_params) -> str:
-    """'' when the parameters saved under ``state_dir`` have the paths and shapes of
-    ``abstract_params``; else a description of the first differences. A folder whose metadata
-    cannot be read gives '' (the restore itself then reports it)."""
-    try:
-        meta = ocp.PyTreeCheckpointer().metadata(epath.Path(state_dir))
-        tree = getattr(meta, "item_metadata", meta)
-        saved = getattr(tree, "tree", tree)["params"]
-    except Exception:  # unreadable: left to the restore, which reports and falls back
-        return ""
-    have, need = _flat_shapes(saved), _flat_shapes(abstract_params)
-    problems = [f"{k}: checkpoint {have[k]}, config {s}" for k, s in need.items()
-                if k in have and have[k] != s]
-    problems += [f"{k} {s} not in the checkpoint" for k, s in need.items() if k not in have]
-    problems += [f"{k} {s} not in the config's model" for k, s in have.items() if k not in need]
-    if not problems:
-        return ""
-    more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
-    return "; ".join(problems[:6]) + more
+def check_params_match(saved_params, model_params, step_dir: str | os.PathLike, advice: str) -> None:
+    """Raise ValueError unless ``saved_params`` (a checkpoint's, e.g. from
+    ``saved_params_metadata``) and ``model_params`` (config.model's, abstract or real) have the
+    same paths with the same shapes.
 
-
-def restore_model_for_eval(config, path: str):
-    """(HybridLM with the checkpoint's parameters, step) on the default device.
-
-    ``path``: a step folder or a run's checkpoint folder (its newest step). Only the
-    parameters are read (no optimizer state). Raises ValueError naming the parameters where
-    ``config.model`` and the checkpoint disagree (missing, unexpected, other shape).
+    The message names ``step_dir`` and the first few parameters of each kind of difference
+    (another shape, missing from the checkpoint, not in config.model), then ``advice``: what
+    the caller's user should do about it.
     """
-    from flax import nnx
+    saved, model = _shapes(saved_params), _shapes(model_params)
+    shapes = [k for k in model if k in saved and saved[k] != model[k]]
+    missing = [k for k in model if k not in saved]
+    extra = [k for k in saved if k not in model]
+    if not (shapes or missing or extra):
+        return
+    shown = 3  # of each kind: enough to see the pattern (a width, a layer kind) without pages
+    items = [f"{k}: checkpoint {saved[k]} vs config {model[k]}" for k in shapes[:shown]]
+    items += [f"{k} {model[k]}: in config.model, not in the checkpoint" for k in missing[:shown]]
+    items += [f"{k} {saved[k]}: in the checkpoint, not in config.model" for k in extra[:shown]]
+    more = len(shapes) + len(missing) + len(extra) - len(items)
+    # The first shape difference also in the trainer's older "checkpoint S, config E" wording,
+    # which scripts and tests match, beside eval's "checkpoint S vs config E".
+    first = f" (the first: checkpoint {saved[shapes[0]]}, config {model[shapes[0]]})" if shapes else ""
+    counts = (f"{len(shapes)} parameters differ in shape{first}, {len(missing)} are missing from "
+              f"the checkpoint, {len(extra)} are not in config.model")
+    raise ValueError(
+        f"checkpoint {str(step_dir)!r} does not match config.model: {counts}: "
+        + "; ".join(items) + (f"; and {more} more" if more else "") + f". {advice}"
+    )
 
-    from kimi_k3 import train_lib
 
+# ---------------------------------------------------------------------------------------------
+# Reading a checkpoint's parameters outside training (evaluation, sampling)
+# ---------------------------------------------------------------------------------------------
+
+
+def _step_folders(directory: epath.Path) -> list[epath.Path]:
+    """The step folders (named by their step, holding ``state/``) in ``directory``, newest first."""
+    if not directory.is_dir():
+        return []
+    steps = [d for d in directory.iterdir() if d.name.isdigit() and (d / "state").is_dir()]
+    return sorted(steps, key=lambda d: int(d.name), reverse=True)
+
+
+def resolve_step_dir(path: str) -> tuple[str, int]:
+    """(step folder, step) for a step folder (``<run>/checkpoints/<step>``, with ``state/``
+    inside), a checkpoints folder (its newest step) or a run folder (the newest step of its
+    ``checkpoints/``).
+
+    Errors name ``--checkpoint``, the flag eval.py reads the path from: FileNotFoundError when
+    ``path`` does not exist or holds no step, ValueError for a step folder not named by its step.
+    """
+    p = epath.Path(path)  # local or a URL (gs://...), as the trainer writes them
+    if not p.exists():
+        raise FileNotFoundError(f"--checkpoint: {path!r} does not exist")
+    if (p / "state").is_dir():
+        if not p.name.isdigit():
+            raise ValueError(f"--checkpoint: {path!r} holds a state/ folder but is not named by its step")
+        return path, int(p.name)
+    for directory in (p, p / "checkpoints"):
+        found = _step_folders(directory)
+        if found:
+            return os.fspath(found[0]), int(found[0].name)
+    raise FileNotFoundError(
+        f"--checkpoint: {path!r} is not a checkpoint step folder (<run>/checkpoints/<step> with a "
+        f"state/ inside), a checkpoints folder or a run folder holding one"
+    )
+
+
+def restore_model_for_eval(config, path: str, config_name: str = "--config") -> tuple[HybridLM, int]:
+    """(a ``HybridLM`` for ``config.model`` holding the parameters saved at ``path``, its step),
+    on the first device.
+
+    ``path``: anything ``resolve_step_dir`` takes (a step, checkpoints or run folder). Only the
+    parameters are read (an Orbax partial restore of ``<step>/state``'s "params"); the optimizer
+    state never is. They are checked against config.model first (``check_params_match``); the
+    error names ``config_name``, where ``config`` came from, and the run's own config.json when
+    the run folder has one. The model's non-parameter state (RNG counters) comes from
+    ``config.seed``, as in training.
+    """
     step_dir, step = resolve_step_dir(path)
+    state_dir = os.path.join(absolute_path(step_dir), "state")  # Orbax refuses relative paths
     seed = int(config.get("seed", 0))
-    abstract = nnx.eval_shape(lambda: train_lib.make_model(config.model, seed))
-    graphdef, abs_params_state, abs_rest = nnx.split(abstract, nnx.Param, ...)
-    want = nnx.to_pure_dict(abs_params_state)
+    make = lambda: HybridLM(config.model, rngs=nnx.Rngs(seed))
+    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    want = nnx.to_pure_dict(abs_params)
 
-    handler = ocp.PyTreeCheckpointer()
-    saved = handler.metadata(step_dir / "state").item_metadata
-    if "params" not in saved:
-        raise ValueError(f"checkpoint {str(step_dir)!r}: no 'params' in its state")
-    have, need = _flat_shapes(saved["params"]), _flat_shapes(want)
-    problems = [f"missing {k} {s}" for k, s in need.items() if k not in have]
-    problems += [f"unexpected {k} {s}" for k, s in have.items() if k not in need]
-    problems += [f"{k}: checkpoint {have[k]} vs config {s}" for k, s in need.items()
-                 if k in have and have[k] != s]
-    if problems:
-        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise ValueError(
-            f"checkpoint {str(step_dir)!r} does not match config.model: "
-            f"{'; '.join(problems[:10])}{more}"
-        )
+    try:
+        saved = saved_params_metadata(state_dir)
+    except Exception as e:  # Orbax raises several kinds for a folder it cannot read
+        raise ValueError(f"--checkpoint {path!r}: cannot read parameters from {state_dir!r} "
+                         f"({_first_line(e, 300)})") from e
+    run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.normpath(step_dir))),
+                              "config.json")
+    hint = f"; the run's own config is in {run_config}" if os.path.isfile(run_config) else ""
+    check_params_match(saved, want, step_dir, advice=(
+        f"config.model came from {config_name}; pass the config the checkpoint was trained with "
+        f"(--checkpoint=PATH@CONFIG){hint}"))
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {"params": jax.tree.map(
+    item = {"params": jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), want)}
-    params = handler.restore(
-        step_dir / "state",
-        args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True),
-    )["params"]
-    rest = abs_rest
-    if jax.tree.leaves(abs_rest):
-        rest = nnx.split(train_lib.make_model(config.model, seed), nnx.Param, ...)[2]
-    return nnx.merge(graphdef, nnx.State(params), rest), step
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=device, dtype=x.dtype), item)
+    out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True))
+    nnx.replace_by_pure_dict(abs_params, out["params"])
+    rest = nnx.split(make(), nnx.Param, ...)[2] if jax.tree.leaves(abs_rest) else abs_rest
+    return nnx.merge(graphdef, abs_params, rest), step

@@ -25,7 +25,7 @@ import pytest
 
 from configs import load_config
 from kimi_k3 import checkpoint as ckpt_lib
-from kimi_k3 import evaluation, train_lib
+from kimi_k3 import eval_scoring, evaluation, train_lib
 from kimi_k3.ops import kda
 from tests.kda_numpy import kda_numpy, rel_err
 from tests.test_kda_ops import make_inputs
@@ -390,8 +390,8 @@ def test_eval_without_config_or_with_bad_lengths_names_the_flag(tmp_path, jax_ca
                                         (["2.5K"], "'2.5K'"), ([""], "''")])
 def test_context_lengths_parse_or_name_the_item(items, bad):
     with pytest.raises(ValueError, match=rf"--context_lengths: {bad} is not a positive"):
-        evaluation.parse_context_lengths(items)
-    assert evaluation.parse_context_lengths(["512", "8K", "1m"]) == (512, 8192, 1 << 20)
+        eval_scoring.parse_context_lengths(items)
+    assert eval_scoring.parse_context_lengths(["512", "8K", "1m"]) == (512, 8192, 1 << 20)
 
 
 def test_eval_of_a_missing_checkpoint_names_it(tmp_path, corpus):
@@ -403,7 +403,7 @@ def test_eval_of_a_missing_checkpoint_names_it(tmp_path, corpus):
 def test_eval_token_ids_outside_the_vocabulary_name_window_and_position(tmp_path, corpus):
     config = tiny_config(corpus)
     docs = [np.arange(40) % 256, np.concatenate([np.arange(30), [-3], np.arange(9)])]
-    opts = evaluation.EvalOptions(context_lengths=(16,), max_windows=0)
+    opts = eval_scoring.EvalOptions(context_lengths=(16,), max_windows=0)
     spec = evaluation.CheckpointSpec(path="init", label="m")
     with pytest.raises(ValueError, match=r"token id -3 \(window 3 of L=16, position 14\) is "
                                          r"outside \[0, 256\)"):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_k3 import evaluation, plots
-from kimi_k3.checkpoint import Checkpointer
+from kimi_k3 import eval_scoring, evaluation, plots
+from kimi_k3.checkpoint import Checkpointer, restore_model_for_eval
 from kimi_k3.config import add_training_defaults, default_model_config
 from kimi_k3.model import HybridLM
 from kimi_k3.train_lib import split_model
@@ -65,8 +65,8 @@ def random_docs(rng, lengths, vocab):
 def test_uniform_logits_score_perplexity_equal_to_vocab_size(rng, tmp_path):
     V = 37
     docs = random_docs(rng, [100, 40, 250], V)
-    opts = evaluation.EvalOptions(context_lengths=(16, 64), piece_len=8, batch_size=2,
-                                  short_docs="concat", max_windows=0)
+    opts = eval_scoring.EvalOptions(context_lengths=(16, 64), piece_len=8, batch_size=2,
+                                    short_docs="concat", max_windows=0)
     report = evaluation.run(tiny_config(vocab=V), [evaluation.CheckpointSpec("init", "uniform")], opts,
                             str(tmp_path), docs=docs, models={"uniform": UniformModel(V)}, progress=False)
     for L in ("16", "64"):
@@ -90,7 +90,7 @@ def test_real_model_with_zero_weights_scores_vocab_size(tiny_model):
     cfg, model, tokens = tiny_model
     graphdef, state = nnx.split(model)
     zeroed = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, state))
-    nll = evaluation.Scorer(zeroed).piecewise_nll(tokens, piece_len=16)
+    nll = eval_scoring.Scorer(zeroed).piecewise_nll(tokens, piece_len=16)
     assert nll.shape == (2, 48)
     np.testing.assert_allclose(np.exp(nll.mean()), cfg.model.vocab_size, rtol=1e-5)
 
@@ -102,7 +102,7 @@ def test_real_model_with_zero_weights_scores_vocab_size(tiny_model):
 
 def test_piecewise_matches_whole_sequence(tiny_model):
     cfg, model, tokens = tiny_model
-    scorer = evaluation.Scorer(model)
+    scorer = eval_scoring.Scorer(model)
     whole = scorer.whole_sequence_nll(tokens)
     pieces = scorer.piecewise_nll(tokens, piece_len=16)
     assert pieces.shape == whole.shape == (2, 48)
@@ -112,9 +112,9 @@ def test_piecewise_matches_whole_sequence(tiny_model):
     padded = scorer.piecewise_nll(tokens[:, :41], piece_len=16)
     np.testing.assert_allclose(padded, whole[:, :40], atol=2e-5, rtol=2e-5)
     # And through evaluate_windows, which also reports the difference it measured.
-    windows = evaluation.make_windows(list(tokens), 48, "skip")
-    opts = evaluation.EvalOptions((48,), piece_len=16, batch_size=2, whole_check_max_len=64)
-    res = evaluation.evaluate_windows(scorer, windows, opts)
+    windows = eval_scoring.make_windows(list(tokens), 48, "skip")
+    opts = eval_scoring.EvalOptions((48,), piece_len=16, batch_size=2, whole_check_max_len=64)
+    res = eval_scoring.evaluate_windows(scorer, windows, opts)
     assert res["whole_vs_piecewise_max_abs_nll_diff"] < 1e-4
     assert res["loss"] == pytest.approx(float(whole.mean()), rel=1e-5)
     assert res["perplexity"] == pytest.approx(math.exp(float(whole.mean())), rel=1e-5)
@@ -127,13 +127,13 @@ def test_piecewise_matches_whole_sequence(tiny_model):
 
 def test_short_document_rule_counts():
     docs = [np.arange(n, dtype=np.int32) for n in (5, 17, 33, 8)]
-    skip = evaluation.make_windows(docs, 8, "skip")
+    skip = eval_scoring.make_windows(docs, 8, "skip")
     # Windows of 9 tokens with stride 8: 5 -> 0 (skipped), 17 -> 2, 33 -> 4, 8 -> 0 (skipped).
     assert (skip.docs_total, skip.docs_skipped, skip.docs_used, skip.num_windows) == (4, 2, 2, 6)
     np.testing.assert_array_equal(skip.tokens_NxL1[1], np.arange(8, 17))
     assert "2 of 4 documents shorter than 9 tokens skipped" in skip.describe()
 
-    concat = evaluation.make_windows(docs, 8, "concat")
+    concat = eval_scoring.make_windows(docs, 8, "concat")
     assert concat.num_windows == (5 + 17 + 33 + 8 - 1) // 8 == 7
     assert concat.docs_skipped == 0 and concat.docs_used == 4
     np.testing.assert_array_equal(concat.tokens_NxL1[0], np.concatenate(docs)[:9])
@@ -143,25 +143,25 @@ def test_short_document_rule_counts():
     many = [rng.integers(0, 9, n).astype(np.int32) for n in rng.integers(0, 30, 40)] + [np.zeros(0, np.int32)]
     stream = np.concatenate(many)
     for L in (1, 7, 16):
-        w = evaluation.make_windows(many, L, "concat")
+        w = eval_scoring.make_windows(many, L, "concat")
         expect = np.stack([stream[i * L : i * L + L + 1] for i in range((len(stream) - 1) // L)])
         np.testing.assert_array_equal(w.tokens_NxL1, expect)
-        s = evaluation.make_windows(many, L, "skip", max_windows=5)
+        s = eval_scoring.make_windows(many, L, "skip", max_windows=5)
         assert s.num_windows == min(5, s.windows_available)
         assert all(any(np.array_equal(row, d[j : j + L + 1]) for d in many for j in range(0, len(d) - L, L))
                    for row in s.tokens_NxL1)
 
-    capped = evaluation.make_windows(docs, 8, "concat", max_windows=3)
+    capped = eval_scoring.make_windows(docs, 8, "concat", max_windows=3)
     assert (capped.num_windows, capped.windows_available) == (3, 7)
-    none = evaluation.make_windows(docs, 64, "skip")
+    none = eval_scoring.make_windows(docs, 64, "skip")
     assert none.num_windows == 0 and none.docs_skipped == 4
     with pytest.raises(ValueError, match="short_docs"):
-        evaluation.make_windows(docs, 8, "truncate")
+        eval_scoring.make_windows(docs, 8, "truncate")
 
 
 def test_position_buckets_are_log_spaced_and_cover_every_position():
-    assert evaluation.position_buckets(10) == [(1, 1), (2, 3), (4, 7), (8, 10)]
-    b = evaluation.position_buckets(2048)
+    assert eval_scoring.position_buckets(10) == [(1, 1), (2, 3), (4, 7), (8, 10)]
+    b = eval_scoring.position_buckets(2048)
     assert b[-2:] == [(1024, 2047), (2048, 2048)]
     assert sum(hi - lo + 1 for lo, hi in b) == 2048
 
@@ -191,7 +191,7 @@ def test_outputs_written_and_plots_are_valid_pngs(rng, tmp_path, capsys):
     docs = random_docs(rng, [300, 20, 90], V)
     specs = [evaluation.CheckpointSpec.parse("uniform=init"), evaluation.CheckpointSpec.parse("unigram=init")]
     models = {"uniform": UniformModel(V), "unigram": UnigramModel(V)}
-    opts = evaluation.EvalOptions((16, 48, 128), piece_len=16, batch_size=2, short_docs="skip")
+    opts = eval_scoring.EvalOptions((16, 48, 128), piece_len=16, batch_size=2, short_docs="skip")
     report = evaluation.run(tiny_config(vocab=V), specs, opts, str(tmp_path), docs=docs, models=models,
                             progress=False)
     out = capsys.readouterr().out
@@ -247,7 +247,7 @@ def test_restore_checkpoint_and_errors_name_the_problem(tmp_path):
     params = _save_checkpoint(cfg, run_dir)
 
     for path in (f"{run_dir}/checkpoints/3", f"{run_dir}/checkpoints", run_dir):
-        model, step = evaluation.restore_model(cfg, path)
+        model, step = restore_model_for_eval(cfg, path)
         assert step == 3
         restored = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         jax.tree.map(np.testing.assert_array_equal, restored, params)
@@ -260,7 +260,7 @@ def test_restore_checkpoint_and_errors_name_the_problem(tmp_path):
 
     other = tiny_config("KMM")  # the second layer is MLA here, KDA in the checkpoint
     with pytest.raises(ValueError) as err:
-        evaluation.restore_model(other, f"{run_dir}/checkpoints/3", config_name="configs/other.py")
+        restore_model_for_eval(other, f"{run_dir}/checkpoints/3", config_name="configs/other.py")
     msg = str(err.value)
     assert f"{run_dir}/checkpoints/3" in msg and "configs/other.py" in msg and "mixer" in msg
 

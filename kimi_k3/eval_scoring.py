@@ -1,0 +1,369 @@
+"""Held-out perplexity at long context, and loss by token position: how the held-out data is
+cut into windows and how one model scores them. ``kimi_k3.evaluation`` runs this for every
+checkpoint and context length; ``kimi_k3.eval_report`` writes what it measured.
+
+What is measured, per checkpoint and context length L:
+
+- windows: the held-out documents are cut into windows of L + 1 tokens (stride L); the model
+  reads the first L, and every one of them predicts its next token, so a window scores L
+  targets. The target after input position i (0-based) was predicted with i + 1 tokens of
+  context: that is its *position*, 1 ... L;
+- perplexity = exp(mean next-token NLL over all targets of all windows), in nats;
+- loss by position: the mean NLL in log-spaced position buckets [1], [2, 3], [4, 7], ...,
+  [2^k, min(2^(k+1) - 1, L)]. A curve that keeps falling at large positions is a model that
+  uses far context.
+
+The short-document rule (``short_docs``), always reported with its counts:
+
+- ``"skip"``:   only documents of at least L + 1 tokens are used, each cut into
+  floor((len - 1) / L) windows; shorter documents are skipped and counted;
+- ``"concat"``: all held-out documents, in order, are one stream (no separator is added beyond
+  what the data already has) cut into windows, so a window may span documents.
+
+``max_windows`` (> 0) caps the windows per context length; the kept ones are spread evenly
+over the available ones (deterministic), and the output says how many were available.
+
+Memory stays bounded at long context: a batch of windows is fed to ``jax.jit(model.prefill)``
+in pieces of ``piece_len`` tokens (one compilation per context length), the cache (KDA state,
+conv tail, MLA latents, position) carried from piece to piece; only per-token NLLs leave the
+device, never the [B, L, V] logits. ``whole_sequence_nll`` is the one-pass reference the
+piecewise form is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_k3.data import load_split_streams
+
+SHORT_DOC_RULES = ("skip", "concat")
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out windows and the short-document rule
+# ---------------------------------------------------------------------------------------------
+
+
+def split_documents(stream) -> list[np.ndarray]:
+    """The documents of a ``kimi_k3.data.TokenStream``: its chunks, cut after every ``eos_id``."""
+    docs = []
+    for chunk in stream.chunks:
+        arr = np.asarray(chunk)
+        if stream.eos_id >= 0:
+            cuts = np.nonzero(arr == stream.eos_id)[0] + 1
+            docs.extend(p for p in np.split(arr, cuts) if len(p))
+        else:
+            docs.append(arr)
+    return docs
+
+
+@dataclasses.dataclass
+class Windows:
+    """Windows of L + 1 tokens for one context length, and how they were made."""
+
+    context_length: int
+    tokens_NxL1: np.ndarray  # int32 [N, L + 1]
+    rule: str
+    docs_total: int
+    docs_used: int  # documents contributing at least one scored token
+    docs_skipped: int  # shorter than L + 1 tokens ("skip" only)
+    windows_available: int
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.tokens_NxL1.shape[0])
+
+    def summary(self) -> dict:
+        return {
+            "context_length": self.context_length,
+            "short_docs": self.rule,
+            "docs_total": self.docs_total,
+            "docs_used": self.docs_used,
+            "docs_skipped": self.docs_skipped,
+            "windows_available": self.windows_available,
+            "windows_used": self.num_windows,
+            "targets": self.num_windows * self.context_length,
+        }
+
+    def describe(self) -> str:
+        L = self.context_length
+        if self.rule == "skip":
+            how = (f"short_docs=skip: {self.docs_skipped} of {self.docs_total} documents shorter "
+                   f"than {L + 1} tokens skipped, {self.docs_used} used")
+        else:
+            how = f"short_docs=concat: {self.docs_total} documents concatenated, {self.docs_used} scored"
+        return (f"L={L}: {how}; {self.num_windows} of {self.windows_available} windows "
+                f"({self.num_windows * L} targets)")
+
+
+def _even_pick(n: int, k: int) -> np.ndarray:
+    """k indices spread evenly over range(n) (all of them when k <= 0 or k >= n)."""
+    if k <= 0 or k >= n:
+        return np.arange(n)
+    return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))
+
+
+def make_windows(docs: Sequence[np.ndarray], L: int, rule: str, max_windows: int = 0) -> Windows:
+    """Cut ``docs`` into windows of L + 1 tokens by the short-document ``rule`` (module docstring)."""
+    if rule not in SHORT_DOC_RULES:
+        raise ValueError(f"short_docs: {rule!r} is not one of {SHORT_DOC_RULES}")
+    if L < 1:
+        raise ValueError(f"context_lengths: {L} must be a positive integer")
+    lengths = np.array([len(d) for d in docs], np.int64)
+    ends = np.cumsum(lengths)
+    if rule == "skip":
+        per_doc = np.where(lengths >= L + 1, (lengths - 1) // L, 0)
+        first = np.concatenate([[0], np.cumsum(per_doc)])  # window index of each doc's first window
+        available = int(first[-1])
+        pick = _even_pick(available, max_windows)
+        doc_of = np.searchsorted(first, pick, side="right") - 1
+        rows = [np.asarray(docs[d][(i - first[d]) * L : (i - first[d]) * L + L + 1])
+                for i, d in zip(pick, doc_of, strict=True)]
+        used = len(set(doc_of.tolist()))
+        skipped = int(np.sum(lengths < L + 1))
+    else:
+        # Windows of the virtual concatenation, read without copying the whole stream.
+        total = int(ends[-1]) if len(ends) else 0
+        available = max((total - 1) // L, 0)
+        pick = _even_pick(available, max_windows)
+        begins = ends - lengths
+        doc_at = lambda t: int(np.searchsorted(ends, t, side="right"))  # document holding token t
+        rows, scored = [], np.zeros(len(docs), bool)
+        for i in pick:
+            lo, hi = int(i) * L, int(i) * L + L + 1  # tokens [lo, hi); targets [lo + 1, hi)
+            rows.append(np.concatenate([np.asarray(docs[d][max(lo - begins[d], 0) : hi - begins[d]])
+                                        for d in range(doc_at(lo), doc_at(hi - 1) + 1)]))
+            scored[doc_at(lo + 1) : doc_at(hi - 1) + 1] = True  # a document with a target is used
+        used = int(scored.sum())
+        skipped = 0
+    tokens = np.stack(rows).astype(np.int32) if rows else np.zeros((0, L + 1), np.int32)
+    return Windows(L, tokens, rule, len(docs), used, skipped, available)
+
+
+def heldout_documents(config) -> list[np.ndarray]:
+    """The held-out documents of ``config.data`` (``kimi_k3.data``'s split by file)."""
+    _, eval_stream = load_split_streams(config.data, int(config.model.vocab_size))
+    if eval_stream is None:
+        raise ValueError(
+            f"config.data: the held-out split is empty (source={config.data.source!r}, "
+            f"eval_fraction={config.data.eval_fraction}); set data.eval_paths or raise eval_fraction"
+        )
+    return split_documents(eval_stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# Position buckets
+# ---------------------------------------------------------------------------------------------
+
+
+def position_buckets(L: int) -> list[tuple[int, int]]:
+    """Log-spaced position buckets covering 1 ... L: (1, 1), (2, 3), (4, 7), ..., (2^k, L)."""
+    out, lo = [], 1
+    while lo <= L:
+        out.append((lo, min(2 * lo - 1, L)))
+        lo *= 2
+    return out
+
+
+def bucket_losses(nll_sum_L: np.ndarray, count_L: np.ndarray) -> list[dict]:
+    """Per bucket: mean NLL of the targets whose position falls in it, and their count."""
+    out = []
+    for lo, hi in position_buckets(len(nll_sum_L)):
+        s, c = float(nll_sum_L[lo - 1 : hi].sum()), float(count_L[lo - 1 : hi].sum())
+        out.append({"lo": lo, "hi": hi, "loss": s / c if c else math.nan, "targets": int(c)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring: piecewise with the cache, or in one pass
+# ---------------------------------------------------------------------------------------------
+
+
+def _nll(logits_BxTxV, targets_BxT):
+    logits = logits_BxTxV.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def _scoring_fns(get_model: Callable):
+    """(piece, whole): jitted next-token NLL functions of (state, tokens, ...)."""
+
+    def piece(state, tokens_BxP, cache, targets_BxP):
+        logits, cache = get_model(state).prefill(tokens_BxP, cache)
+        return _nll(logits, targets_BxP), cache
+
+    def whole(state, tokens_BxT, targets_BxT):
+        return _nll(get_model(state)(tokens_BxT), targets_BxT)
+
+    return jax.jit(piece, donate_argnums=(2,)), jax.jit(whole)
+
+
+@functools.lru_cache(maxsize=16)
+def _nnx_scoring_fns(graphdef):
+    """One pair of jitted functions per architecture: checkpoints of the same config share
+    their compilations."""
+    return _scoring_fns(lambda state: nnx.merge(graphdef, state))
+
+
+def align_cache(cache, like):
+    """``cache`` re-nested as ``like`` (an abstract cache, e.g. what ``prefill`` returns) when
+    the two hold the same arrays in the same order but nest them differently (an empty entry
+    present in one, absent in the other). A jitted ``prefill`` then sees one input structure
+    for every piece and compiles once; otherwise ``cache`` is returned unchanged."""
+    treedef = jax.tree.structure(like)
+    leaves, want = jax.tree.leaves(cache), jax.tree.leaves(like)
+    if jax.tree.structure(cache) == treedef or len(leaves) != len(want):
+        return cache
+    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(leaves, want, strict=True)):
+        return cache
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class Scorer:
+    """Jitted next-token NLL for one model, piecewise (``prefill`` + cache) or whole-sequence.
+
+    ``model`` follows the ``HybridLM`` contract: ``init_cache(B, max_len)``,
+    ``prefill(tokens_BxT, cache) -> (logits_BxTxV, cache)``, ``__call__(tokens_BxT) -> logits``.
+    An ``nnx.Module`` is split once into (graphdef, state) so the jitted functions take the
+    weights as arguments (and are shared by every model of that graphdef); any other object
+    with those methods is traced as it is.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        if isinstance(model, nnx.Module):
+            graphdef, self._state = nnx.split(model)
+            self._piece, self._whole = _nnx_scoring_fns(graphdef)
+        else:
+            self._state = None
+            self._piece, self._whole = _scoring_fns(lambda state: model)
+
+    def init_cache(self, batch_size: int, max_len: int):
+        return self._model.init_cache(batch_size, max_len)
+
+    def piecewise_nll(
+        self, tokens_BxL1: np.ndarray, piece_len: int, on_piece: Callable[[], None] | None = None
+    ) -> np.ndarray:
+        """NLL [B, L] of windows [B, L + 1], fed in pieces of ``piece_len`` with the cache carried.
+
+        When L is not a multiple of ``piece_len`` the last piece is padded at the end with
+        token 0: causality keeps the padding from touching the real tokens, and its NLLs are
+        dropped.
+        """
+        tokens_BxL1 = np.asarray(tokens_BxL1, np.int32)
+        B, L = tokens_BxL1.shape[0], tokens_BxL1.shape[1] - 1
+        P = min(piece_len, L)
+        n_pieces = -(-L // P)
+        Lpad = n_pieces * P
+        x = np.zeros((B, Lpad), np.int32)
+        y = np.zeros((B, Lpad), np.int32)
+        x[:, :L], y[:, :L] = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+        cache = self.init_cache(B, Lpad)
+        x0, y0 = jnp.asarray(x[:, :P]), jnp.asarray(y[:, :P])
+        cache = align_cache(cache, jax.eval_shape(self._piece, self._state, x0, cache, y0)[1])
+        out = []
+        for i in range(n_pieces):
+            sl = slice(i * P, (i + 1) * P)
+            nll, cache = self._piece(self._state, jnp.asarray(x[:, sl]), cache, jnp.asarray(y[:, sl]))
+            out.append(np.asarray(nll))
+            if on_piece is not None:
+                on_piece()
+        return np.concatenate(out, axis=1)[:, :L]
+
+    def whole_sequence_nll(self, tokens_BxL1: np.ndarray) -> np.ndarray:
+        """NLL [B, L] of windows [B, L + 1] in one ``model(tokens)`` pass (the reference)."""
+        t = jnp.asarray(np.asarray(tokens_BxL1, np.int32))
+        return np.asarray(self._whole(self._state, t[:, :-1], t[:, 1:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Options, and one model on one context length's windows
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_context_lengths(values: Sequence[str | int]) -> tuple[int, ...]:
+    """``["512", "8K", "1M"]`` -> (512, 8192, 1048576). Raises ValueError naming
+    ``--context_lengths`` and the item that is not a positive integer."""
+    out = []
+    for item in values:
+        text = str(item).strip()
+        scale = {"k": 2**10, "m": 2**20}.get(text[-1:].lower(), 1)
+        digits = text[:-1] if scale > 1 else text
+        if not digits.isdigit() or int(digits) == 0:
+            raise ValueError(
+                f"--context_lengths: {text!r} is not a positive integer number of tokens "
+                f"(e.g. 2048, 8K, 1M)")
+        out.append(int(digits) * scale)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """How eval.py measures (the module docstring says what each choice means); ``validate``
+    raises ValueError naming the field that is out of range."""
+
+    context_lengths: tuple[int, ...]
+    piece_len: int = 2048  # tokens per prefill call
+    batch_size: int = 1  # windows per call
+    short_docs: str = "skip"  # "skip" | "concat" (module docstring)
+    max_windows: int = 16  # per context length; 0 = all
+    whole_check_max_len: int = 0  # also score the first batch in one pass for L <= this; 0 = never
+
+    def validate(self) -> EvalOptions:
+        if not self.context_lengths:
+            raise ValueError("context_lengths: empty; give e.g. --context_lengths=2048,8192")
+        for L in self.context_lengths:
+            if not (isinstance(L, int) and L > 0):
+                raise ValueError(f"context_lengths: {L!r} must be a positive integer")
+        for field in ("piece_len", "batch_size"):
+            v = getattr(self, field)
+            if not (isinstance(v, int) and v > 0):
+                raise ValueError(f"{field}: {v!r} must be a positive integer")
+        if self.short_docs not in SHORT_DOC_RULES:
+            raise ValueError(f"short_docs: {self.short_docs!r} is not one of {SHORT_DOC_RULES}")
+        if self.max_windows < 0:
+            raise ValueError(f"max_windows: {self.max_windows} must be >= 0 (0 = all)")
+        return self
+
+
+def evaluate_windows(
+    scorer: Scorer, windows: Windows, opts: EvalOptions, on_piece: Callable[[], None] | None = None
+) -> dict:
+    """Perplexity and loss-by-position of one model on one context length's windows."""
+    L = windows.context_length
+    nll_sum_L = np.zeros(L, np.float64)
+    count_L = np.zeros(L, np.float64)
+    max_diff = None
+    t0 = time.perf_counter()
+    for start in range(0, windows.num_windows, opts.batch_size):
+        batch = windows.tokens_NxL1[start : start + opts.batch_size]
+        n = batch.shape[0]
+        if n < opts.batch_size:  # pad the last batch to the compiled shape; padded rows don't count
+            batch = np.concatenate([batch, np.repeat(batch[:1], opts.batch_size - n, 0)])
+        nll_BxL = scorer.piecewise_nll(batch, opts.piece_len, on_piece)[:n]
+        if start == 0 and 0 < L <= opts.whole_check_max_len:
+            ref = scorer.whole_sequence_nll(batch)[:n]
+            max_diff = float(np.max(np.abs(ref - nll_BxL)))
+        nll_sum_L += nll_BxL.sum(0)
+        count_L += n
+    total = float(count_L.sum())
+    loss = float(nll_sum_L.sum() / total) if total else math.nan
+    out = {
+        **windows.summary(),
+        "loss": loss,
+        "perplexity": math.exp(loss) if total else math.nan,
+        "buckets": bucket_losses(nll_sum_L, count_L),
+        "seconds": time.perf_counter() - t0,
+    }
+    if max_diff is not None:
+        out["whole_vs_piecewise_max_abs_nll_diff"] = max_diff
+    return out
