@@ -8,8 +8,8 @@ The argument is comma-separated key=value overrides: pattern (layer letters, K =
 M = Gated MLA; its length sets num_layers), seq_len, kv (key-value pairs; 0 = seq_len // 4),
 steps, d_model, kda_head_dim. Default: 2 layers "KM" (one KDA, one MLA), d_model 64, 2 heads
 of 32 in both layer kinds: each KDA head holds a 32 x 32 state (about 32 keys before they
-interfere), while MLA keeps every key exactly. (In CPU pilots a KDA head dim of 8 or 16 did
-not learn 4-8 pairs within 500 steps; with 32, 3:1 learned 8 pairs in about 200.)
+interfere), while MLA keeps every key exactly; narrower KDA heads learned too slowly to
+compare at these step counts.
 
 The trainer sections (data, opt, mesh, checkpoint, train) come from
 ``kimi_k3.config.add_training_defaults``; the MQAR training in ``kimi_k3.mqar.train_mqar`` uses

@@ -210,8 +210,8 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
         col_ok = ri < jlim
         y_t = jnp.where(col_ok, y * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
         e_row = jnp.exp(jnp.where(in_blk, G - Ga, 0.0))
-        # [C, K] x [K, C] with the rows outside the sub-chunk zeroed: row-blocking this dot by
-        # a masked sum (values cannot be sliced) made intra_fwd 2.7x slower on the H200
+        # [C, K] x [K, C] with the rows outside the sub-chunk zeroed: values cannot be sliced
+        # in Triton, and row-blocking the dot by a masked sum measured slower (BENCHMARKS.md)
         return tuple(o + mm(jnp.where(in_blk, x * e_row, 0.0), y_t, cfg, tb=True)
                      for o, x in zip(outs, xs, strict=True))
 

@@ -216,7 +216,8 @@ def test_auto_is_pallas_on_accelerators(backend, monkeypatch):
     monkeypatch.setattr(importlib.import_module("kimi_k3.dispatch").jax, "default_backend",
                         lambda: backend)
     assert resolve_impl("auto") == "pallas"
-    monkeypatch.setattr(pk, "pallas_supported", lambda b: False)
+    monkeypatch.setattr(importlib.import_module("kimi_k3.dispatch"), "pallas_supported",
+                        lambda b: False)
     assert resolve_impl("auto") == "xla"
 
 
