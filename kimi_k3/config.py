@@ -34,10 +34,27 @@ from kimi_k3 import dispatch
 GATES = ("bounded", "softplus")
 ATTN_RES_MODES = ("none", "full", "block")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Values the layers name with ``jax.ad_checkpoint.checkpoint_name`` for "dots_kernels" to keep:
+# KDA's q, k, v after their short convolutions (recomputing the convolutions and norms inside
+# the backward pass costs more than it saves).
+SAVED_NAMES = frozenset({"kda_qkv"})
+
+
+def _save_dots_and_kernels(prim, *avals, **params) -> bool:
+    """Saves the outputs of matmuls and of kernels (the Pallas KDA kernel with the residuals
+    its backward reads, cuDNN attention) and the values named in SAVED_NAMES; everything else
+    elementwise is recomputed."""
+    del avals
+    if prim.name == "name":
+        return params.get("name") in SAVED_NAMES
+    return prim.name in ("dot_general", "pallas_call") or "dot_product_attention" in prim.name
+
+
 REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,  # keep every activation
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep each scanned unit's input only
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "dots_kernels": _save_dots_and_kernels,  # and kernel outputs: no matmul or kernel reruns
 }
 # ... and of the trainer's sections.
 SOURCES = ("stdlib", "text", "tokens")
@@ -120,7 +137,8 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.norm_eps = 1e-6
     cfg.dtype = "float32"  # compute dtype: "float32" | "bfloat16" | "float16"
     cfg.param_dtype = "float32"  # parameter storage dtype
-    cfg.remat = "none"  # "none" | "full" | "dots": rematerialisation of each scanned unit
+    cfg.remat = "none"  # "none" | "full" | "dots" | "dots_kernels": what each scanned unit
+    # keeps for its backward pass (the rest is recomputed; see REMAT_POLICIES)
     cfg.scan_layers = True  # scan over the repeating unit of the pattern
     return cfg
 
@@ -155,7 +173,6 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "weight_decay": 0.1,  # decoupled, times lr
             "no_decay": NO_DECAY,  # regexes of parameter paths without weight decay
             "grad_clip": 1.0,  # global-norm clip; 0 = off
-            "grad_accum_steps": 1,  # micro-batches per step
             "muon_beta": 0.95,  # Muon momentum
             "muon_ns_steps": 5,  # Newton-Schulz iterations
             "muon_rms": 0.2,  # Muon update RMS (matches AdamW's, so lr and decay carry over)
@@ -178,6 +195,9 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
         },
         "train": {
             "steps": 1000,  # total optimizer steps
+            "microbatch_size": 0,  # rows per forward/backward pass (all data-parallel devices
+            # together); the global batch is their gradient sum. 0 = the largest that fits in
+            # device memory (from XLA's estimate), or the whole batch where memory is unknown
             "log_every": 10,  # steps between console / JSONL / TensorBoard reports
             "eval_every": 200,  # steps between held-out evaluations; 0 = only at the end
             "eval_batches": 4,  # global batches per evaluation
@@ -300,7 +320,6 @@ class OptSpec:
     weight_decay: float
     no_decay: tuple[str, ...]
     grad_clip: float
-    grad_accum_steps: int
     muon_beta: float
     muon_ns_steps: int
     muon_rms: float
@@ -329,6 +348,7 @@ class CkptSpec:
 @dataclasses.dataclass(frozen=True)
 class TrainSpec:
     steps: int
+    microbatch_size: int  # 0 = chosen when the step is built (train_lib.build)
     log_every: int
     eval_every: int
     eval_batches: int
@@ -567,7 +587,7 @@ def opt_spec(cfg) -> OptSpec:
         decay_fraction=decay_fraction, b1=f.number("b1", 0.0, 1.0), b2=f.number("b2", 0.0, 1.0),
         eps=f.number("eps", 0.0), weight_decay=f.number("weight_decay", 0.0),
         no_decay=f.strings("no_decay"), grad_clip=f.number("grad_clip", 0.0),
-        grad_accum_steps=f.int("grad_accum_steps", 1), muon_beta=f.number("muon_beta", 0.0, 1.0),
+        muon_beta=f.number("muon_beta", 0.0, 1.0),
         muon_ns_steps=f.int("muon_ns_steps", 1), muon_rms=f.number("muon_rms", 0.0),
         muon_adam_axes=f.strings("muon_adam_axes"), muon_batch_axes=f.strings("muon_batch_axes"),
         muon_exclude=f.strings("muon_exclude"))
@@ -633,6 +653,7 @@ def train_spec(cfg) -> TrainSpec:
     f = _Fields(cfg, "train.")
     return TrainSpec(
         steps=f.int("steps", 1), log_every=f.int("log_every", 1),
+        microbatch_size=f.int("microbatch_size", 0, "must be an integer >= 0 (0 = automatic)"),
         eval_every=f.int("eval_every", 0, "must be an integer >= 0"),
         eval_batches=f.int("eval_batches", 1), nan_policy=f.choice("nan_policy", NAN_POLICIES),
         progress_bar=f.bool("progress_bar"), tensorboard=f.bool("tensorboard"),
@@ -652,8 +673,8 @@ def run_spec(config, backend: str | None = None, with_model: bool = True) -> Run
     spec = RunSpec(model=model, data=data_spec(config.data), opt=opt_spec(config.opt),
                    mesh=mesh_spec(config.mesh), checkpoint=ckpt_spec(config.checkpoint),
                    train=train_spec(config.train), seed=seed)
-    accum = spec.opt.grad_accum_steps
-    if spec.data.global_batch_size % accum:
-        raise ValueError(f"data.global_batch_size: {spec.data.global_batch_size} does not divide "
-                         f"by opt.grad_accum_steps={accum}")
+    micro, batch = spec.train.microbatch_size, spec.data.global_batch_size
+    if micro and batch % micro:
+        raise ValueError(f"train.microbatch_size: {micro} does not divide "
+                         f"data.global_batch_size={batch}")
     return spec

@@ -15,9 +15,10 @@ KDA (``kimi_k3.ops.kda``): "recurrent" (the definition), "xla" (chunked, plain J
 ``AUTO_PALLAS_BACKENDS`` when the kernel lowers there, else "xla".
 
 Attention (``kimi_k3.layers.attention``): "reference", "xla" (blockwise), "cudnn", "pallas".
-"auto": on GPU in bf16/fp16, cuDNN for one document per row, the Pallas (Triton) kernel for
-packed documents when T % 128 == 0; on TPU, splash when T % 128 == 0; "xla" otherwise, and
-whenever the queries continue a cache (prefill, decoding: q_offset != 0 or S != T).
+"auto": on GPU in bf16/fp16, cuDNN (packed documents as a mask while it stays under
+``CUDNN_MASK_BYTES``, else the Pallas (Triton) kernel when T % 128 == 0); on TPU, splash
+when T % 128 == 0; "xla" otherwise, and whenever the queries continue a cache (prefill,
+decoding: q_offset != 0 or S != T).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
 # GPU: it trains to the reference's loss curve several times faster (BENCHMARKS.md). TPU: the
 # same kernel source through Mosaic, tested in TPU interpret mode.
 AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset({"gpu", "tpu"})
+
+# cuDNN takes packed documents only as a dense [B, 1, T, S] mask; above this many bytes of
+# mask "auto" prefers the Pallas kernel, which reads segment ids instead.
+CUDNN_MASK_BYTES = 1 << 30
 
 _CHOSEN: dict[tuple[str, str], str] = {}
 
@@ -87,11 +92,14 @@ def choose_kda_impl(requested: str, backend: str | None = None) -> str:
 
 
 def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool,
-                          continues_cache: bool, backend: str | None = None) -> str:
-    """The attention implementation to run for ``requested`` with these queries: ``T`` queries
-    against ``S`` keys, ``packed`` documents (segment ids given), ``continues_cache`` when the
-    queries sit after a cache (q_offset != 0). Raises when an explicit kernel cannot take them.
+                          continues_cache: bool, batch: int = 1,
+                          backend: str | None = None) -> str:
+    """The attention implementation to run for ``requested`` with these queries: ``batch``
+    rows of ``T`` queries against ``S`` keys, ``packed`` documents (segment ids given),
+    ``continues_cache`` when the queries sit after a cache (q_offset != 0). Raises when an
+    explicit kernel cannot take them.
     """
+    mask_bytes = 3 * batch * T * S  # cuDNN's packed-document mask: bool, then a bf16 bias
     if requested not in ATTN_IMPLS:
         raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {requested!r}")
     backend = backend or jax.default_backend()
@@ -99,8 +107,9 @@ def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool
     if requested in ("cudnn", "pallas") and not whole:
         raise ValueError(f"attention: impl={requested!r} needs q_offset=0 and S == T (got T={T}, "
                          f"S={S}, continues a cache: {continues_cache}); use 'xla' or 'auto'")
-    if requested == "cudnn" and packed:
-        raise ValueError("attention: impl='cudnn' has no segment ids; use 'pallas' or 'xla'")
+    if requested == "cudnn" and backend != "gpu":
+        raise ValueError(f"attention: impl='cudnn' needs a GPU, the backend is {backend!r}; use "
+                         f"'auto' or 'xla'")
     if requested != "auto":
         _report("attention", requested, requested, backend)
         return requested
@@ -111,8 +120,10 @@ def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool
     elif backend == "gpu" and half:
         if not packed:
             chosen = "cudnn"
+        elif mask_bytes <= CUDNN_MASK_BYTES:
+            chosen, why = "cudnn", why + ", packed documents as a mask"
         elif T % 128 == 0:
-            chosen, why = "pallas", why + ", packed documents"
+            chosen, why = "pallas", why + f", packed documents, a {mask_bytes >> 20} MiB mask"
         else:
             why += f", packed documents, T={T} not a multiple of 128"
     elif backend == "tpu" and T % 128 == 0:

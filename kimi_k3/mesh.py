@@ -115,19 +115,20 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def check_batch(global_batch: int, micro_steps: int, mesh: Mesh) -> None:
-    """The global batch must split into ``micro_steps`` micro-batches, each divisible by
+def data_parallel_size(mesh: Mesh) -> int:
+    """Devices the batch rows are split over: data x fsdp."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_batch(global_batch: int, microbatch: int, mesh: Mesh) -> None:
+    """The global batch must split into micro-batches of ``microbatch`` rows, each divisible by
     data x fsdp (and so across hosts)."""
-    n = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    if global_batch % micro_steps:
+    n = data_parallel_size(mesh)
+    if global_batch % microbatch:
+        raise ValueError(f"train.microbatch_size: {microbatch} does not divide "
+                         f"data.global_batch_size={global_batch}")
+    if microbatch % n:
         raise ValueError(
-            f"data.global_batch_size: {global_batch} does not divide by "
-            f"opt.grad_accum_steps={micro_steps}"
-        )
-    micro = global_batch // micro_steps
-    if micro % n:
-        raise ValueError(
-            f"data.global_batch_size: {global_batch} / opt.grad_accum_steps={micro_steps} = "
-            f"{micro} rows per micro-batch, which does not divide by data x fsdp = "
-            f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {n}"
-        )
+            f"train.microbatch_size: {microbatch} rows per micro-batch (of "
+            f"data.global_batch_size={global_batch}) do not divide by data x fsdp = "
+            f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {n}")

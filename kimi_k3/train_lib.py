@@ -9,9 +9,10 @@ checkpoint restore, loop. Everything it builds is importable (``build``, ``make_
 
 Loss: the mean next-token cross-entropy over every position whose next token belongs to the
 same document (``segment_ids[t + 1] == segment_ids[t] != 0``); the last token of a document
-predicts nothing. With ``opt.grad_accum_steps = A`` the global batch is cut into A
-micro-batches, gradients are summed in float32 and divided by the token count of the whole
-batch, so the update equals the one-shot step's.
+predicts nothing. With ``train.microbatch_size = m`` the global batch of B rows runs as B / m
+micro-batches (forward and backward each), gradients are summed in float32 and divided by the
+token count of the whole batch, so the update equals the one-shot step's. ``m = 0`` picks the
+largest micro-batch XLA's memory estimate says fits the device (``choose_microbatch``).
 
 Non-finite loss or gradient norm: the update of that step is never applied (parameters and
 optimizer state stay as they were). ``train.nan_policy = "stop"`` then ends the run with an
@@ -71,6 +72,7 @@ def merge_model(graphdef, params, rest):
 # ---------------------------------------------------------------------------------------------
 
 
+@jax.named_scope("loss")
 def next_token_loss(logits_BxTxV, tokens_BxT, segment_ids_BxT):
     """(summed cross-entropy, number of targets): position t predicts token t+1 when both
     lie in the same (non-padding) document."""
@@ -124,9 +126,10 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
                 body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros),
                 (micro(tokens), micro(segs)))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        grad_norm = optax.tree.norm(grads)
-        updates, new_opt = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.tree.norm(grads)
+            updates, new_opt = tx.update(grads, state["opt_state"], params)
+            new_params = optax.apply_updates(params, updates)
         loss_finite, grad_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
         update_finite = jnp.isfinite(optax.tree.norm(updates))
         finite = loss_finite & grad_finite & update_finite
@@ -173,6 +176,7 @@ class Setup:
     train_step: object  # jitted
     eval_step: object  # jitted
     init_state: object  # jitted, returns the sharded initial state
+    microbatch_size: int  # rows per forward/backward pass (train.microbatch_size, resolved)
 
     def context(self):
         """The mesh and the logical rules, in force while the model is traced."""
@@ -180,6 +184,58 @@ class Setup:
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(sharding_lib.axis_rules(self.rules))
         return stack
+
+
+MEMORY_HEADROOM = 0.85  # share of device memory the automatic micro-batch may plan to use
+
+
+def device_memory_bytes() -> int | None:
+    """The allocator's limit on the first local device, or None where the backend keeps no
+    statistics (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batch_sharding,
+                      rules, limit: int | None = None) -> int:
+    """``train.microbatch_size = 0``: the largest micro-batch (a multiple of data x fsdp that
+    divides the global batch ``B``) whose forward + backward fits the device.
+
+    XLA compiles the gradient of the smallest such micro-batch and reports its scratch memory;
+    activations grow with the rows, so a micro-batch of m rows is planned at m / smallest times
+    that, plus the training state each device holds. With no known device memory (CPU), the
+    whole batch is one micro-batch.
+    """
+    limit = device_memory_bytes() if limit is None else limit
+    n = mesh_lib.data_parallel_size(mesh)
+    sizes = [m for m in range(n, B + 1, n) if B % m == 0]
+    if limit is None or not sizes:
+        return B
+    smallest = sizes[0]
+
+    def loss(params, tokens, segs):
+        logits = merge_model(graphdef, params, rest)(tokens, segs)
+        s, c = next_token_loss(logits, tokens, segs)
+        return s / jnp.maximum(c, 1)
+
+    rows = jax.ShapeDtypeStruct((smallest, T), jnp.int32, sharding=batch_sharding)
+    with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
+        compiled = jax.jit(jax.grad(loss)).lower(abstract_state["params"], rows, rows).compile()
+    scratch = compiled.memory_analysis().temp_size_in_bytes
+    state = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+                for s in jax.tree.leaves(abstract_state))
+    grads = sum(math.prod(s.sharding.shard_shape(s.shape)) * 4
+                for s in jax.tree.leaves(abstract_state["params"]))  # float32 sums
+    fits = [m for m in sizes if state + grads + scratch * m // smallest <= MEMORY_HEADROOM * limit]
+    chosen = fits[-1] if fits else smallest
+    logging.info("train.microbatch_size=0: %d rows (scratch %.1f GiB per %d rows, state + "
+                 "gradients %.1f GiB, device %.1f GiB)", chosen, scratch / 2**30, smallest,
+                 (state + grads) / 2**30, limit / 2**30)
+    if not fits:
+        logging.warning("even %d rows per micro-batch may not fit the device (%.1f GiB "
+                        "estimated of %.1f); try a lighter model.remat", smallest,
+                        (state + grads + scratch) / 2**30, limit / 2**30)
+    return chosen
 
 
 def build(config, mesh, model_fn=None) -> Setup:
@@ -194,7 +250,9 @@ def build(config, mesh, model_fn=None) -> Setup:
     spec = run_spec(config, with_model=model_fn is None)
     rules = spec.mesh.axis_rules
     seed = spec.seed
-    mesh_lib.check_batch(spec.data.global_batch_size, spec.opt.grad_accum_steps, mesh)
+    B, T = spec.data.global_batch_size, spec.data.seq_len
+    if spec.train.microbatch_size:
+        mesh_lib.check_batch(B, spec.train.microbatch_size, mesh)
     if model_fn is None:
         model_fn = lambda s: make_model(spec.model, s)
 
@@ -224,13 +282,15 @@ def build(config, mesh, model_fn=None) -> Setup:
 
     batch_sharding = mesh_lib.batch_sharding(mesh)
     batch_shardings = {"tokens": batch_sharding, "segment_ids": batch_sharding}
+    micro = spec.train.microbatch_size or choose_microbatch(
+        B, T, mesh, graphdef, abs_rest, abstract_state, batch_sharding, rules)
     jit_init = jax.jit(lambda: init_state()[0], out_shardings=state_shardings)
     rest = abs_rest  # the non-parameter state (if the model has any): a constant of the steps
     if jax.tree.leaves(abs_rest):
         with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
             rest = jax.jit(lambda: init_state()[1],
                            out_shardings=jax.tree.map(lambda _: repl, abs_rest))()
-    step = make_train_step(graphdef, rest, tx, schedule, spec.opt.grad_accum_steps, mesh)
+    step = make_train_step(graphdef, rest, tx, schedule, B // micro, mesh)
     train_step = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, repl), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(graphdef, rest),
@@ -241,7 +301,7 @@ def build(config, mesh, model_fn=None) -> Setup:
             return jit_init()
 
     return Setup(spec, mesh, rules, graphdef, rest, tx, schedule, abstract_state,
-                 state_shardings, batch_sharding, train_step, eval_step, init_fn)
+                 state_shardings, batch_sharding, train_step, eval_step, init_fn, micro)
 
 
 def check_finite(step: int, m: dict, policy: str, latest_checkpoint=lambda: None) -> bool:
@@ -362,7 +422,7 @@ def console(message: str) -> None:
 
 
 def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_rows, eval_rows,
-                eval_batches, start, ckpt_dir) -> str:
+                eval_batches, start, ckpt_dir, microbatch) -> str:
     """The first screen of a run: what is trained, on what, where, and where things go."""
     m, d, o, t = spec.model, spec.data, spec.opt, spec.train
     B, T = d.global_batch_size, d.seq_len
@@ -383,7 +443,8 @@ def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_ro
         f"{m.pattern.count('M')} MLA), d_model {m.d_model}, vocab {m.vocab_size}, "
         f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}; {', '.join(kinds)}",
         f"  data        {source}: {train_rows:,} train rows, {held_out} of {T} tokens; "
-        f"batch {B} x {T} = {B * T:,} tokens per step",
+        f"batch {B} x {T} = {B * T:,} tokens per step"
+        + (f" in micro-batches of {microbatch} rows" if microbatch < B else ""),
         f"  mesh        {mesh_text} over {devices} ({jax.process_count()} process"
         f"{'es' if jax.process_count() > 1 else ''})",
         f"  steps       {resume}; {o.name} lr {o.lr:g} ({o.schedule}, warmup "
@@ -462,7 +523,8 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
         console(run_summary(spec, workdir=workdir, config_name=config_name, mesh=mesh,
                             n_params=n_params, train_rows=train_rows.num_rows,
                             eval_rows=eval_rows.num_rows if eval_rows else 0,
-                            eval_batches=eval_batches, start=start, ckpt_dir=ckpt_dir))
+                            eval_batches=eval_batches, start=start, ckpt_dir=ckpt_dir,
+                            microbatch=setup.microbatch_size))
         if restored is not None:
             console(f"resumed from step {start} ({ckpt_dir}/{start}); data position "
                     f"{it.position:,} rows")

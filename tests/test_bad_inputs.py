@@ -129,7 +129,7 @@ FIELD_CASES = [
     ("train.log_every", 0, "train.log_every"),
     ("train.eval_every", -1, "train.eval_every"),
     ("train.nan_policy", "ignore", "train.nan_policy"),
-    ("opt.grad_accum_steps", 0, "opt.grad_accum_steps"),
+    ("train.microbatch_size", -2, "train.microbatch_size"),
     ("checkpoint.enabled", "yes", "checkpoint.enabled"),
     ("mesh.axis_rules", (("embed", "pipeline"),), "mesh.axis_rules"),
 ]
@@ -156,8 +156,8 @@ def test_fields_checked_when_the_run_is_built_are_named(corpus, workdir, field, 
 
 def test_global_batch_that_does_not_split_into_microbatches_names_both(corpus, workdir):
     config = tiny_config(corpus)
-    config.opt.grad_accum_steps = 3
-    expect_train_error(config, workdir, "data.global_batch_size", "opt.grad_accum_steps")
+    config.train.microbatch_size = 3
+    expect_train_error(config, workdir, "data.global_batch_size", "train.microbatch_size")
 
 
 def test_data_paths_with_the_default_source_names_both_fields(corpus, workdir):

@@ -117,7 +117,10 @@ def test_an_explicit_impl_never_falls_back(rng, monkeypatch):
         dispatch.choose_attention_impl("cudnn", dtype="bfloat16", T=4, S=8, packed=False,
                                        continues_cache=True, backend="gpu")
     assert dispatch.choose_attention_impl("auto", dtype="bfloat16", T=256, S=256, packed=True,
-                                          continues_cache=False, backend="gpu") == "pallas"
+                                          continues_cache=False, backend="gpu") == "cudnn"
+    assert dispatch.choose_attention_impl("auto", dtype="bfloat16", T=32768, S=32768,
+                                          packed=True, continues_cache=False, batch=8,
+                                          backend="gpu") == "pallas"  # the mask would be 24 GiB
     assert dispatch.choose_attention_impl("auto", dtype="float32", T=256, S=256, packed=False,
                                           continues_cache=False, backend="gpu") == "xla"
     assert dispatch.choices()["attention"] == "xla"

@@ -309,8 +309,10 @@ def run_standin(config, batches, model_cls=StandIn):
 
 
 def test_gradient_accumulation_equals_the_one_shot_step():
-    one = run_standin(standin_config(grad_accum_steps=1), standin_batches(3))
-    four = run_standin(standin_config(grad_accum_steps=4), standin_batches(3))
+    one = run_standin(standin_config(), standin_batches(3))  # CPU: microbatch = whole batch
+    config = standin_config()
+    config.train.microbatch_size = 2  # 4 micro-batches of 2 rows
+    four = run_standin(config, standin_batches(3))
     for (m1, p1), (m4, p4) in zip(one, four, strict=True):
         assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
         assert int(m4["targets"]) == int(m1["targets"])
@@ -353,10 +355,13 @@ def test_shapes_that_do_not_divide_the_mesh_are_refused():
     with pytest.raises(ValueError, match=r"params/.*: dimension \d \(logical '(heads|vocab)'\)"
                                          r" of shape .* does not divide by mesh axes tensor"):
         sharding.tree_shardings(params, names, mesh, rules, root="params/")
-    with pytest.raises(ValueError, match=r"data.global_batch_size: 6 / opt.grad_accum_steps=1 "
-                                         r"= 6 rows per micro-batch, which does not divide by "
+    with pytest.raises(ValueError, match=r"train.microbatch_size: 6 rows per micro-batch \(of "
+                                         r"data.global_batch_size=6\) do not divide by "
                                          r"data x fsdp = 2 x 2 = 4"):
-        mesh_lib.check_batch(6, 1, AbstractMesh((2, 2, 1), mesh_lib.MESH_AXES))
+        mesh_lib.check_batch(6, 6, AbstractMesh((2, 2, 1), mesh_lib.MESH_AXES))
+    with pytest.raises(ValueError, match=r"train.microbatch_size: 4 does not divide "
+                                         r"data.global_batch_size=6"):
+        mesh_lib.check_batch(6, 4, AbstractMesh((2, 2, 1), mesh_lib.MESH_AXES))
 
 
 @pytest.mark.parametrize("sizes,devices,want", [
@@ -438,3 +443,23 @@ def test_eval_restore_reads_the_parameters_of_a_checkpoint(tmp_path):
         ckpt_lib.restore_model_for_eval(config, str(tmp_path / "checkpoints" / "7"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ckpt_lib.restore_model_for_eval(config, str(tmp_path / "nowhere"))
+
+
+def test_automatic_microbatch_fits_the_memory_it_is_given():
+    """train.microbatch_size = 0: from XLA's estimate of the smallest micro-batch's scratch
+    memory, the largest micro-batch that fits the device; the whole batch where memory is
+    unknown (CPU)."""
+    config = standin_config()
+    mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+    setup = train_lib.build(config, mesh, model_fn=StandIn)
+    assert setup.microbatch_size == 8  # CPU: no device memory known
+
+    def choose(limit):
+        return train_lib.choose_microbatch(
+            8, 16, mesh, setup.graphdef, setup.rest, setup.abstract_state,
+            setup.batch_sharding, setup.rules, limit=limit)
+
+    assert choose(1 << 40) == 8
+    assert choose(1) == 1  # nothing fits: the smallest, with a warning
+    sizes = [choose(limit) for limit in range(40_000, 200_000, 20_000)]  # bytes: a toy model
+    assert sizes == sorted(sizes) and set(sizes) == {1, 2, 4, 8}, sizes

@@ -39,7 +39,7 @@ def small_tiny():
 
 def run(config, mesh_shape, accum, devices, batches):
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
-    config.opt.grad_accum_steps = accum
+    config.train.microbatch_size = config.data.global_batch_size // accum
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     setup = train_lib.build(config, mesh)
     state = setup.init_state()

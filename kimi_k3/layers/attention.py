@@ -16,11 +16,13 @@ Implementations (``impl=``), one equation:
                  and backward. Any backend, any shapes. (When T and S fit in one block each,
                  that block is computed directly.)
     "cudnn"      ``jax.nn.dot_product_attention(implementation="cudnn")``: GPU, bf16/fp16,
-                 one document per row (cuDNN's public entry point has no segment ids), T == S.
+                 T == S; packed documents as a boolean [B, 1, T, T] mask (cuDNN's public entry
+                 point has no segment ids), which costs B T^2 bytes.
     "pallas"     Pallas kernels with segment ids: splash attention on TPU, the Triton flash
                  attention (``jax.experimental.pallas.ops.gpu.attention``) on GPU; T == S.
                  On CPU, splash in interpret mode (checks the TPU path's semantics).
-    "auto"       GPU, bf16/fp16: cudnn, or pallas with packed documents (T % 128 == 0);
+    "auto"       GPU, bf16/fp16: cudnn (with packed documents while the mask stays small,
+                 else pallas when T % 128 == 0);
                  TPU: pallas (T % 128 == 0); otherwise, and whenever q_offset != 0 or S != T
                  (prefill, decoding), xla. Decided in kimi_k3/dispatch.py; an explicit impl
                  runs or raises.
@@ -256,11 +258,16 @@ def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _cudnn_attention(q, k, v, *, scale):
-    """cuDNN flash attention, causal, one document per row. Pads v's head dim to q's."""
+def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
+    """cuDNN flash attention, causal; packed documents through a [B, 1, T, T] mask (cuDNN reads
+    it as an additive bias, one tile per block: memory B T^2, so dispatch keeps it to short
+    rows). Pads v's head dim to q's."""
     D, Dv = q.shape[-1], v.shape[-1]
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     o = jax.nn.dot_product_attention(
-        q, k, _pad_last(v, D), scale=scale, is_causal=True, implementation="cudnn"
+        q, k, _pad_last(v, D), mask=mask, scale=scale, is_causal=True, implementation="cudnn"
     )
     return o[..., :Dv]
 
@@ -350,13 +357,13 @@ def attention(q, k, v, *, scale=None, segment_ids=None, kv_segment_ids=None, q_o
     continues_cache = not (isinstance(q_offset, int) and q_offset == 0)
     chosen = choose_attention_impl(impl, dtype=jnp.dtype(q.dtype).name, T=T, S=S,
                                    packed=segment_ids is not None,
-                                   continues_cache=continues_cache)
+                                   continues_cache=continues_cache, batch=B)
     if chosen == "reference":
         return reference_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
                                    kv_segment_ids=kv_segment_ids, q_offset=q_offset)
     if chosen == "cudnn":
         try:
-            return _cudnn_attention(q, k, v, scale=scale)
+            return _cudnn_attention(q, k, v, scale=scale, segment_ids=segment_ids)
         except (NotImplementedError, RuntimeError) as err:
             attention_fallback(impl, chosen, err)
     elif chosen == "pallas":

@@ -84,6 +84,7 @@ class DepthResidual:
         """b_0 plus one slot per block, the last one possibly partial."""
         return 1 + -(-self.num_sublayers // self.block)
 
+    @jax.named_scope("attn_res")
     def init(self, embed_BxTxD: jax.Array) -> dict[str, jax.Array]:
         """The state before the first sublayer: the embedding is the only source."""
         if self.mode == "none":
@@ -99,6 +100,7 @@ class DepthResidual:
             "count": jnp.zeros((), jnp.int32),
         }
 
+    @jax.named_scope("attn_res")
     def read(self, state: dict[str, jax.Array], w_D: jax.Array | None) -> jax.Array:
         """The input of the next sublayer (or the final readout), [B, T, D].
 
@@ -112,9 +114,12 @@ class DepthResidual:
         logits_NxBxT = jnp.einsum("nbtd,d->nbt", sources, w_D.astype(sources.dtype),
                                   preferred_element_type=jnp.float32) * state["inv_rms"]
         a_NxBxT = jax.nn.softmax(jnp.where(valid[:, None, None], logits_NxBxT, _NEG), axis=0)
-        h = jnp.einsum("nbt,nbtd->btd", a_NxBxT, sources.astype(jnp.float32))
+        # A sum over the few sources, not a matmul: XLA fuses the float32 conversion into the
+        # reduction, so the sources are read once in their own dtype, never copied to float32.
+        h = jnp.sum(a_NxBxT[..., None] * sources.astype(jnp.float32), axis=0)
         return constrain(h.astype(sources.dtype), BTD)
 
+    @jax.named_scope("attn_res")
     def write(self, state: dict[str, jax.Array], out_BxTxD: jax.Array) -> dict[str, jax.Array]:
         """Adds a sublayer's output to the current block; a full block stays as a source."""
         if self.mode == "none":

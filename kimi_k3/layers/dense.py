@@ -9,6 +9,7 @@ Parameters live in ``param_dtype``; the product runs in ``dtype`` with float32 a
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 from collections.abc import Sequence
@@ -54,8 +55,29 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[x.ndim - len(self.in_shape):] != self.in_shape:
             raise ValueError(f"Dense: input {x.shape} does not end in {self.in_shape}")
-        y = jnp.einsum(
-            self._eq, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-            preferred_element_type=jnp.float32,
-        )
-        return y.astype(self.dtype)
+        # Operands and result in the compute dtype; the matrix units accumulate in float32
+        # anyway. Asking for a float32 result instead would make the backward pass multiply a
+        # float32 cotangent with bf16 operands, which XLA runs as a float32 GEMM (several times
+        # slower); f32_logits below is the variant for the one product that wants float32 out.
+        return jnp.einsum(self._eq, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def f32_out_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(eq, x, w)`` with a float32 result from low-precision operands (the output head's
+    logits), whose backward pass still multiplies in the operands' dtype: the float32
+    cotangent is rounded to it first, as the forward's operands were."""
+    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+
+
+def _f32_out_fwd(eq, x, w):
+    return f32_out_einsum(eq, x, w), (x, w)
+
+
+def _f32_out_bwd(eq, residuals, ct):
+    x, w = residuals
+    _, vjp = jax.vjp(lambda x, w: jnp.einsum(eq, x, w), x, w)
+    return vjp(ct.astype(jnp.result_type(x, w)))
+
+
+f32_out_einsum.defvjp(_f32_out_fwd, _f32_out_bwd)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_k3.layers.dense import Dense
+from kimi_k3.layers.dense import Dense, f32_out_einsum
 from kimi_k3.sharding import param
 
 
@@ -26,6 +26,7 @@ class Embed(nnx.Module):
         self.vocab_size = vocab_size
         self.dtype = dtype
 
+    @jax.named_scope("embed")
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         if not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
             raise ValueError(f"Embed: tokens must be integers, got {tokens_BxT.dtype}")
@@ -36,11 +37,11 @@ class Embed(nnx.Module):
         x_BxTxD = jnp.take(self.embedding[...], jnp.where(valid_BxT, tokens_BxT, 0), axis=0)
         return jnp.where(valid_BxT[..., None], x_BxTxD, jnp.nan).astype(self.dtype)
 
+    @jax.named_scope("head")
     def attend(self, h_BxTxD: jax.Array) -> jax.Array:
         """Tied output head: logits [B, T, V] float32 = h E^T / sqrt(D)."""
         E = self.embedding[...].astype(self.dtype)
-        logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(self.dtype), E,
-                            preferred_element_type=jnp.float32)
+        logits = f32_out_einsum("btd,vd->btv", h_BxTxD.astype(self.dtype), E)
         return logits * (E.shape[-1] ** -0.5)
 
 
@@ -52,7 +53,7 @@ class OutputHead(nnx.Module):
         self.proj = Dense(d_model, vocab_size, names=("embed", "vocab"), rngs=rngs, dtype=dtype,
                           param_dtype=param_dtype)
 
+    @jax.named_scope("head")
     def __call__(self, h_BxTxD: jax.Array) -> jax.Array:
         W = self.proj.kernel[...].astype(self.proj.dtype)
-        return jnp.einsum("btd,dv->btv", h_BxTxD.astype(self.proj.dtype), W,
-                          preferred_element_type=jnp.float32)
+        return f32_out_einsum("btd,dv->btv", h_BxTxD.astype(self.proj.dtype), W)

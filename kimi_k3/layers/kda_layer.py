@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import KdaSpec
 from kimi_k3.layers.dense import Dense
@@ -99,30 +100,43 @@ class KDALayer(nnx.Module):
         if cache is not None and segment_ids_BxT is not None:
             raise ValueError("KDALayer: segment_ids must be None when continuing from a cache")
         c = cache if cache is not None else {}
-        q, tail_q = self.q_conv(self.q_proj(x_BxTxD), segment_ids_BxT, c.get("conv_q"))
-        k, tail_k = self.k_conv(self.k_proj(x_BxTxD), segment_ids_BxT, c.get("conv_k"))
-        v, tail_v = self.v_conv(self.v_proj(x_BxTxD), segment_ids_BxT, c.get("conv_v"))
-        q_BxTxHxK = constrain(l2_normalize(jax.nn.silu(q)).astype(self.dtype), BTHK)
-        k_BxTxHxK = constrain(l2_normalize(jax.nn.silu(k)).astype(self.dtype), BTHK)
-        v_BxTxHVxV = constrain(jax.nn.silu(v), BTHK)
-
-        f_BxTxHVxK = self.f_up(self.f_down(x_BxTxD))
-        g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...],
-                              self.spec.lower_bound)
-        beta_BxTxHV = jax.nn.sigmoid(self.b_proj(x_BxTxD).astype(jnp.float32))
-
-        o_BxTxHVxV, state = kda(
-            q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
-            initial_state=c.get("state"),
-            output_final_state=cache is not None,
-            segment_ids=segment_ids_BxT,
-            chunk_size=self.spec.chunk_size,
-            lower_bound=self.spec.lower_bound,
-            impl=self.spec.impl,
-        )
-        gate_BxTxHVxV = jax.nn.sigmoid(self.g_up(self.g_down(x_BxTxD)).astype(jnp.float32))
-        o_BxTxHVxV = (self.o_norm(o_BxTxHVxV) * gate_BxTxHVxV).astype(self.dtype)
-        out_BxTxD = self.o_proj(constrain(o_BxTxHVxV, BTHK))
+        # Named scopes label the parts in profiles (benchmarks/step_profile.py).
+        with jax.named_scope("kda_proj"):
+            q, k, v = self.q_proj(x_BxTxD), self.k_proj(x_BxTxD), self.v_proj(x_BxTxD)
+            f_BxTxHVxK = self.f_up(self.f_down(x_BxTxD))
+            b_BxTxHV = self.b_proj(x_BxTxD)
+            o_gate_BxTxHVxV = self.g_up(self.g_down(x_BxTxD))
+        with jax.named_scope("kda_conv"):
+            q, tail_q = self.q_conv(q, segment_ids_BxT, c.get("conv_q"))
+            k, tail_k = self.k_conv(k, segment_ids_BxT, c.get("conv_k"))
+            v, tail_v = self.v_conv(v, segment_ids_BxT, c.get("conv_v"))
+            q_BxTxHxK = constrain(l2_normalize(jax.nn.silu(q)).astype(self.dtype), BTHK)
+            k_BxTxHxK = constrain(l2_normalize(jax.nn.silu(k)).astype(self.dtype), BTHK)
+            v_BxTxHVxV = constrain(jax.nn.silu(v), BTHK)
+            # Kept by remat="dots_kernels" (config.SAVED_NAMES) rather than recomputed.
+            q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV = (
+                checkpoint_name(x, "kda_qkv") for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV))
+        with jax.named_scope("kda_gate"):
+            g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...],
+                                  self.spec.lower_bound)
+            beta_BxTxHV = jax.nn.sigmoid(b_BxTxHV.astype(jnp.float32))
+        with jax.named_scope("kda_core"):
+            o_BxTxHVxV, state = kda(
+                q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
+                initial_state=c.get("state"),
+                output_final_state=cache is not None,
+                segment_ids=segment_ids_BxT,
+                chunk_size=self.spec.chunk_size,
+                lower_bound=self.spec.lower_bound,
+                impl=self.spec.impl,
+                # A non-finite value anywhere makes the loss non-finite, and the trainer then
+                # drops the whole step: keeping it inside its document would buy nothing here.
+                isolate_documents=False,
+            )
+        with jax.named_scope("kda_out"):
+            gate_BxTxHVxV = jax.nn.sigmoid(o_gate_BxTxHVxV.astype(jnp.float32))
+            o_BxTxHVxV = (self.o_norm(o_BxTxHVxV) * gate_BxTxHVxV).astype(self.dtype)
+            out_BxTxD = self.o_proj(constrain(o_BxTxHVxV, BTHK))
         if cache is None:
             return out_BxTxD, None
         return out_BxTxD, {"state": state, "conv_q": tail_q, "conv_k": tail_k, "conv_v": tail_v}

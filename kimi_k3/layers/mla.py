@@ -89,18 +89,24 @@ class GatedMLA(nnx.Module):
         own. pos + T must not exceed the cache's max_len.
         """
         H, R, dn = self.spec.num_heads, self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
-        q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
-        c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
-        ks_BxTxS = self.k_shared(x_BxTxD)
+        with jax.named_scope("mla_proj"):
+            q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
+            c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
+            ks_BxTxS = self.k_shared(x_BxTxD)
         if cache is None:
-            k_nope = self.k_up(c_BxTxR)  # [B, T, H, dn]
-            ks_b = jnp.broadcast_to(ks_BxTxS[:, :, None, :], (*ks_BxTxS.shape[:2], H, ks_BxTxS.shape[-1]))
-            k_BxTxHxQ = constrain(jnp.concatenate([k_nope, ks_b.astype(k_nope.dtype)], -1), BTHK)
-            v_BxTxHxV = constrain(self.v_up(c_BxTxR), BTHK)
-            o_BxTxHxV = attention(
-                q_BxTxHxQ, k_BxTxHxQ, v_BxTxHxV, scale=self.scale, segment_ids=segment_ids_BxT,
-                impl=self.spec.attn_impl, block_size=self.spec.attn_block_size,
-            )
+            with jax.named_scope("mla_proj"):
+                k_nope = self.k_up(c_BxTxR)  # [B, T, H, dn]
+                ks_b = jnp.broadcast_to(ks_BxTxS[:, :, None, :],
+                                        (*ks_BxTxS.shape[:2], H, ks_BxTxS.shape[-1]))
+                k_BxTxHxQ = constrain(jnp.concatenate([k_nope, ks_b.astype(k_nope.dtype)], -1),
+                                      BTHK)
+                v_BxTxHxV = constrain(self.v_up(c_BxTxR), BTHK)
+            with jax.named_scope("mla_attention"):
+                o_BxTxHxV = attention(
+                    q_BxTxHxQ, k_BxTxHxQ, v_BxTxHxV, scale=self.scale,
+                    segment_ids=segment_ids_BxT, impl=self.spec.attn_impl,
+                    block_size=self.spec.attn_block_size,
+                )
             new_cache = None
         else:
             if segment_ids_BxT is not None:
@@ -123,7 +129,8 @@ class GatedMLA(nnx.Module):
             o_BxTxHxV = jnp.einsum("bthr,rhv->bthv", o_lat, W_uv,
                                    preferred_element_type=jnp.float32).astype(self.dtype)
             new_cache = {"latent_kv": kv_BxSxL}
-        if self.spec.output_gate:
-            gate = jax.nn.sigmoid(self.g_proj(x_BxTxD).astype(jnp.float32))
-            o_BxTxHxV = (o_BxTxHxV.astype(jnp.float32) * gate).astype(self.dtype)
-        return self.o_proj(constrain(o_BxTxHxV, BTHK)), new_cache
+        with jax.named_scope("mla_out"):
+            if self.spec.output_gate:
+                gate = jax.nn.sigmoid(self.g_proj(x_BxTxD).astype(jnp.float32))
+                o_BxTxHxV = (o_BxTxHxV.astype(jnp.float32) * gate).astype(self.dtype)
+            return self.o_proj(constrain(o_BxTxHxV, BTHK)), new_cache

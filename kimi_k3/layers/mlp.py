@@ -24,6 +24,7 @@ class SwiGLU(nnx.Module):
         self.wi = Dense(d_model, (2, mlp_dim), names=("embed", None, "mlp"), **kw)
         self.wo = Dense(mlp_dim, d_model, names=("mlp", "embed"), **kw)
 
+    @jax.named_scope("mlp")
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         h_BxTx2xF = self.wi(x_BxTxD)
         gate_BxTxF, up_BxTxF = h_BxTx2xF[..., 0, :], h_BxTx2xF[..., 1, :]

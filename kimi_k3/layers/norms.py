@@ -38,6 +38,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.dtype = dtype
 
+    @jax.named_scope("norm")
     def __call__(self, x: jax.Array) -> jax.Array:
         y = rms_normalize(x, self.eps) * self.scale[...].astype(jnp.float32)
         return y.astype(self.dtype)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from kimi_k3.dispatch import KDA_IMPLS, choose_kda_impl
 from kimi_k3.ops.kda_chunked import kda_chunked
-from kimi_k3.ops.kda_guards import check_gate, isolate_documents
+from kimi_k3.ops.kda_guards import check_gate
+from kimi_k3.ops.kda_guards import isolate_documents as isolate_nonfinite
 from kimi_k3.ops.kda_recurrent import kda_recurrent
 from pallas_kernels.kda import KernelTuning, kda_pallas
 
@@ -113,6 +114,7 @@ def kda(
     lower_bound: float | None = None,
     impl: str = "auto",
     check_inputs: bool = False,
+    isolate_documents: bool = True,
     tuning: KernelTuning | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention over a whole sequence.
@@ -131,6 +133,9 @@ def kda(
       impl: "auto" | "recurrent" | "xla" | "pallas".
       check_inputs: also check the gate promise when the call is traced (under ``jit``), with a
         host callback (a little slower). Concrete (eager) inputs are always checked.
+      isolate_documents: with ``segment_ids``, keep a non-finite value inside its document
+        (below). It costs a few passes over the inputs; a caller that discards everything once
+        any value is non-finite (a training step, whose loss mixes all documents) can skip it.
       tuning: the Pallas kernel's launch parameters (``pallas_kernels.kda.KernelTuning``);
         None: ``default_tuning`` for the device kind. Ignored by the other implementations.
 
@@ -138,7 +143,8 @@ def kda(
       - g <= 0 everywhere, and g >= lower_bound when one is given. Broken, an eager call (or a
         traced one with ``check_inputs=True``) raises ValueError with the offending value;
         unchecked, the Pallas kernel's results are undefined (wrong numbers or NaN).
-      - With ``segment_ids``, a NaN or inf in one document never reaches another document:
+      - With ``segment_ids`` (and ``isolate_documents``), a NaN or inf in one document never
+        reaches another document:
         that document's outputs from the bad token on (and its final state, if it is the
         row's last) are NaN, and so are the gradients of its inputs; every other document is
         exact (``kimi_k3.ops.kda_guards``).
@@ -161,7 +167,9 @@ def kda(
                             tuning=tuning)
     if segment_ids is None:
         o, S = run(q, k, v, g, beta, S0, None)
+    elif not isolate_documents:
+        o, S = run(q, k, v, g, beta, S0, segment_ids.astype(jnp.int32))
     else:
-        o, S = isolate_documents(run, q, k, v, g, beta, S0.astype(jnp.float32),
+        o, S = isolate_nonfinite(run, q, k, v, g, beta, S0.astype(jnp.float32),
                                  segment_ids.astype(jnp.int32))
     return o.astype(v.dtype), (S if output_final_state else None)

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Training-throughput work on the lent H200 (device tool, one GPU), one phase per call:
+#
+#   run(carry=[".whl"], command="bash benchmarks/gpu_mfu.sh PHASE")      # .whl: ml-collections,
+#                                                                          # tensorboardX wheels
+# profile:  the dense same-card anchor (../shared/tools/dense_anchor.py copied to ANCHOR, if
+#           present), then benchmarks/step_profile.py on configs/1b.py at 8 x 4096 (its default
+#           full remat) and at 4 x 4096 with remat="dots".
+# fixes:    attention_bench.py at the 1B MLA shapes (xla, pallas, cudnn), then step_profile.py
+#           on configs/1b.py at 8 x 4096 with full and with "dots" remat.
+# remat:    attention_bench.py with one-document rows too; step_profile.py on configs/1b.py
+#           with remat="dots_kernels" at 8 and 4 rows.
+# mfu:      step_profile.py and train_throughput.py for the table in BENCHMARKS.md (1b 3:1,
+#           all-MLA, all-KDA, small), with the settings under test (EXTRA overrides).
+# Tables go to $OUT; logs and traces to $OUT/logs.tgz.
+set -u
+PHASE=${1:?one of profile, fixes, remat, mfu}
+OUT=${OUT:-/tmp/gpu_out}
+W=/tmp/work
+mkdir -p "$OUT" "$W"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$W/gpu.txt"
+ANCHOR=${ANCHOR:-benchmarks/results/dense_anchor.py}
+EXTRA=${EXTRA:-}
+
+pack() { tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.xplane.pb' . 2>/dev/null; ls -la "$OUT"; }
+trap pack EXIT
+
+profile() {  # name, timeout, config flags...
+    local name=$1 limit=$2
+    shift 2
+    # Without command buffers every kernel is its own event in the trace (with them, XLA
+    # replays whole graphs and the trace shows one event per graph); the step time is the same.
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "$limit" \
+        python3 benchmarks/step_profile.py "$@" --steps=6 --trace_steps=2 \
+        --trace_dir="$W/trace_$name" --out="$OUT/profile_$name.md" --ops_out="$W/ops_$name.csv" \
+        > "$W/profile_$name.log" 2>&1
+    grep -v "^[IW][0-9]" "$W/profile_$name.log" | tail -n 40
+}
+
+if [ "$PHASE" = fixes ]; then
+    timeout 150 python3 benchmarks/attention_bench.py --impls=xla,pallas,cudnn 2>&1 \
+        | grep -v "^[IW][0-9]" | tee "$OUT/attention.md"
+    profile 1b_b8_full 240 --config=configs/1b.py --config.data.global_batch_size=8 $EXTRA
+    profile 1b_b8_dots 200 --config=configs/1b.py --config.data.global_batch_size=8 \
+        --config.model.remat=dots $EXTRA
+fi
+
+if [ "$PHASE" = remat ]; then
+    timeout 100 python3 benchmarks/attention_bench.py --impls=xla,pallas,cudnn,cudnn:rows \
+        2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/attention.md"
+    profile 1b_b8_dk 220 --config=configs/1b.py --config.data.global_batch_size=8 \
+        --config.model.remat=dots_kernels $EXTRA
+    profile 1b_b4_dk 200 --config=configs/1b.py --config.data.global_batch_size=4 \
+        --config.model.remat=dots_kernels $EXTRA
+fi
+
+tp() {  # name, timeout, steps, log_every, config flags...: train_throughput.py (the real loop)
+    local name=$1 limit=$2 steps=$3 every=$4
+    shift 4
+    timeout "$limit" python3 benchmarks/train_throughput.py "$@" --workdir="$W/run_$name" \
+        --config.train.steps="$steps" --config.train.log_every="$every" \
+        --out="$OUT/throughput_$name.md" > "$W/throughput_$name.log" 2>&1
+    grep -E "^\| [a-z0-9_]+\.py|micro-batch" "$W/throughput_$name.log" | tail -n 2
+}
+
+if [ "$PHASE" = mfu ]; then
+    # configs/1b.py as written (64 x 4096 in micro-batches), then the same-run table at 8 x 4096.
+    tp 1b_64 150 6 2 --config=configs/1b.py
+    B8="--config.data.global_batch_size=8 --config.train.microbatch_size=4"
+    tp 1b_8 70 12 4 --config=configs/1b.py $B8
+    tp mla_8 70 12 4 --config=configs/1b.py $B8 --config.model.pattern=MMMMMMMMMMMMMMMMMMMM
+    tp kda_8 70 12 4 --config=configs/1b.py $B8 --config.model.pattern=KKKKKKKKKKKKKKKKKKKK
+    # configs/small.py, 50 steps logged one by one: this code, then the code before the
+    # throughput work (carried in .old/), same seed and data: the loss curves to compare.
+    tp small 100 50 1 --config=configs/small.py
+    cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
+    (cd .old && timeout 90 python3 benchmarks/train_throughput.py --config=configs/small.py \
+        --workdir="$W/run_small_old" --config.train.steps=50 --config.train.log_every=1 \
+        --out="$W/throughput_small_old.md" > "$W/throughput_small_old.log" 2>&1)
+    cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+fi
+
+if [ "$PHASE" = profile ]; then
+    if [ -f "$ANCHOR" ]; then
+        timeout 120 python3 "$ANCHOR" --remat dots --batch 8 2>&1 | tail -n 2 | tee "$OUT/anchor.txt"
+    fi
+    profile 1b_b8_full 260 --config=configs/1b.py --config.data.global_batch_size=8 $EXTRA
+    profile 1b_b4_dots 200 --config=configs/1b.py --config.data.global_batch_size=4 \
+        --config.model.remat=dots $EXTRA
+fi

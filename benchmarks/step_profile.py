@@ -1,0 +1,248 @@
+r"""Where a training step's time goes: the real jitted step, profiled, summed by model part.
+
+    python benchmarks/step_profile.py --config=configs/1b.py --config.data.global_batch_size=8 \
+        --out=runs/profile_1b.md --trace_dir=runs/profile_1b_trace
+    python benchmarks/step_profile.py --config=configs/tiny.py --steps=3   # CPU, a smoke run
+
+It builds the trainer's own step (``train_lib.build``: the same model, loss, optimizer and
+sharding as ``train.py``) on real data rows, times it (median over ``--steps`` steps, each
+waited for), then records a ``jax.profiler`` trace of ``--trace_steps`` steps. Every device
+kernel in the trace is matched to the HLO instruction that launched it, and that instruction's
+``op_name`` (the name stack of the model's ``jax.named_scope`` labels) gives its part:
+
+    kda_proj, kda_conv, kda_gate, kda_core, kda_out    the KDA layer's stages (kda_core: kernel)
+    mla_proj, mla_attention, mla_out                   the Gated MLA layer's
+    mlp, norm, attn_res, embed, head, loss, optimizer  the rest of the model and the update
+    other                                              whatever carries no label (copies, scan
+                                                       plumbing, layout changes)
+
+and its phase: forward, recompute (rematerialised forward inside the backward pass) or
+backward. The table gives milliseconds per step for each, the share of the measured step, and
+the gap between the step's wall time and the sum of kernel times (host work, launch gaps,
+idle). The trace itself stays in ``--trace_dir`` for Perfetto / TensorBoard.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from kimi_k3 import data as data_lib
+from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import metrics as metrics_lib
+from kimi_k3 import train_lib
+from kimi_k3.config import run_spec
+from kimi_k3.model import flops_per_token
+
+config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file.", lock_config=True)
+flags.DEFINE_integer("steps", 8, "Timed steps (after two warm-up steps).")
+flags.DEFINE_integer("trace_steps", 3, "Steps recorded by the profiler (0: no trace).")
+flags.DEFINE_string("trace_dir", "", "Where the profiler trace goes; default a temporary folder.")
+flags.DEFINE_string("out", "", "Markdown file for the table (also printed).")
+flags.DEFINE_string("ops_out", "", "CSV of every kernel: ms per step, HLO op, part, phase, op_name.")
+FLAGS = flags.FLAGS
+
+PARTS = ("kda_proj", "kda_conv", "kda_gate", "kda_core", "kda_out", "mla_proj", "mla_attention",
+         "mla_out", "mlp", "norm", "attn_res", "embed", "head", "loss", "optimizer")
+PHASES = ("forward", "recompute", "backward")
+_PART = re.compile(r"(?<![\w])(" + "|".join(PARTS) + r")(?![\w])")
+
+
+# ---------------------------------------------------------------------------------------------
+# HLO instruction -> (part, phase)
+# ---------------------------------------------------------------------------------------------
+
+
+def part_and_phase(op_name: str) -> tuple[str, str]:
+    """The outermost named-scope label in ``op_name`` (so a norm inside ``kda_out`` counts as
+    kda_out) and the phase the name stack says."""
+    m = _PART.search(op_name)  # the first (outermost) label, inside transform wrappers too
+    part = m.group(1) if m else "other"
+    if "rematted_computation" in op_name:
+        phase = "recompute"
+    elif "transpose(" in op_name:
+        phase = "backward"
+    else:
+        phase = "forward"
+    return part, phase
+
+
+_INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = ")
+_COMP = re.compile(r"^%?([\w.\-]+) \(.*\) -> .* \{$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> op_name for every instruction of a compiled module's text; a fusion
+    without metadata of its own takes its fused computation's root's."""
+    own, calls, roots = {}, {}, {}
+    comp = None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line.strip())
+        if m:
+            comp = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        is_root, name = m.groups()
+        op_name, called = _OP_NAME.search(line), _CALLS.search(line)
+        if op_name:
+            own[name] = op_name.group(1)
+            if is_root and comp:
+                roots[comp] = op_name.group(1)
+        if called:
+            calls[name] = called.group(1)
+    out = dict(own)
+    for name, called in calls.items():
+        if name not in out and called in roots:
+            out[name] = roots[called]
+    return out
+
+
+def kernel_times(trace_dir: str) -> list[tuple[str, float]]:
+    """(hlo_op, microseconds) of every device-side event of the newest trace in ``trace_dir``
+    (on CPU, where there is no device timeline, the host's XLA thunks)."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
+    if not files:
+        raise FileNotFoundError(f"--trace_dir: no *.trace.json.gz under {trace_dir!r}")
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {p for p, n in names.items() if "/device:" in n}
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "hlo_op" not in e.get("args", {}):
+            continue
+        if device_pids and e["pid"] not in device_pids:
+            continue
+        out.append((e["args"]["hlo_op"], float(e["dur"])))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
+    """Times the trainer's step for ``config`` and attributes its kernels to model parts."""
+    spec = run_spec(config)
+    mesh = mesh_lib.make_mesh(spec.mesh)
+    B, T = spec.data.global_batch_size, spec.data.seq_len
+    stream, _ = data_lib.load_split_streams(spec.data, spec.model.vocab_size)
+    rows = data_lib.PackedRows(stream, T, spec.seed, spec.data.shuffle)
+    setup = train_lib.build(spec, mesh)
+    it = data_lib.BatchIterator(rows, B, data_lib.host_batch_slice(setup.batch_sharding, (B, T)))
+    batches = [train_lib.global_batch(next(it), setup.batch_sharding, B) for _ in range(4)]
+    state = setup.init_state()
+
+    def run(n):
+        nonlocal state
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            with setup.context():
+                state, m = setup.train_step(state, batches[i % len(batches)])
+            jax.block_until_ready(m)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    t0 = time.perf_counter()
+    run(1)
+    compile_s = time.perf_counter() - t0
+    run(1)
+    step_s = statistics.median(run(steps))
+    with setup.context():
+        hlo = setup.train_step.lower(state, batches[0]).compile().as_text()
+    result = {"step_s": step_s, "compile_s": compile_s, "tokens": B * T,
+              "flops_per_token": flops_per_token(spec.model, T),
+              "peak_bytes": metrics_lib.peak_memory_bytes(), "parts": {}, "top": []}
+    if trace_steps <= 0:
+        return result
+    jax.profiler.start_trace(trace_dir)
+    run(trace_steps)
+    jax.profiler.stop_trace()
+    op_names = op_names_from_hlo(hlo)
+    per = collections.defaultdict(float)
+    per_op = collections.defaultdict(float)
+    for hlo_op, us in kernel_times(trace_dir):
+        part, phase = part_and_phase(op_names.get(hlo_op, ""))
+        per[(part, phase)] += us / trace_steps / 1e3
+        per_op[(hlo_op, op_names.get(hlo_op, "?"))] += us / trace_steps / 1e3
+    result["parts"] = dict(per)
+    result["ops"] = sorted(per_op.items(), key=lambda kv: -kv[1])
+    result["top"] = result["ops"][:25]
+    return result
+
+
+def format_table(r: dict, title: str) -> str:
+    step_ms = 1e3 * r["step_s"]
+    peak = 989e12 if jax.default_backend() == "gpu" else None
+    mfu = metrics_lib.mfu(r["flops_per_token"], r["tokens"] / r["step_s"], peak, 1)
+    lines = [
+        title, "",
+        f"step {step_ms:.1f} ms, {r['tokens'] / r['step_s']:,.0f} tokens/s"
+        + (f", MFU {100 * mfu:.1f}% (989 TFLOP/s dense bf16)" if mfu else "")
+        + (f", peak {r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "")
+        + f"; first step (compilation) {r['compile_s']:.0f} s", "",
+    ]
+    if not r["parts"]:
+        return "\n".join(lines)
+    lines += ["| part | forward ms | recompute ms | backward ms | total ms | share of step |",
+              "|---|---|---|---|---|---|"]
+    kernel_total = 0.0
+    for part in (*PARTS, "other"):
+        row = [r["parts"].get((part, ph), 0.0) for ph in PHASES]
+        total = sum(row)
+        kernel_total += total
+        if total:
+            lines.append(f"| {part} | " + " | ".join(f"{x:.1f}" for x in row)
+                         + f" | {total:.1f} | {100 * total / step_ms:.1f}% |")
+    gap = step_ms - kernel_total
+    lines.append(f"| (all kernels) |  |  |  | {kernel_total:.1f} | {100 * kernel_total / step_ms:.1f}% |")
+    lines.append(f"| (gaps: host, launches, idle) |  |  |  | {gap:.1f} | {100 * gap / step_ms:.1f}% |")
+    lines += ["", "Largest kernels (ms per step, op_name):", ""]
+    lines += [f"- {ms:.2f} ms `{op}`: {name[:160]}" for (op, name), ms in r["top"][:15]]
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    config = FLAGS.config
+    config.checkpoint.enabled = False
+    trace_dir = FLAGS.trace_dir or os.path.join("/tmp", f"step_profile_{os.getpid()}")
+    r = profile(config, FLAGS.steps, FLAGS.trace_steps, trace_dir)
+    dev = jax.devices()[0]
+    title = (f"Step profile: `{' '.join(sys.argv[1:])}`; {dev.device_kind}, JAX "
+             f"{jax.__version__}, {time.strftime('%Y-%m-%d')}")
+    table = format_table(r, title)
+    print(table, flush=True)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            f.write(table + "\n")
+    if FLAGS.ops_out:
+        with open(FLAGS.ops_out, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["ms_per_step", "hlo_op", "part", "phase", "op_name"])
+            for (op, name), ms in r.get("ops", []):
+                w.writerow([f"{ms:.4f}", op, *part_and_phase(name), name])
+
+
+if __name__ == "__main__":
+    app.run(main)
