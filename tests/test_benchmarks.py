@@ -1,0 +1,66 @@
+"""The measuring scripts themselves: the step profiler attributes kernels to model parts, the
+attention benchmark checks its implementations against each other (CPU smoke runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from configs import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def step_profile():
+    return load("step_profile")
+
+
+def test_op_names_come_from_the_hlo_and_name_the_part_and_phase(step_profile):
+    def f(x):
+        with jax.named_scope("mlp"):
+            y = jnp.tanh(x @ x)
+        with jax.named_scope("kda_core"):
+            y = jnp.sin(y) @ x
+        return y.sum()
+
+    hlo = jax.jit(jax.grad(jax.checkpoint(f))).lower(jnp.ones((32, 32))).compile().as_text()
+    names = step_profile.op_names_from_hlo(hlo)
+    parts = {step_profile.part_and_phase(n) for n in names.values()}
+    assert ("mlp", "backward") in parts and ("kda_core", "backward") in parts
+    assert ("kda_core", "recompute") in parts
+    assert step_profile.part_and_phase("jit(s)/jvp(kda_out)/norm/mul") == ("kda_out", "forward")
+    assert step_profile.part_and_phase("jit(s)/copy") == ("other", "forward")
+
+
+def test_the_profile_of_the_real_step_adds_up(step_profile, tmp_path):
+    config = load_config("tiny.py")
+    config.model.num_layers, config.model.kda_per_mla = 2, 1
+    config.data.seq_len, config.data.global_batch_size = 32, 2
+    config.checkpoint.enabled = False
+    r = step_profile.profile(config, steps=1, trace_steps=1, trace_dir=str(tmp_path))
+    parts = {part for part, _ in r["parts"]}
+    assert {"kda_core", "mla_attention", "mlp", "optimizer"} <= parts
+    assert r["step_s"] > 0 and r["ops"]
+    table = step_profile.format_table(r, "title")
+    assert "| kda_core |" in table and "(gaps: host, launches, idle)" in table
+
+
+def test_attention_bench_checks_and_times_on_cpu(capsys):
+    load("attention_bench").main(["--batch=1", "--seq=64", "--heads=2", "--doc_len=20",
+                                  "--impls=xla,reference,xla:rows"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert float(rows["reference"].split("|")[4]) < 1e-5  # the definition agrees with xla
+    assert "one document per row" in rows["xla:rows"]
