@@ -134,6 +134,7 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
     cfg.tie_embeddings = True  # output head = embedding^T / sqrt(D)
+    cfg.head_chunk = 1024  # tokens per row whose logits exist at once in the loss (token_nll)
     cfg.norm_eps = 1e-6
     cfg.dtype = "float32"  # compute dtype: "float32" | "bfloat16" | "float16"
     cfg.param_dtype = "float32"  # parameter storage dtype
@@ -273,6 +274,7 @@ class ModelSpec:
     attn_res: str
     attn_res_block_size: int
     tie_embeddings: bool
+    head_chunk: int
     norm_eps: float
     dtype: str
     param_dtype: str
@@ -539,7 +541,8 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
         mlp_dim=cfg.mlp_dim, attn_res=f.choice("attn_res", ATTN_RES_MODES),
         attn_res_block_size=f.int("attn_res_block_size", 1,
                                   "must be a positive integer (sublayers per block)"),
-        tie_embeddings=f.bool("tie_embeddings"), norm_eps=norm_eps,
+        tie_embeddings=f.bool("tie_embeddings"), head_chunk=f.int("head_chunk", 1),
+        norm_eps=norm_eps,
         dtype=f.choice("dtype", DTYPES), param_dtype=f.choice("param_dtype", DTYPES),
         remat=f.choice("remat", REMAT_POLICIES), scan_layers=scan_layers)
 

@@ -25,8 +25,9 @@ over the available ones (deterministic), and the output says how many were avail
 
 Memory stays bounded at long context: a batch of windows is fed to ``jax.jit(model.prefill)``
 in pieces of ``piece_len`` tokens (one compilation per context length), the cache (KDA state,
-conv tail, MLA latents, position) carried from piece to piece; only per-token NLLs leave the
-device, never the [B, L, V] logits. ``whole_sequence_nll`` is the one-pass reference the
+conv tail, MLA latents, position) carried from piece to piece; the head and the loss run a chunk
+of tokens at a time (``HybridLM.token_nll``), and only per-token NLLs leave the device: the
+[B, L, V] logits never exist. ``whole_sequence_nll`` is the one-pass reference the
 piecewise form is tested against.
 """
 
@@ -195,14 +196,22 @@ def _nll(logits_BxTxV, targets_BxT):
 
 
 def _scoring_fns(get_model: Callable):
-    """(piece, whole): jitted next-token NLL functions of (state, tokens, ...)."""
+    """(piece, whole): jitted next-token NLL functions of (state, tokens, ...). A model with
+    ``token_nll`` (HybridLM) scores through it, a chunk of tokens at a time, so no [B, P, V]
+    float32 logits exist even for long pieces; any other model through its logits."""
 
     def piece(state, tokens_BxP, cache, targets_BxP):
-        logits, cache = get_model(state).prefill(tokens_BxP, cache)
+        model = get_model(state)
+        if hasattr(model, "token_nll"):
+            return model.token_nll(tokens_BxP, targets_BxP, cache=cache)
+        logits, cache = model.prefill(tokens_BxP, cache)
         return _nll(logits, targets_BxP), cache
 
     def whole(state, tokens_BxT, targets_BxT):
-        return _nll(get_model(state)(tokens_BxT), targets_BxT)
+        model = get_model(state)
+        if hasattr(model, "token_nll"):
+            return model.token_nll(tokens_BxT, targets_BxT)[0]
+        return _nll(model(tokens_BxT), targets_BxT)
 
     return jax.jit(piece, donate_argnums=(2,)), jax.jit(whole)
 

@@ -33,7 +33,7 @@ from flax import nnx
 
 from kimi_k3.config import ModelSpec, model_spec
 from kimi_k3.layers.attn_res import DepthQuery, DepthResidual
-from kimi_k3.layers.embed import Embed, OutputHead
+from kimi_k3.layers.embed import Embed, OutputHead, chunked_nll
 from kimi_k3.layers.kda_layer import KDALayer
 from kimi_k3.layers.mla import GatedMLA
 from kimi_k3.layers.mlp import SwiGLU
@@ -262,12 +262,15 @@ class HybridLM(nnx.Module):
         if not training:
             new_cache["tail"] = tuple(tail_caches)
 
-        h_BxTxD = self.final_norm(depth.read(state, _query(self.final_query)))
+        return self.final_norm(depth.read(state, _query(self.final_query))), new_cache
+
+    def logits(self, h_BxTxD: jax.Array) -> jax.Array:
+        """The output head: final hidden states [B, T, D] -> logits [B, T, V] float32."""
         if self.head is None:
             logits_BxTxV = self.embed.attend(h_BxTxD)
         else:
             logits_BxTxV = self.head(h_BxTxD)
-        return constrain(logits_BxTxV.astype(jnp.float32), BTV), new_cache
+        return constrain(logits_BxTxV.astype(jnp.float32), BTV)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -279,12 +282,28 @@ class HybridLM(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array | None = None):
         """Training forward: logits [B, T, V] float32. ``segment_ids`` [B, T] int marks packed
         documents: no token sees another document (KDA state resets, MLA masks, convs mask)."""
-        return self._forward(self._embed(tokens_BxT), segment_ids_BxT, None)[0]
+        return self.logits(self._forward(self._embed(tokens_BxT), segment_ids_BxT, None)[0])
 
     def from_embeddings(self, x_BxTxD: jax.Array, segment_ids_BxT: jax.Array | None = None):
         """The forward from input embeddings [B, T, D] instead of tokens (soft prompts, and
         gradients with respect to each input position)."""
-        return self._forward(x_BxTxD.astype(self.embed.dtype), segment_ids_BxT, None)[0]
+        return self.logits(
+            self._forward(x_BxTxD.astype(self.embed.dtype), segment_ids_BxT, None)[0])
+
+    def token_nll(self, tokens_BxT: jax.Array, targets_BxT: jax.Array,
+                  segment_ids_BxT: jax.Array | None = None, cache: dict | None = None):
+        """-log p(target_t | tokens_<=t) [B, T] float32 for every position, and the cache after
+        the tokens (None when none was given: the training forward).
+
+        The same numbers as ``logsumexp(model(tokens)) - logits[target]``, but the head and the
+        loss run ``spec.head_chunk`` tokens of each row at a time (``layers.embed.chunked_nll``),
+        so [B, T, V] float32 logits never exist: the trainer's loss and eval's scoring at long
+        context go through here. With a cache, the tokens continue the cached sequence as in
+        ``prefill``.
+        """
+        h_BxTxD, cache = self._forward(self._embed(tokens_BxT), segment_ids_BxT, cache)
+        nll_BxT = chunked_nll(h_BxTxD, self.logits, targets_BxT, self.spec.head_chunk)
+        return nll_BxT, cache
 
     def init_cache(self, batch_size: int, max_len: int) -> dict:
         """Empty cache for ``batch_size`` rows of up to ``max_len`` tokens:
@@ -310,7 +329,8 @@ class HybridLM(nnx.Module):
         Returns (logits [B, T, V] float32, the cache after them). pos + T must not exceed the
         cache's max_len (MLA writes its latents there).
         """
-        return self._forward(self._embed(tokens_BxT), None, cache)
+        h_BxTxD, cache = self._forward(self._embed(tokens_BxT), None, cache)
+        return self.logits(h_BxTxD), cache
 
     def step(self, token_B: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
         """One decoding step: ``prefill`` of one token. Returns (logits [B, V] float32, cache)."""

@@ -72,15 +72,15 @@ def merge_model(graphdef, params, rest):
 # ---------------------------------------------------------------------------------------------
 
 
-@jax.named_scope("loss")
-def next_token_loss(logits_BxTxV, tokens_BxT, segment_ids_BxT):
+def next_token_loss(model, tokens_BxT, segment_ids_BxT):
     """(summed cross-entropy, number of targets): position t predicts token t+1 when both
-    lie in the same (non-padding) document."""
+    lie in the same (non-padding) document. ``model.token_nll`` computes the head and the loss
+    a chunk of tokens at a time, never the whole [B, T, V] float32 logits."""
     valid_BxT1 = (segment_ids_BxT[:, 1:] == segment_ids_BxT[:, :-1]) & (segment_ids_BxT[:, 1:] > 0)
-    ce_BxT1 = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxTxV[:, :-1].astype(jnp.float32), tokens_BxT[:, 1:]
-    )
-    return jnp.sum(jnp.where(valid_BxT1, ce_BxT1, 0.0)), jnp.sum(valid_BxT1)
+    targets_BxT = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1)))  # the last position: no target
+    nll_BxT, _ = model.token_nll(tokens_BxT, targets_BxT, segment_ids_BxT)
+    with jax.named_scope("loss"):
+        return jnp.sum(jnp.where(valid_BxT1, nll_BxT[:, :-1], 0.0)), jnp.sum(valid_BxT1)
 
 
 def count_targets(segment_ids_BxT):
@@ -96,8 +96,7 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
     micro_spec = NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES, None))
 
     def loss_sum(params, tokens, segment_ids, denom):
-        logits = merge_model(graphdef, params, rest)(tokens, segment_ids)
-        s, n = next_token_loss(logits, tokens, segment_ids)
+        s, n = next_token_loss(merge_model(graphdef, params, rest), tokens, segment_ids)
         return s / denom, n
 
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
@@ -150,8 +149,8 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
 
 def make_eval_step(graphdef, rest):
     def eval_step(params, batch):
-        logits = merge_model(graphdef, params, rest)(batch["tokens"], batch["segment_ids"])
-        return next_token_loss(logits, batch["tokens"], batch["segment_ids"])
+        return next_token_loss(merge_model(graphdef, params, rest), batch["tokens"],
+                               batch["segment_ids"])
 
     return eval_step
 
@@ -214,8 +213,7 @@ def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batc
     smallest = sizes[0]
 
     def loss(params, tokens, segs):
-        logits = merge_model(graphdef, params, rest)(tokens, segs)
-        s, c = next_token_loss(logits, tokens, segs)
+        s, c = next_token_loss(merge_model(graphdef, params, rest), tokens, segs)
         return s / jnp.maximum(c, 1)
 
     rows = jax.ShapeDtypeStruct((smallest, T), jnp.int32, sharding=batch_sharding)

@@ -324,3 +324,41 @@ def test_sharded_model_on_a_4_device_mesh_matches_one_device():
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert "SHARDED_OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_token_nll_in_chunks_equals_the_logits_and_their_gradients(rng):
+    """model.token_nll (head and loss a chunk at a time, never [B, T, V] logits) against
+    logsumexp(model(tokens)) - logits[target]: values and parameter gradients, with a chunk
+    that does not divide T and packed documents; and in two pieces through the cache."""
+    cfg = small_cfg(head_chunk=5)
+    model = build(cfg)
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 23)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, 64, (2, 23)), jnp.int32)
+    seg = jnp.asarray(np.sort(rng.integers(1, 4, (2, 23)), axis=1), jnp.int32)
+
+    def by_logits(m):
+        logits = m(tokens, seg)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return jax.nn.logsumexp(logits, axis=-1) - picked
+
+    @nnx.jit
+    def both(m):
+        chunked = lambda m: m.token_nll(tokens, targets, seg)[0]
+        g1 = nnx.grad(lambda m: jnp.sum(chunked(m)))(m)
+        g2 = nnx.grad(lambda m: jnp.sum(by_logits(m)))(m)
+        return chunked(m), by_logits(m), nnx.state(g1), nnx.state(g2)
+
+    nll_chunked, nll_logits, g1, g2 = both(model)
+    np.testing.assert_allclose(nll_chunked, nll_logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    @nnx.jit
+    def pieces(m):
+        cache = m.init_cache(2, 23)
+        first, cache = m.token_nll(tokens[:, :11], targets[:, :11], cache=cache)
+        second, _ = m.token_nll(tokens[:, 11:], targets[:, 11:], cache=cache)
+        return jnp.concatenate([first, second], 1), m.token_nll(tokens, targets)[0]
+
+    in_pieces, whole = pieces(model)
+    np.testing.assert_allclose(in_pieces, whole, rtol=1e-4, atol=1e-4)

@@ -272,6 +272,12 @@ class StandIn(nnx.Module):
         x = x + jnp.tanh(self.proj(jnp.einsum("bts,bsd->btd", w, x)))
         return self.embed.attend(self.norm(x))
 
+    def token_nll(self, tokens_BxT, targets_BxT, segment_ids_BxT=None, cache=None):
+        """The trainer's contract: per-token NLL [B, T] (and a cache, unused here)."""
+        logits = self(tokens_BxT, segment_ids_BxT).astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+        return jax.nn.logsumexp(logits, axis=-1) - picked, None
+
 
 def standin_config(**opt) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()

@@ -57,3 +57,29 @@ class OutputHead(nnx.Module):
     def __call__(self, h_BxTxD: jax.Array) -> jax.Array:
         W = self.proj.kernel[...].astype(self.proj.dtype)
         return f32_out_einsum("btd,dv->btv", h_BxTxD.astype(self.proj.dtype), W)
+
+
+def chunked_nll(h_BxTxD: jax.Array, logits_fn, targets_BxT: jax.Array, chunk: int) -> jax.Array:
+    """Per-token NLL [B, T] float32 = logsumexp(logits) - logits[target], with
+    ``logits_fn(h_BxCxD) -> [B, C, V]`` applied to ``chunk`` tokens of every row at a time.
+
+    Only one chunk's float32 logits [B, chunk, V] exist at once, forward and backward (each
+    chunk is rematerialised): at long T the [B, T, V] logits would be the largest buffer of the
+    model (1M tokens x 32K vocabulary x 4 bytes = 128 GiB). Targets must lie in [0, V).
+    """
+    B, T, _ = h_BxTxD.shape
+    C = max(1, min(chunk, T))
+    n = -(-T // C)
+    pad = n * C - T
+    h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, C, -1).swapaxes(0, 1)
+    t = jnp.pad(targets_BxT, ((0, 0), (0, pad))).reshape(B, n, C).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(h_BxCxD, t_BxC):
+        logits_BxCxV = logits_fn(h_BxCxD).astype(jnp.float32)
+        with jax.named_scope("loss"):
+            picked = jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
+            return jax.nn.logsumexp(logits_BxCxV, axis=-1) - picked
+
+    nll_NxBxC = jax.lax.map(lambda args: one(*args), (h, t))
+    return nll_NxBxC.swapaxes(0, 1).reshape(B, n * C)[:, :T]
