@@ -13,6 +13,8 @@ kernel in the trace is matched to the HLO instruction that launched it, and that
     kda_proj, kda_conv, kda_gate, kda_core, kda_out    the KDA layer's stages (kda_core: kernel)
     mla_proj, mla_attention, mla_out                   the Gated MLA layer's
     mlp, norm, attn_res, embed, head, loss, optimizer  the rest of the model and the update
+    moe, expert_bias                                   a mixture of experts (its shared expert
+                                                       included) and its bias update
     other                                              whatever carries no label (copies, scan
                                                        plumbing, layout changes)
 
@@ -55,7 +57,8 @@ flags.DEFINE_string("ops_out", "", "CSV of every kernel: ms per step, HLO op, pa
 FLAGS = flags.FLAGS
 
 PARTS = ("kda_proj", "kda_conv", "kda_gate", "kda_core", "kda_out", "mla_proj", "mla_attention",
-         "mla_out", "mlp", "norm", "attn_res", "embed", "head", "loss", "optimizer")
+         "mla_out", "mlp", "moe", "norm", "attn_res", "embed", "head", "loss", "optimizer",
+         "expert_bias")
 PHASES = ("forward", "recompute", "backward")
 _PART = re.compile(r"(?<![\w])(" + "|".join(PARTS) + r")(?![\w])")
 

@@ -7,10 +7,13 @@ x 128 with the bounded gate (g_min = -5) and width-4 short convolutions; MLA 96 
 1536, kv_lora 512, head dims 128 (+64 shared) / 128; block Attention Residuals in blocks of 12
 layers (24 sublayers, 8 blocks).
 
-The FFN is DENSE here: K3's is a mixture of experts (896 experts, top-16, 2 shared), which this
-codebase does not have yet. The stand-in is one dense SwiGLU of width 18432 per layer (the dense
-width of the Kimi K2 / DeepSeek-V3 family), so parameter counts and FLOPs differ from K3's.
-The vocabulary (163840) is Kimi K2's.
+The FFN is a mixture of experts: 896 routed experts, 16 per token, plus 2 shared experts. The
+expert count is an estimate, as are the other MoE numbers, which no publication gives for K3
+and come from Kimi K2 here: each expert's width 2048 (K2's moe_intermediate_size), a dense
+first layer of width 18432 (K2's first_k_dense_replace = 1, intermediate_size 18432), routed
+weights renormalised and scaled by 2.827 (K2's routed_scaling_factor), no expert groups. So the
+parameter count (``python -m configs.k3``: total and active) is an estimate too. The vocabulary
+(163840) is Kimi K2's.
 """
 
 import ml_collections
@@ -41,7 +44,13 @@ def get_config(arg: str | None = None):
     m.mla.shared_head_dim = 64
     m.mla.v_head_dim = 128
     m.mla.output_gate = True
-    m.mlp_dim = 18432  # dense stand-in for the MoE FFN (see the module docstring)
+    m.mlp_dim = 18432  # the dense first layer
+    m.moe.num_experts = 896  # an estimate (module docstring)
+    m.moe.top_k = 16
+    m.moe.num_shared = 2
+    m.moe.expert_dim = 2048  # Kimi K2's
+    m.moe.routed_scaling_factor = 2.827  # Kimi K2's
+    m.moe.first_k_dense = 1
     m.attn_res = "block"
     m.attn_res_block_size = 24  # sublayers = 12 layers
     m.tie_embeddings = False
@@ -51,7 +60,7 @@ def get_config(arg: str | None = None):
     config.model = m
     add_training_defaults(config)  # data, opt, mesh, checkpoint, train, seed
     config.data.seq_len = 8192
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 8
+    config.mesh.data, config.mesh.fsdp, config.mesh.expert, config.mesh.tensor = 1, -1, 8, 8
     return config
 
 
@@ -60,5 +69,5 @@ if __name__ == "__main__":
     pattern = spec.pattern
     print(f"pattern: {pattern}")
     print(f"KDA layers: {pattern.count('K')}, MLA layers: {pattern.count('M')}")
-    print(f"parameters (dense FFN stand-in): {count_params(spec):,}")
+    print(f"parameters: {count_params(spec):,} total, {count_params(spec, active=True):,} active")
     print(f"training FLOPs per token at 8192 tokens: {flops_per_token(spec, 8192):.4g}")

@@ -26,11 +26,13 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from kimi_k3.layers.moe import ExpertBias, MoeStat
 from kimi_k3.model import HybridLM
 from kimi_k3.optim import path_str
 
@@ -330,14 +332,15 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config") -> 
     parameters are read (an Orbax partial restore of ``<step>/state``'s "params"); the optimizer
     state never is. They are checked against config.model first (``check_params_match``); the
     error names ``config_name``, where ``config`` came from, and the run's own config.json when
-    the run folder has one. The model's non-parameter state (RNG counters) comes from
-    ``config.seed``, as in training.
+    the run folder has one. A mixture of experts' routing biases are read with them; the rest
+    of the model's non-parameter state comes from ``config.seed``, as in training.
     """
     step_dir, step = resolve_step_dir(path)
     state_dir = os.path.join(absolute_path(step_dir), "state")  # Orbax refuses relative paths
     seed = int(config.get("seed", 0))
     make = lambda: HybridLM(config.model, rngs=nnx.Rngs(seed))
-    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    graphdef, abs_params, abs_biases, abs_rest = nnx.split(nnx.eval_shape(make), nnx.Param,
+                                                           ExpertBias, ...)
     want = nnx.to_pure_dict(abs_params)
 
     try:
@@ -353,11 +356,21 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config") -> 
         f"(--checkpoint=PATH@CONFIG){hint}"))
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    item = {"params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), want)}
+    on_device = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+    item = {"params": on_device(want)}
+    if jax.tree.leaves(abs_biases):  # a mixture of experts routes with its trained biases
+        item["model_state"] = on_device(nnx.to_pure_dict(abs_biases))
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=device, dtype=x.dtype), item)
     out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
         item=item, restore_args=restore_args, partial_restore=True))
     nnx.replace_by_pure_dict(abs_params, out["params"])
-    rest = nnx.split(make(), nnx.Param, ...)[2] if jax.tree.leaves(abs_rest) else abs_rest
-    return nnx.merge(graphdef, abs_params, rest), step
+    if "model_state" in item:
+        nnx.replace_by_pure_dict(abs_biases, out["model_state"])
+    # The rest: measurements a forward pass overwrites (zeros will do), anything else as the
+    # initialiser makes it.
+    abs_stats, abs_other = nnx.split_state(abs_rest, MoeStat, ...)
+    stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=device), abs_stats)
+    other = (jax.jit(lambda: nnx.split(make(), nnx.Param, ExpertBias, MoeStat, ...)[4])()
+             if jax.tree.leaves(abs_other) else abs_other)
+    return nnx.merge(graphdef, abs_params, abs_biases, stats, other), step

@@ -12,9 +12,11 @@ an error always names the field (``config.model.kda.chunk_size: must be a positi
 two, got 48``).
 
 What the spec resolves, so nothing downstream re-derives it: the layer pattern
-("KKKM...KKKMM") and its scan plan (unit x repeats + tail), the KDA and MLA head dimensions
+("KKKM...KKKMM") and its scan plan (unrolled prefix + unit x repeats + tail; the prefix holds
+the MoE model's dense-FFN first layers), the KDA and MLA head dimensions
 (0 = derived from d_model), the KDA gate's bound (None for the softplus form), the KDA
-implementation for the backend (``kimi_k3.dispatch``), the mesh's axis rules, the dtypes.
+implementation for the backend (``kimi_k3.dispatch``), the mixture of experts (``MoeSpec``, or
+None for the dense FFN), the mesh's axis rules, the dtypes.
 """
 
 from __future__ import annotations
@@ -62,18 +64,20 @@ TOKEN_DTYPES = ("uint16", "uint32")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 NAN_POLICIES = ("stop", "skip")
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Weight decay is off for every vector (also when stacked over layers) and for parameters whose
 # path matches one of these (case-insensitive regex): norm scales, biases, KDA's A_log and
 # dt_bias, the Attention Residual pseudo-queries (mixer_query / mlp_query / final_query).
 NO_DECAY = ("norm", "bias", "A_log", "dt_bias", "query")
 
-# Data parallel over ("data", "fsdp"), parameters sharded over "fsdp" (ZeRO-3 style) along the
-# model width and over "tensor" along heads / MLP / vocabulary (Megatron style). The model's
-# logical names are listed in kimi_k3/sharding.py.
+# Data parallel over ("data", "fsdp", "expert"), parameters sharded over "fsdp" (ZeRO-3 style)
+# along the model width, over "tensor" along heads / MLP / vocabulary (Megatron style), and the
+# routed experts over "expert" (expert parallelism: the batch is split over that axis too, and
+# tokens travel to their experts by all-to-all). The model's logical names are listed in
+# kimi_k3/sharding.py.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("activation_batch", ("data", "fsdp")),
+    ("activation_batch", ("data", "fsdp", "expert")),
     ("activation_length", None),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
@@ -91,6 +95,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("conv", None),
     ("norm", None),
     ("layers", None),
+    ("expert", "expert"),
 )
 
 
@@ -130,7 +135,28 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.mla.attn_impl = "auto"  # "auto" | "xla" | "cudnn" | "pallas" | "reference"
     cfg.mla.attn_block_size = 512  # query/key block of the blockwise "xla" attention
 
-    cfg.mlp_dim = 384  # SwiGLU hidden width F
+    cfg.mlp_dim = 384  # SwiGLU hidden width F (every layer's FFN, or the dense first layers of
+    # a mixture of experts)
+
+    # Mixture of experts (layers/moe.py): y = sum_chosen w_e SwiGLU_e(x) + SwiGLU_shared(x),
+    # Kimi Linear's sigmoid router with a load-balancing bias; see MoeSpec below.
+    cfg.moe = ml_collections.ConfigDict()
+    cfg.moe.num_experts = 0  # routed experts E; 0 = no mixture: every FFN is the dense SwiGLU
+    cfg.moe.top_k = 2  # routed experts per token
+    cfg.moe.expert_dim = 128  # each expert's SwiGLU width (HF moe_intermediate_size)
+    cfg.moe.num_shared = 1  # shared experts, used by every token; 0 = none
+    cfg.moe.shared_dim = 0  # the shared SwiGLU's width; 0 = expert_dim * num_shared
+    cfg.moe.renormalize = True  # divide the chosen weights by their sum (+1e-20)
+    cfg.moe.routed_scaling_factor = 1.0  # multiplies the routed weights (Kimi Linear: 2.446)
+    cfg.moe.n_group = 1  # expert groups for grouped routing; 1 = no groups
+    cfg.moe.topk_group = 1  # groups a token may choose its experts from (<= n_group)
+    cfg.moe.first_k_dense = 0  # the first k layers keep the dense SwiGLU of width mlp_dim
+    cfg.moe.router_float32 = True  # router matmul and scores in float32 (else compute dtype)
+    cfg.moe.bias_update_rate = 1e-3  # per optimizer step: b_e += rate * sign(mean_load -
+    # load_e), the auxiliary-loss-free balancing (DeepSeek-V3); 0 = the bias stays at zero
+    cfg.moe.balance_loss_coef = 0.0  # alpha of the sequence-wise balance loss; 0 = off
+    cfg.moe.capacity_factor = 0.0  # 0 = dropless; c > 0: of a device's n tokens an expert takes
+    # at most ceil(c * n * top_k / E), the rest of its assignments are dropped (fixed shapes)
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
     cfg.tie_embeddings = True  # output head = embedding^T / sqrt(D)
@@ -178,12 +204,14 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "muon_ns_steps": 5,  # Newton-Schulz iterations
             "muon_rms": 0.2,  # Muon update RMS (matches AdamW's, so lr and decay carry over)
             "muon_adam_axes": ("vocab", "conv"),  # logical axes whose weights stay on AdamW
-            "muon_batch_axes": ("layers",),  # stacked axes: per-slice Muon, not counted in rank
+            "muon_batch_axes": ("layers", "expert"),  # stacked axes: per-slice Muon, not
+            # counted in rank (one orthogonalisation per layer and per expert)
             "muon_exclude": (),  # further path regexes kept on AdamW
         },
         "mesh": {
             "data": -1,  # data-parallel size; -1 = all devices not used by the others
             "fsdp": 1,  # parameter-sharded data parallelism
+            "expert": 1,  # expert parallelism: routed experts split over it (the batch too)
             "tensor": 1,  # tensor parallelism
             "axis_rules": DEFAULT_RULES,  # (logical name, mesh axes | None)
         },
@@ -258,6 +286,27 @@ class MlaSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts FFN (layers/moe.py) of every layer after the first
+    ``first_k_dense``."""
+
+    num_experts: int  # E >= 1
+    top_k: int  # k <= E
+    expert_dim: int  # each routed expert's SwiGLU width
+    num_shared: int  # shared experts (0 = none)
+    shared_dim: int  # the shared SwiGLU's width, resolved (0 only when num_shared == 0)
+    renormalize: bool
+    routed_scaling_factor: float
+    n_group: int  # divides E
+    topk_group: int  # <= n_group
+    first_k_dense: int  # < num_layers
+    router_float32: bool
+    bias_update_rate: float  # >= 0, per optimizer step
+    balance_loss_coef: float  # >= 0
+    capacity_factor: float  # 0 = dropless
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """``config.model``, checked, with everything derived resolved."""
 
@@ -265,12 +314,16 @@ class ModelSpec:
     d_model: int
     num_layers: int
     pattern: str  # one letter per layer: "K" = KDA, "M" = Gated MLA
-    scan_unit: str  # pattern == scan_unit * scan_repeats + scan_tail
+    # pattern == scan_prefix + scan_unit * scan_repeats + scan_tail; the prefix (unrolled) holds
+    # a mixture of experts' dense-FFN first layers, so every scanned layer has the same FFN.
+    scan_prefix: str
+    scan_unit: str
     scan_repeats: int
     scan_tail: str
     kda: KdaSpec
     mla: MlaSpec
     mlp_dim: int
+    moe: MoeSpec | None  # None: every layer's FFN is the dense SwiGLU of width mlp_dim
     attn_res: str
     attn_res_block_size: int
     tie_embeddings: bool
@@ -334,6 +387,7 @@ class OptSpec:
 class MeshSpec:
     data: int  # -1 = the devices the other axes leave
     fsdp: int
+    expert: int
     tensor: int
     axis_rules: tuple  # ((logical name, mesh axis | (mesh axes) | None), ...), normalised
 
@@ -518,6 +572,51 @@ def _mla_spec(cfg, d_model: int) -> MlaSpec:
         attn_block_size=block)
 
 
+def _moe_spec(cfg, num_layers: int) -> MoeSpec | None:
+    """``config.model.moe`` checked; None when ``num_experts`` is 0 (the dense FFN)."""
+    if "moe" not in cfg:  # a model section written before the mixture of experts existed
+        return None
+    f = _Fields(cfg.moe, "config.model.moe.")
+    E = f.int("num_experts", 0, "must be an integer >= 0 (0 = dense FFN, no experts)")
+    if E == 0:
+        return None
+    top_k = f.int("top_k", 1)
+    if top_k > E:
+        f.fail("top_k", top_k, f"must be in [1, num_experts={E}]")
+    num_shared = f.int("num_shared", 0, "must be an integer >= 0 (0 = no shared expert)")
+    expert_dim = f.int("expert_dim", 1)
+    shared_dim = f.int("shared_dim", 0, "must be an integer >= 0 (0 = expert_dim * num_shared)")
+    n_group = f.int("n_group", 1)
+    if E % n_group:
+        f.fail("n_group", n_group, f"must divide num_experts={E}")
+    if n_group > 1 and E // n_group < 2:
+        f.fail("n_group", n_group, f"leaves fewer than 2 experts per group (num_experts={E}); "
+                                   f"a group is scored by its top two")
+    topk_group = f.int("topk_group", 1)
+    if topk_group > n_group:
+        f.fail("topk_group", topk_group, f"must be in [1, n_group={n_group}]")
+    if top_k > topk_group * (E // n_group):
+        f.fail("top_k", top_k, f"exceeds the experts of the eligible groups: topk_group="
+                               f"{topk_group} x {E // n_group} experts per group")
+    first_k_dense = f.int("first_k_dense", 0)
+    if first_k_dense >= num_layers:
+        f.fail("first_k_dense", first_k_dense, f"must be < num_layers={num_layers} (leave at "
+                                               f"least one mixture-of-experts layer)")
+    scale = f.number("routed_scaling_factor", allowed="must be a finite number > 0")
+    if scale <= 0:
+        f.fail("routed_scaling_factor", scale, "must be a finite number > 0")
+    return MoeSpec(
+        num_experts=E, top_k=top_k, expert_dim=expert_dim, num_shared=num_shared,
+        shared_dim=(shared_dim or expert_dim * num_shared) if num_shared else 0,
+        renormalize=f.bool("renormalize"), routed_scaling_factor=scale, n_group=n_group,
+        topk_group=topk_group, first_k_dense=first_k_dense,
+        router_float32=f.bool("router_float32"),
+        bias_update_rate=f.number("bias_update_rate", 0.0),
+        balance_loss_coef=f.number("balance_loss_coef", 0.0),
+        capacity_factor=f.number("capacity_factor", 0.0,
+                                 allowed="must be >= 0 (0 = dropless)"))
+
+
 def model_spec(cfg, backend: str | None = None) -> ModelSpec:
     """``config.model`` checked once and resolved into a ModelSpec (a ModelSpec passes through).
 
@@ -531,14 +630,17 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
     pattern = layer_pattern(cfg)
     f.bool("final_mla")
     scan_layers = f.bool("scan_layers")
-    unit, repeats, tail = scan_plan(pattern, scan_layers)
+    moe = _moe_spec(cfg, cfg.num_layers)
+    # A mixture's dense-FFN first layers differ from the rest: they run unrolled before the scan.
+    prefix = pattern[:moe.first_k_dense] if moe else ""
+    unit, repeats, tail = scan_plan(pattern[len(prefix):], scan_layers)
     norm_eps = f.get("norm_eps", lambda v: isinstance(v, float) and v > 0,
                      "must be a positive float")
     return ModelSpec(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
-        pattern=pattern, scan_unit=unit, scan_repeats=repeats, scan_tail=tail,
-        kda=_kda_spec(cfg, cfg.d_model, backend), mla=_mla_spec(cfg, cfg.d_model),
-        mlp_dim=cfg.mlp_dim, attn_res=f.choice("attn_res", ATTN_RES_MODES),
+        pattern=pattern, scan_prefix=prefix, scan_unit=unit, scan_repeats=repeats,
+        scan_tail=tail, kda=_kda_spec(cfg, cfg.d_model, backend), mla=_mla_spec(cfg, cfg.d_model),
+        mlp_dim=cfg.mlp_dim, moe=moe, attn_res=f.choice("attn_res", ATTN_RES_MODES),
         attn_res_block_size=f.int("attn_res_block_size", 1,
                                   "must be a positive integer (sublayers per block)"),
         tie_embeddings=f.bool("tie_embeddings"), head_chunk=f.int("head_chunk", 1),
@@ -620,12 +722,14 @@ def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ..
     return tuple(out)
 
 
-def mesh_sizes(cfg) -> tuple[int, int, int]:
-    """The (data, fsdp, tensor) sizes of ``config.mesh`` (or a MeshSpec), checked; at most one
-    is -1 ("the rest of the devices", resolved in kimi_k3/mesh.py)."""
+def mesh_sizes(cfg) -> tuple[int, int, int, int]:
+    """The (data, fsdp, expert, tensor) sizes of ``config.mesh`` (or a MeshSpec), checked; at
+    most one is -1 ("the rest of the devices", resolved in kimi_k3/mesh.py). A mesh section
+    without ``expert`` (written before expert parallelism existed) has expert = 1."""
     f = _Fields(cfg, "mesh.")
-    sizes = tuple(f.get(a, lambda v: _is_int(v) and (v >= 1 or v == -1),
-                        "must be a positive integer or -1 (the rest)") for a in MESH_AXES)
+    ok = lambda v: _is_int(v) and (v >= 1 or v == -1)
+    sizes = tuple(1 if a == "expert" and not hasattr(cfg, a) else
+                  f.get(a, ok, "must be a positive integer or -1 (the rest)") for a in MESH_AXES)
     rest = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     if len(rest) > 1:
         raise ValueError(f"mesh: only one axis may be -1, got {rest}")
@@ -676,6 +780,11 @@ def run_spec(config, backend: str | None = None, with_model: bool = True) -> Run
     spec = RunSpec(model=model, data=data_spec(config.data), opt=opt_spec(config.opt),
                    mesh=mesh_spec(config.mesh), checkpoint=ckpt_spec(config.checkpoint),
                    train=train_spec(config.train), seed=seed)
+    moe, ep = (model.moe if model else None), spec.mesh.expert
+    if moe and ep > 0 and moe.num_experts % ep:
+        raise ValueError(f"mesh.expert: {ep} does not divide config.model.moe.num_experts="
+                         f"{moe.num_experts} (each device of the expert axis holds "
+                         f"num_experts / mesh.expert experts)")
     micro, batch = spec.train.microbatch_size, spec.data.global_batch_size
     if micro and batch % micro:
         raise ValueError(f"train.microbatch_size: {micro} does not divide "

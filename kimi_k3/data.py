@@ -169,7 +169,8 @@ def host_batch_slice(sharding, global_shape: tuple[int, ...]) -> tuple[int, int]
     if covered != hi - lo:
         raise ValueError(
             f"batch sharding: this process's devices hold batch rows {spans}, which are not one "
-            f"contiguous range; order the mesh so each host's devices are adjacent on data x fsdp"
+            f"contiguous range; order the mesh so each host's devices are adjacent on the batch "
+            f"axes (data x fsdp x expert)"
         )
     return lo, hi
 

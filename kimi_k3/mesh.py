@@ -1,13 +1,16 @@
 """The device mesh, the batch layout over it, and multi-host start-up.
 
-The mesh has three axes, sized by ``config.mesh`` (checked in kimi_k3/config.py):
+The mesh has four axes, sized by ``config.mesh`` (checked in kimi_k3/config.py):
 
     data    pure data parallelism (replicated parameters)
     fsdp    data parallelism with parameters and optimizer state sharded (ZeRO-3 style)
+    expert  expert parallelism: a mixture of experts' routed experts are split over it, and
+            tokens travel to their experts by all-to-all (layers/moe.py); for everything
+            else it is one more data-parallel axis
     tensor  tensor (model) parallelism inside layers
 
-One size may be -1: "all remaining devices". The batch is sharded over data x fsdp. How the
-model's logical axis names map onto these axes is kimi_k3/sharding.py's job.
+One size may be -1: "all remaining devices". The batch is sharded over data x fsdp x expert.
+How the model's logical axis names map onto these axes is kimi_k3/sharding.py's job.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_k3.config import MESH_AXES, mesh_sizes
 
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,8 +73,8 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
-    """The (data, fsdp, tensor) sizes of ``config.mesh`` (or a MeshSpec), with a -1 resolved
-    against ``num_devices``."""
+    """The (data, fsdp, expert, tensor) sizes of ``config.mesh`` (or a MeshSpec), with a -1
+    resolved against ``num_devices``."""
     sizes = list(mesh_sizes(mesh_cfg))
     rest = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     known = math.prod(s for s in sizes if s != -1)
@@ -84,15 +87,15 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
         sizes[MESH_AXES.index(rest[0])] = num_devices // known
     if math.prod(sizes) != num_devices:
         raise ValueError(
-            f"mesh: data x fsdp x tensor = {sizes} uses {math.prod(sizes)} devices, but "
+            f"mesh: data x fsdp x expert x tensor = {sizes} uses {math.prod(sizes)} devices, but "
             f"{num_devices} are present; make the product {num_devices} or set one axis to -1"
         )
     return tuple(sizes)
 
 
 def make_mesh(mesh_cfg, devices: Sequence | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over all devices (or ``devices``), laid out by JAX so that
-    the innermost axis (tensor) stays within a host / fast interconnect."""
+    """A (data, fsdp, expert, tensor) mesh over all devices (or ``devices``), laid out by JAX
+    so that the innermost axes (tensor, then expert) stay within a host / fast interconnect."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(mesh_cfg, len(devices))
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
@@ -107,7 +110,7 @@ def make_mesh(mesh_cfg, devices: Sequence | None = None) -> Mesh:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over data x fsdp, everything else replicated."""
+    """Rows over data x fsdp x expert, everything else replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
@@ -116,13 +119,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Devices the batch rows are split over: data x fsdp."""
+    """Devices the batch rows are split over: data x fsdp x expert."""
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def check_batch(global_batch: int, microbatch: int, mesh: Mesh) -> None:
     """The global batch must split into micro-batches of ``microbatch`` rows, each divisible by
-    data x fsdp (and so across hosts)."""
+    data x fsdp x expert (and so across hosts)."""
     n = data_parallel_size(mesh)
     if global_batch % microbatch:
         raise ValueError(f"train.microbatch_size: {microbatch} does not divide "
@@ -130,5 +133,5 @@ def check_batch(global_batch: int, microbatch: int, mesh: Mesh) -> None:
     if microbatch % n:
         raise ValueError(
             f"train.microbatch_size: {microbatch} rows per micro-batch (of "
-            f"data.global_batch_size={global_batch}) do not divide by data x fsdp = "
-            f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {n}")
+            f"data.global_batch_size={global_batch}) do not divide by data x fsdp x expert = "
+            f"{mesh.shape['data']} x {mesh.shape['fsdp']} x {mesh.shape['expert']} = {n}")

@@ -2,6 +2,7 @@
 
 Only process 0 writes. Each JSONL line is one report: ``{"step": s, "split": "train"|"eval",
 "time": unix seconds, <metric>: value, ...}``; a resumed run appends to the same file.
+Per-layer series (``moe_load_max_mean/layer7``) go to the JSONL and TensorBoard, not the console.
 
 MFU = model FLOPs per token (``kimi_k3.model.flops_per_token``: forward + backward, counting
 KDA's chunked recurrence and MLA's attention per token) x tokens per second / (peak FLOP/s per
@@ -134,7 +135,9 @@ class MetricsWriter:
             for k, v in metrics.items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     self._tb.add_scalar(f"{split}/{k}", v, step)
-        shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if v is not None)
+        # Per-layer series ("moe_load_max_mean/layer7") go to the files only.
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()
+                         if v is not None and "/" not in k)
         self.console(f"[{split}] step {step}: {shown}")
 
     def text(self, tag: str, value: str) -> None:

@@ -1,10 +1,14 @@
-"""The K3-style hybrid language model: KDA and Gated MLA layers, SwiGLU MLPs, Attention Residuals.
+"""The K3-style hybrid language model: KDA and Gated MLA layers, SwiGLU or mixture-of-experts
+FFNs, Attention Residuals.
 
     x_0 = Embed(tokens)                                           [B, T, D]
     for each layer l (kind K = KDA or M = Gated MLA, from ``spec.pattern``):
         h = AttnRes_read(sources)            x += Mixer_l(RMSNorm(h))      (sublayer 2l)
-        h = AttnRes_read(sources)            x += SwiGLU_l(RMSNorm(h))     (sublayer 2l + 1)
+        h = AttnRes_read(sources)            x += FFN_l(RMSNorm(h))        (sublayer 2l + 1)
     logits = Head(RMSNorm(AttnRes_read(sources)))                 [B, T, V] float32
+
+FFN_l is the dense SwiGLU, or with ``spec.moe`` the mixture of experts (layers/moe.py) in every
+layer after the first ``moe.first_k_dense``, which keep the dense SwiGLU.
 
 With ``attn_res="none"`` the reads are the plain residual stream; otherwise see
 layers/attn_res.py. Nothing positional anywhere: KDA's recurrence carries order.
@@ -13,8 +17,9 @@ Layer pattern (resolved in kimi_k3/config.py): ``kda_per_mla = r`` gives r KDA l
 MLA, repeating; ``final_mla`` makes the last layer MLA; r = 0 is all MLA; an explicit
 ``pattern`` string ("KKKM...") overrides. Compile time does not grow with depth: the pattern is
 split into a repeating unit (e.g. "KKKM"), scanned over with ``nnx.scan`` (parameters stacked
-along a "layers" axis), and a short unrolled tail (e.g. K3's final "M"). ``remat``
-rematerialises each scanned unit / tail layer.
+along a "layers" axis), and a short unrolled tail (e.g. K3's final "M"). A mixture of experts'
+dense-FFN first layers run unrolled before the scan (``spec.scan_prefix``), so every scanned
+layer has the same FFN. ``remat`` rematerialises each scanned unit / unrolled layer.
 
 Decoding: ``init_cache`` / ``prefill`` / ``step`` carry per-layer state (KDA state and conv
 tails, MLA latent cache) and a position counter, so a sequence processed in pieces gives the same
@@ -37,6 +42,7 @@ from kimi_k3.layers.embed import Embed, OutputHead, chunked_nll
 from kimi_k3.layers.kda_layer import KDALayer
 from kimi_k3.layers.mla import GatedMLA
 from kimi_k3.layers.mlp import SwiGLU
+from kimi_k3.layers.moe import MoE
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.sharding import BTD, BTV, constrain
 
@@ -65,7 +71,17 @@ def _matmul_params(spec: ModelSpec) -> dict[str, int]:
     mla = q + D * R + D * ds + R * Hm * dn + R * Hm * dv + Hm * dv * D
     if m.output_gate:
         mla += D * Hm * dv
-    return {"K": kda, "M": mla, "mlp": 3 * D * spec.mlp_dim, "head": D * spec.vocab_size}
+    out = {"K": kda, "M": mla, "mlp": 3 * D * spec.mlp_dim, "head": D * spec.vocab_size}
+    if spec.moe is not None:  # what one token multiplies: router, k routed and the shared expert
+        e = spec.moe
+        out["moe"] = D * e.num_experts + 3 * D * (e.top_k * e.expert_dim + e.shared_dim)
+    return out
+
+
+def ffn_kinds(spec: ModelSpec) -> str:
+    """One letter per layer: "d" = dense SwiGLU, "e" = mixture of experts."""
+    k = spec.num_layers if spec.moe is None else spec.moe.first_k_dense
+    return "d" * k + "e" * (spec.num_layers - k)
 
 
 def _attn_res_sources(spec: ModelSpec) -> list[int]:
@@ -77,12 +93,27 @@ def _attn_res_sources(spec: ModelSpec) -> list[int]:
     return [1 + l // S + (1 if l % S else 0) for l in range(n_sub + 1)]
 
 
+def layer_numbers(spec: ModelSpec, path: tuple) -> tuple[int, ...]:
+    """The 1-based numbers of the layers a model-state path lies in: ("prefix", i, ...) and
+    ("tail", j, ...) one layer each, ("groups", "layers", i, ...) one per repeat of the scan
+    (its arrays are stacked over them)."""
+    n_prefix, n_unit = len(spec.scan_prefix), len(spec.scan_unit)
+    if path[0] == "prefix":
+        return (int(path[1]) + 1,)
+    if path[0] == "groups":
+        return tuple(n_prefix + r * n_unit + int(path[2]) + 1 for r in range(spec.scan_repeats))
+    if path[0] == "tail":
+        return (n_prefix + spec.scan_repeats * n_unit + int(path[1]) + 1,)
+    raise ValueError(f"layer_numbers: {path!r} is not inside a layer")
+
+
 def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     """Training FLOPs (forward + backward = 3 x forward) per token at sequence length seq_len.
 
     ``spec``: a ModelSpec, or the ``config.model`` ConfigDict (checked into one). Counts: every
-    weight matmul (2 FLOPs per weight per token, the output head included, the embedding
-    lookup not); KDA's chunked core, HV * (6 K^2 + 3 C K + C^2) per token (notes/kda.md,
+    weight matmul a token goes through (2 FLOPs per weight per token, the output head included,
+    the embedding lookup not; of a mixture of experts the router, the k chosen and the shared
+    experts); KDA's chunked core, HV * (6 K^2 + 3 C K + C^2) per token (notes/kda.md,
     C = chunk size); causal MLA attention over on average (seq_len + 1) / 2 keys,
     2 H (dn + ds + dv) per key; and the Attention Residual reads, 4 D per source. Norms,
     convolutions and elementwise work are left out.
@@ -92,7 +123,9 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
         raise ValueError(f"flops_per_token: seq_len must be a positive integer, got {seq_len!r}")
     n_k, n_m = spec.pattern.count("K"), spec.pattern.count("M")
     p = _matmul_params(spec)
-    fwd = 2.0 * (n_k * p["K"] + n_m * p["M"] + spec.num_layers * p["mlp"] + p["head"])
+    ffn = ffn_kinds(spec)
+    fwd = 2.0 * (n_k * p["K"] + n_m * p["M"] + ffn.count("d") * p["mlp"]
+                 + ffn.count("e") * p.get("moe", 0) + p["head"])
     k, m = spec.kda, spec.mla
     C, K = k.chunk_size, k.head_dim
     fwd += n_k * k.num_v_heads * (6 * K * K + 3 * C * K + C * C)
@@ -102,12 +135,26 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     return 3.0 * fwd
 
 
-def count_params(spec: ModelSpec) -> int:
+def count_params(spec: ModelSpec, active: bool = False) -> int:
     """Parameter count from ``nnx.eval_shape`` (allocates nothing; fine for K3). ``spec``: a
-    ModelSpec or the ``config.model`` ConfigDict."""
+    ModelSpec or the ``config.model`` ConfigDict.
+
+    ``active=True``: the parameters one token uses: all of them less, in every mixture-of-experts
+    layer, the E - k routed experts it does not choose (the embedding table counts whole, as in
+    the published "active" figures). The routing bias is model state, not a parameter."""
     spec = model_spec(spec)
     abstract = nnx.eval_shape(lambda: HybridLM(spec, rngs=nnx.Rngs(0)))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    return total - unused_expert_params(spec) if active else total
+
+
+def unused_expert_params(spec: ModelSpec) -> int:
+    """Routed-expert weights one token leaves out: E - k experts of 3 D F in each MoE layer."""
+    if spec.moe is None:
+        return 0
+    e = spec.moe
+    per_layer = (e.num_experts - e.top_k) * 3 * spec.d_model * e.expert_dim
+    return ffn_kinds(spec).count("e") * per_layer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,13 +167,14 @@ def _query(q: DepthQuery | None) -> jax.Array | None:
 
 
 class DecoderLayer(nnx.Module):
-    """One layer = mixer sublayer (KDA for kind "K", Gated MLA for "M") + SwiGLU sublayer.
+    """One layer = mixer sublayer (KDA for kind "K", Gated MLA for "M") + FFN sublayer (the dense
+    SwiGLU, or with ``experts`` the mixture of experts of ``spec.moe``).
 
     Each sublayer reads its input from the depth residual (plain sum or Attention Residuals),
     applies RMSNorm then itself, and writes its output back.
     """
 
-    def __init__(self, kind: str, spec: ModelSpec, *, rngs: nnx.Rngs):
+    def __init__(self, kind: str, spec: ModelSpec, *, rngs: nnx.Rngs, experts: bool = False):
         dtype, pdtype = spec.compute_dtype, spec.storage_dtype
         D = spec.d_model
         self.kind = kind
@@ -135,7 +183,10 @@ class DecoderLayer(nnx.Module):
         mixer_cls, part = MIXERS[kind]
         self.mixer = mixer_cls(D, getattr(spec, part), rngs=rngs, dtype=dtype, param_dtype=pdtype)
         self.mlp_norm = RMSNorm(D, **norm)
-        self.mlp = SwiGLU(D, spec.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+        if experts:
+            self.mlp = MoE(D, spec.moe, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+        else:
+            self.mlp = SwiGLU(D, spec.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype)
         if spec.attn_res != "none":
             self.mixer_query = DepthQuery(D, param_dtype=pdtype)
             self.mlp_query = DepthQuery(D, param_dtype=pdtype)
@@ -159,7 +210,9 @@ class LayerGroup(nnx.Module):
     """The repeating unit of the pattern (e.g. "KKKM"): one step of the scan over depth."""
 
     def __init__(self, unit: str, spec: ModelSpec, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(kind, spec, rngs=rngs) for kind in unit])
+        experts = spec.moe is not None
+        self.layers = nnx.List([DecoderLayer(kind, spec, rngs=rngs, experts=experts)
+                                for kind in unit])
 
     def init_cache(self, batch_size: int, max_len: int) -> tuple:
         return tuple(layer.init_cache(batch_size, max_len) for layer in self.layers)
@@ -197,6 +250,8 @@ class HybridLM(nnx.Module):
         self.depth = DepthResidual(spec.attn_res, 2 * spec.num_layers, spec.attn_res_block_size,
                                    spec.norm_eps)
         self.embed = Embed(spec.vocab_size, D, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+        # Dense-FFN first layers of a mixture of experts, unrolled (empty otherwise).
+        self.prefix = nnx.List([DecoderLayer(kind, spec, rngs=rngs) for kind in spec.scan_prefix])
         if self.repeats:
             unit = self.unit
 
@@ -208,7 +263,9 @@ class HybridLM(nnx.Module):
             self.groups = make_groups(rngs)
         else:
             self.groups = None
-        self.tail = nnx.List([DecoderLayer(kind, spec, rngs=rngs) for kind in spec.scan_tail])
+        experts = spec.moe is not None
+        self.tail = nnx.List([DecoderLayer(kind, spec, rngs=rngs, experts=experts)
+                              for kind in spec.scan_tail])
         self.final_query = DepthQuery(D, param_dtype=pdtype) if spec.attn_res != "none" else None
         self.final_norm = RMSNorm(D, eps=spec.norm_eps, dtype=dtype, param_dtype=pdtype)
         self.head = None if spec.tie_embeddings else OutputHead(
@@ -221,6 +278,18 @@ class HybridLM(nnx.Module):
             return fn
         return nnx.remat(fn, policy=self.spec.remat_policy, prevent_cse=False)
 
+    def _unrolled(self, layers, state, depth, segment_ids_BxT, caches, pos, training):
+        """Layers one after the other (the prefix before the scan, the tail after it)."""
+        new_caches = []
+        for i, layer in enumerate(layers):
+            def layer_step(layer, state, c):
+                return layer(state, depth, segment_ids_BxT, c, pos)
+
+            state, c = self._maybe_remat(layer_step, training)(
+                layer, state, None if training else caches[i])
+            new_caches.append(c)
+        return state, tuple(new_caches)
+
     def _forward(self, x_BxTxD, segment_ids_BxT, cache):
         if x_BxTxD.ndim != 3:
             raise ValueError(f"HybridLM: embeddings must be [B, T, D], got shape {x_BxTxD.shape}")
@@ -231,10 +300,11 @@ class HybridLM(nnx.Module):
         pos = 0 if training else cache["pos"]
         depth = self.depth
         state = depth.init(constrain(x_BxTxD, BTD))
-        # Same structure as init_cache, so a jitted prefill compiles once for every piece.
-        new_cache = None if training else {"pos": pos + x_BxTxD.shape[1], "groups": None,
-                                           "tail": ()}
+        part = lambda key: None if training else cache[key]
 
+        state, prefix_caches = self._unrolled(self.prefix, state, depth, segment_ids_BxT,
+                                              part("prefix"), pos, training)
+        group_caches = None
         if self.groups is not None:
             def group_step(group, state, caches):
                 return group(state, depth, segment_ids_BxT, caches, pos)
@@ -246,21 +316,12 @@ class HybridLM(nnx.Module):
             def scan_groups(group, state, caches):
                 return group_step(group, state, caches)
 
-            state, group_caches = scan_groups(self.groups, state,
-                                              None if training else cache["groups"])
-            if not training:
-                new_cache["groups"] = group_caches
-
-        tail_caches = []
-        for i, layer in enumerate(self.tail):
-            def layer_step(layer, state, c):
-                return layer(state, depth, segment_ids_BxT, c, pos)
-
-            state, c = self._maybe_remat(layer_step, training)(
-                layer, state, None if training else cache["tail"][i])
-            tail_caches.append(c)
-        if not training:
-            new_cache["tail"] = tuple(tail_caches)
+            state, group_caches = scan_groups(self.groups, state, part("groups"))
+        state, tail_caches = self._unrolled(self.tail, state, depth, segment_ids_BxT,
+                                            part("tail"), pos, training)
+        # Same structure as init_cache, so a jitted prefill compiles once for every piece.
+        new_cache = None if training else {"pos": pos + x_BxTxD.shape[1], "prefix": prefix_caches,
+                                           "groups": group_caches, "tail": tail_caches}
 
         return self.final_norm(depth.read(state, _query(self.final_query))), new_cache
 
@@ -309,12 +370,14 @@ class HybridLM(nnx.Module):
         """Empty cache for ``batch_size`` rows of up to ``max_len`` tokens:
 
         {"pos": int32 scalar (tokens seen so far),
+         "prefix": per unrolled layer before the scan, its cache,
          "groups": per layer of the scanned unit, its cache stacked over the repeats,
-         "tail": per unrolled layer, its cache}
+         "tail": per unrolled layer after it, its cache}
         KDA layer cache: state [B, HV, K, V] f32, conv_q / conv_k / conv_v [B, W-1, heads, dim];
         MLA layer cache: latent_kv [B, max_len, kv_lora_rank + shared_head_dim] (compute dtype).
         """
-        cache = {"pos": jnp.zeros((), jnp.int32), "groups": None, "tail": ()}
+        cache = {"pos": jnp.zeros((), jnp.int32), "prefix": (), "groups": None, "tail": ()}
+        cache["prefix"] = tuple(layer.init_cache(batch_size, max_len) for layer in self.prefix)
         if self.groups is not None:
             # Cache shapes depend on static attributes only: any slice of the stack will do.
             one = self.groups.init_cache(batch_size, max_len)

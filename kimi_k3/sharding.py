@@ -12,7 +12,7 @@ Parameter axes:
     mlp      MLP hidden dim                     kv_lora  MLA latent (kv_lora_rank)
     q_lora   MLA low-rank query dim             rank     KDA low-rank gate bottleneck
     conv     short-convolution taps             norm     norm scales over D
-    layers   the stacked (scanned) layer axis
+    layers   the stacked (scanned) layer axis   expert   a mixture's routed experts
 
 Activation axes: activation_batch, activation_length, activation_embed, activation_heads,
 activation_kv, activation_mlp, activation_vocab.
@@ -26,10 +26,16 @@ Typical use in a trainer::
 
 Without a mesh or without rules in context, :func:`constrain` is the identity, so the model runs
 unchanged on one device and in tests.
+
+The mixture of experts leaves the compiler's automatic partitioning for its dispatch: it sorts
+tokens per device and sends them to their experts' devices by all-to-all inside ``shard_map``.
+:func:`expert_layout` tells it, from the same rules, which mesh axes split its tokens, its
+experts and its experts' hidden width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -44,7 +50,7 @@ from kimi_k3.optim import path_str
 
 # Every logical name the model uses, parameter axes first.
 PARAM_AXES = ("vocab", "embed", "heads", "kv", "mlp", "kv_lora", "q_lora", "rank", "conv", "norm",
-              "layers")
+              "layers", "expert")
 ACTIVATION_AXES = (
     "activation_batch", "activation_length", "activation_embed", "activation_heads",
     "activation_kv", "activation_mlp", "activation_vocab",
@@ -94,8 +100,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return nn.with_logical_constraint(x, tuple(names))
 
 
-def param(value: jax.Array, names: Sequence[str | None]) -> nnx.Param:
-    """An ``nnx.Param`` carrying logical axis names.
+def param(value: jax.Array, names: Sequence[str | None], kind: type = nnx.Param) -> nnx.Variable:
+    """An ``nnx.Param`` (or another ``kind`` of ``nnx.Variable``) carrying logical axis names.
 
     Flax's eager sharding would look ``names`` up as mesh axes and fail on names a rule set
     leaves out, so it is switched off here; instead, when a mesh and rules are in context, the
@@ -107,7 +113,75 @@ def param(value: jax.Array, names: Sequence[str | None]) -> nnx.Param:
         raise ValueError(f"param: {len(names)} axis names {names} for a value of rank {value.ndim}")
     if _rules_in_context():
         value = nn.with_logical_constraint(value, names)
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+    return kind(value, out_sharding=names, eager_sharding=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism: where a mixture of experts' manual dispatch meets the mesh
+# ---------------------------------------------------------------------------------------------
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """The mesh axes a mixture of experts' ``shard_map`` works over, from the rules in force.
+
+    tokens      PartitionSpec of a [B, T, ...] token array: rows over the batch axes, positions
+                over the length axes (each device routes its own tokens)
+    experts     mesh axes (of more than one device) the routed experts are split over: the
+                "expert" logical axis
+    num_shards  devices along ``experts``
+    dispatch    how tokens meet experts held elsewhere: "all_to_all" when the expert axes also
+                split the tokens (the default rules: each device sends its tokens to the devices
+                holding their experts and gets the outputs back), "psum" when they do not (every
+                device along them holds the same tokens, runs its own experts on them, and the
+                partial outputs are summed), "local" when one device holds every expert
+    ffn         mesh axes the experts' hidden width is split over (the expert weights' last
+                logical axis), on which no token axis lies: partial outputs, summed by psum
+    """
+
+    mesh: jax.sharding.AbstractMesh
+    tokens: PartitionSpec
+    experts: tuple[str, ...]
+    num_shards: int
+    dispatch: str
+    ffn: tuple[str, ...]
+
+
+def expert_layout(expert_weight_names: Sequence[str | None]) -> ExpertLayout | None:
+    """The layout for expert weights named ``expert_weight_names`` ([expert, ..., hidden]) under
+    the mesh and rules in context; None without them (one device: no ``shard_map``). Raises
+    ValueError naming ``mesh.axis_rules`` when the expert axes split the tokens only in part."""
+    if not _rules_in_context():
+        return None
+    rules = core_spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    batch, length = nn.logical_to_mesh_axes(("activation_batch", "activation_length"), rules)
+    token_axes = set(_mesh_axes(batch)) | set(_mesh_axes(length))
+    spec = nn.logical_to_mesh_axes(tuple(expert_weight_names), rules)
+    experts = tuple(a for a in _mesh_axes(spec[0]) if mesh.shape[a] > 1)
+    ffn = tuple(a for a in _mesh_axes(spec[len(expert_weight_names) - 1])
+                if a not in token_axes and a not in experts and mesh.shape[a] > 1)
+    shared = [a for a in experts if a in token_axes]
+    if not experts:
+        dispatch = "local"
+    elif len(shared) == len(experts):
+        dispatch = "all_to_all"
+    elif not shared:
+        dispatch = "psum"
+    else:
+        raise ValueError(
+            f"mesh.axis_rules: the experts are split over mesh axes {experts}, of which "
+            f"{tuple(shared)} also split the tokens (activation_batch / activation_length) and "
+            f"the others do not; make them all token axes or none")
+    return ExpertLayout(mesh=mesh, tokens=PartitionSpec(batch, length), experts=experts,
+                        num_shards=math.prod(mesh.shape[a] for a in experts), dispatch=dispatch,
+                        ffn=ffn)
 
 
 # ---------------------------------------------------------------------------------------------

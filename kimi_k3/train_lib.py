@@ -1,4 +1,4 @@
-"""The trainer: a HybridLM on a (data, fsdp, tensor) device mesh.
+"""The trainer: a HybridLM on a (data, fsdp, expert, tensor) device mesh.
 
     python train.py --config=configs/tiny.py --workdir=runs/tiny [--config.train.steps=500]
 
@@ -17,6 +17,15 @@ largest micro-batch XLA's memory estimate says fits the device (``choose_microba
 Non-finite loss or gradient norm: the update of that step is never applied (parameters and
 optimizer state stay as they were). ``train.nan_policy = "stop"`` then ends the run with an
 error naming the step; ``"skip"`` counts it and goes on.
+
+A mixture of experts (layers/moe.py) adds model state that is not a parameter: each layer's
+routing bias (``ExpertBias``), carried in the train state as ``"model_state"`` and checkpointed
+with it. After each applied update the step moves it toward balanced load,
+b_e += moe.bias_update_rate * sign(mean_e' load_e' - load_e), from the loads the forward passes
+measured over the whole global batch (``MoeStat``); a sequence-wise balance loss, when on, is
+added to the objective (``loss`` reports the cross-entropy alone). Per MoE layer, the load's
+max / mean over experts and the bias norm go to the metrics, with the dropped assignments
+(capacity mode) and the balance loss.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_k3 import checkpoint as ckpt_lib
@@ -45,7 +54,8 @@ from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
 from kimi_k3.config import RunSpec, run_spec
-from kimi_k3.model import HybridLM, flops_per_token
+from kimi_k3.layers.moe import ExpertBias, MoeStat, update_bias
+from kimi_k3.model import HybridLM, flops_per_token, layer_numbers, unused_expert_params
 
 # ---------------------------------------------------------------------------------------------
 # Model: parameters as plain nested dicts, logical names beside them
@@ -63,8 +73,33 @@ def split_model(model):
     return graphdef, nnx.to_pure_dict(params), rest
 
 
-def merge_model(graphdef, params, rest):
-    return nnx.merge(graphdef, nnx.State(params), rest)
+def split_for_training(model):
+    """(graphdef, params, model state, the rest): params and the model state the trainer carries
+    (the routing biases; {} without a mixture of experts) as nested dicts of arrays, the rest
+    (constants, and measurements the forward pass overwrites) as an nnx State."""
+    graphdef, params, model_state, rest = nnx.split(model, nnx.Param, ExpertBias, ...)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(model_state), rest
+
+
+def merge_model(graphdef, params, rest, model_state=None):
+    """The model from ``split_model`` / ``split_for_training``'s parts. Its variables are fresh
+    copies, so a forward pass under ``jit`` or ``grad`` may write its measurements into them."""
+    states = [nnx.State(params)] + ([nnx.State(model_state)] if model_state else []) + [rest]
+    return nnx.merge(graphdef, *states, copy=True)
+
+
+def moe_stats(model) -> dict:
+    """The measurements a forward pass left in ``model``'s MoE layers, as a flat dict
+    {state path: array} ({} without a mixture of experts)."""
+    return traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, MoeStat)))
+
+
+def update_biases(model_state: dict, stats: dict, rate: float) -> dict:
+    """Every routing bias of ``model_state`` moved by its layer's measured ``load`` in ``stats``
+    (``moe_stats``'s flat dict) with ``moe.update_bias``."""
+    flat = traverse_util.flatten_dict(model_state)
+    return traverse_util.unflatten_dict(
+        {path: update_bias(b, stats[path[:-1] + ("load",)], rate) for path, b in flat.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,25 +123,35 @@ def count_targets(segment_ids_BxT):
     return jnp.sum((s[:, 1:] == s[:, :-1]) & (s[:, 1:] > 0))
 
 
-def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
+def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_spec=None,
+                    moe_layers=()):
     """train_step(state, batch) -> (state, metrics), to be jitted.
 
-    state: {"params", "opt_state", "step", "rng"}; batch: {"tokens", "segment_ids"} [B, T].
+    state: {"params", "opt_state", "step", "rng"}, and "model_state" (the routing biases) for a
+    mixture of experts; batch: {"tokens", "segment_ids"} [B, T]. ``model_spec``: the ModelSpec
+    (None for a stand-in model: nothing of a mixture of experts); ``moe_layers``: where each MoE
+    layer's measurements lie (``moe_layer_paths``).
     """
     micro_spec = NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES, None))
+    moe = model_spec.moe if model_spec is not None else None
+    bias_rate = moe.bias_update_rate if moe is not None else 0.0
 
-    def loss_sum(params, tokens, segment_ids, denom):
-        s, n = next_token_loss(merge_model(graphdef, params, rest), tokens, segment_ids)
-        return s / denom, n
+    def loss_sum(params, model_state, tokens, segment_ids, denom):
+        model = merge_model(graphdef, params, rest, model_state)
+        s, n = next_token_loss(model, tokens, segment_ids)
+        stats = moe_stats(model)
+        balance = sum((v for p, v in stats.items() if p[-1] == "balance_loss"), jnp.zeros(()))
+        # Each micro-batch's balance loss is a mean over its rows: their mean is the batch's.
+        return s / denom + balance.sum() / accum_steps, (n, s / denom, stats)
 
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
     def train_step(state, batch):
-        params = state["params"]
+        params, model_state = state["params"], state.get("model_state")
         tokens, segs = batch["tokens"], batch["segment_ids"]
         denom = jnp.maximum(count_targets(segs), 1).astype(jnp.float32)
         if accum_steps == 1:
-            (loss, n), grads = grad_fn(params, tokens, segs, denom)
+            (_, (n, loss, stats)), grads = grad_fn(params, model_state, tokens, segs, denom)
         else:
             B, T = tokens.shape
             # Micro-batch a takes rows a, a + A, a + 2A, ...: each device keeps its own rows.
@@ -115,15 +160,22 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
                 return jax.lax.with_sharding_constraint(x, micro_spec)
 
             def body(carry, mb):
-                (l, n), g = grad_fn(params, mb[0], mb[1], denom)
-                acc_l, acc_n, acc_g = carry
+                (_, (n, l, st)), g = grad_fn(params, model_state, mb[0], mb[1], denom)
+                acc_l, acc_n, acc_st, acc_g = carry
                 acc_g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)
-                return (acc_l + l, acc_n + n, acc_g), None
+                acc_st = jax.tree.map(jnp.add, acc_st, st)  # loads and drops add up
+                return (acc_l + l, acc_n + n, acc_st, acc_g), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            (loss, n, grads), _ = jax.lax.scan(
-                body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros),
-                (micro(tokens), micro(segs)))
+            micro_tokens, micro_segs = micro(tokens), micro(segs)
+            _, (_, _, stats0) = jax.eval_shape(loss_sum, params, model_state, micro_tokens[0],
+                                               micro_segs[0], denom)
+            zero_stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), stats0)
+            (loss, n, stats, grads), _ = jax.lax.scan(
+                body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zero_stats, zeros),
+                (micro_tokens, micro_segs))
+            stats = {p: v / accum_steps if p[-1] == "balance_loss" else v
+                     for p, v in stats.items()}
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
@@ -142,17 +194,52 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh):
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "finite": finite, "loss_finite": loss_finite, "grad_finite": grad_finite,
                    "update_finite": update_finite, "targets": n}
+        if model_state is not None:
+            with jax.named_scope("expert_bias"):
+                new_state["model_state"] = keep(update_biases(model_state, stats, bias_rate),
+                                                model_state)
+        if moe_layers:
+            metrics.update(moe_metrics(stats, new_state["model_state"], moe_layers))
         return new_state, metrics
 
     return train_step
 
 
+def moe_layer_paths(spec, abstract_stats: dict) -> tuple:
+    """((path of a layer's measurements, its layer numbers), ...), by first layer number: a
+    scanned layer's path holds one slice per repeat (``model.layer_numbers``)."""
+    paths = sorted({p[:-1] for p in abstract_stats}, key=lambda p: layer_numbers(spec, p)[0])
+    return tuple((p, layer_numbers(spec, p)) for p in paths)
+
+
+def moe_metrics(stats: dict, model_state: dict, moe_layers) -> dict:
+    """Per MoE layer, in the order of ``moe_layers`` (a scanned path's repeats in turn): the
+    load's max / mean over experts and the routing bias norm, [L_moe] each; the dropped
+    assignments and the balance loss, summed over layers."""
+    biases = traverse_util.flatten_dict(model_state)
+    ratio, norm = [], []
+    for path, _ in moe_layers:
+        load = stats[path + ("load",)]  # [E] or [repeats, E]
+        ratio.append((load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).reshape(-1))
+        norm.append(jnp.linalg.norm(biases[path + ("bias",)], axis=-1).reshape(-1))
+    total = lambda key: sum(v.sum() for p, v in stats.items() if p[-1] == key)
+    return {"moe_load_max_mean": jnp.concatenate(ratio), "moe_bias_norm": jnp.concatenate(norm),
+            "moe_dropped": total("dropped"), "moe_balance_loss": total("balance_loss")}
+
+
 def make_eval_step(graphdef, rest):
-    def eval_step(params, batch):
-        return next_token_loss(merge_model(graphdef, params, rest), batch["tokens"],
-                               batch["segment_ids"])
+    """eval_step(model, batch) -> (summed cross-entropy, targets); ``model``: {"params"} and,
+    for a mixture of experts, {"model_state"} (``model_part`` of a train state)."""
+    def eval_step(model, batch):
+        merged = merge_model(graphdef, model["params"], rest, model.get("model_state"))
+        return next_token_loss(merged, batch["tokens"], batch["segment_ids"])
 
     return eval_step
+
+
+def model_part(state: dict) -> dict:
+    """What a forward pass needs of a train state: the parameters (and the model state)."""
+    return {k: state[k] for k in ("params", "model_state") if k in state}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +258,7 @@ class Setup:
     schedule: object
     abstract_state: dict  # ShapeDtypeStructs carrying the target shardings
     state_shardings: dict
+    moe_layers: tuple  # ((state path, layer numbers), ...) of the MoE layers (moe_layer_paths)
     batch_sharding: NamedSharding
     train_step: object  # jitted
     eval_step: object  # jitted
@@ -197,8 +285,8 @@ def device_memory_bytes() -> int | None:
 
 def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batch_sharding,
                       rules, limit: int | None = None) -> int:
-    """``train.microbatch_size = 0``: the largest micro-batch (a multiple of data x fsdp that
-    divides the global batch ``B``) whose forward + backward fits the device.
+    """``train.microbatch_size = 0``: the largest micro-batch (a multiple of data x fsdp x expert
+    that divides the global batch ``B``) whose forward + backward fits the device.
 
     XLA compiles the gradient of the smallest such micro-batch and reports its scratch memory;
     activations grow with the rows, so a micro-batch of m rows is planned at m / smallest times
@@ -212,13 +300,15 @@ def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batc
         return B
     smallest = sizes[0]
 
-    def loss(params, tokens, segs):
-        s, c = next_token_loss(merge_model(graphdef, params, rest), tokens, segs)
+    def loss(params, model_state, tokens, segs):
+        model = merge_model(graphdef, params, rest, model_state)
+        s, c = next_token_loss(model, tokens, segs)
         return s / jnp.maximum(c, 1)
 
     rows = jax.ShapeDtypeStruct((smallest, T), jnp.int32, sharding=batch_sharding)
     with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
-        compiled = jax.jit(jax.grad(loss)).lower(abstract_state["params"], rows, rows).compile()
+        compiled = jax.jit(jax.grad(loss)).lower(
+            abstract_state["params"], abstract_state.get("model_state"), rows, rows).compile()
     scratch = compiled.memory_analysis().temp_size_in_bytes
     state = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
                 for s in jax.tree.leaves(abstract_state))
@@ -255,7 +345,8 @@ def build(config, mesh, model_fn=None) -> Setup:
         model_fn = lambda s: make_model(spec.model, s)
 
     abstract_model = nnx.eval_shape(lambda: model_fn(seed))
-    graphdef, abs_params_state, abs_rest = nnx.split(abstract_model, nnx.Param, ...)
+    graphdef, abs_params_state, abs_model_state, abs_rest = nnx.split(
+        abstract_model, nnx.Param, ExpertBias, ...)
     abs_params = nnx.to_pure_dict(abs_params_state)
     names = sharding_lib.variable_axes(abs_params_state)
     param_shardings = sharding_lib.tree_shardings(abs_params, names, mesh, rules, root="params/")
@@ -266,11 +357,22 @@ def build(config, mesh, model_fn=None) -> Setup:
     opt_shardings = sharding_lib.shardings_like_params(abs_opt, abs_params, param_shardings, repl)
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings,
                        "step": repl, "rng": repl}
+    has_model_state = bool(jax.tree.leaves(abs_model_state))
+    if has_model_state:  # the routing biases: carried, updated and saved beside the parameters
+        state_shardings["model_state"] = sharding_lib.tree_shardings(
+            nnx.to_pure_dict(abs_model_state), sharding_lib.variable_axes(abs_model_state), mesh,
+            rules, root="model_state/")
+    moe_layers = ()
+    if spec.model is not None and spec.model.moe is not None:
+        stats = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(abstract_model, MoeStat)))
+        moe_layers = moe_layer_paths(spec.model, stats)
 
     def init_state():
-        _, params, rest = split_model(model_fn(seed))
+        _, params, model_state, rest = split_for_training(model_fn(seed))
         state = {"params": params, "opt_state": tx.init(params),
                  "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed + 1)}
+        if has_model_state:
+            state["model_state"] = model_state
         return state, rest
 
     abs_state = jax.eval_shape(lambda: init_state()[0])
@@ -283,23 +385,48 @@ def build(config, mesh, model_fn=None) -> Setup:
     micro = spec.train.microbatch_size or choose_microbatch(
         B, T, mesh, graphdef, abs_rest, abstract_state, batch_sharding, rules)
     jit_init = jax.jit(lambda: init_state()[0], out_shardings=state_shardings)
-    rest = abs_rest  # the non-parameter state (if the model has any): a constant of the steps
-    if jax.tree.leaves(abs_rest):
+    # The rest of the model's state: a constant of the steps. Measurements (MoeStat) are
+    # overwritten by every forward pass, so zeros will do; anything else comes from the
+    # initialiser (compiled for it alone).
+    abs_stats, abs_other = nnx.split_state(abs_rest, MoeStat, ...)
+    stats = jax.tree.map(lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype), repl), abs_stats)
+    other = abs_other
+    if jax.tree.leaves(abs_other):
         with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
-            rest = jax.jit(lambda: init_state()[1],
-                           out_shardings=jax.tree.map(lambda _: repl, abs_rest))()
-    step = make_train_step(graphdef, rest, tx, schedule, B // micro, mesh)
+            other = jax.jit(lambda: nnx.split_state(init_state()[1], MoeStat, ...)[1],
+                            out_shardings=jax.tree.map(lambda _: repl, abs_other))()
+    rest = nnx.merge_state(stats, other)
+    step = make_train_step(graphdef, rest, tx, schedule, B // micro, mesh, spec.model, moe_layers)
     train_step = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, repl), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(graphdef, rest),
-                        in_shardings=(param_shardings, batch_shardings), out_shardings=repl)
+                        in_shardings=(model_part(state_shardings), batch_shardings),
+                        out_shardings=repl)
 
     def init_fn():
         with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
             return jit_init()
 
     return Setup(spec, mesh, rules, graphdef, rest, tx, schedule, abstract_state,
-                 state_shardings, batch_sharding, train_step, eval_step, init_fn, micro)
+                 state_shardings, moe_layers, batch_sharding, train_step, eval_step, init_fn,
+                 micro)
+
+
+def moe_report(m: dict, moe_layers) -> dict:
+    """A step's MoE metrics for the report: per layer ``moe_load_max_mean/layer<l>`` and
+    ``moe_bias_norm/layer<l>``, their largest value over layers (``moe_load_max_mean``,
+    ``moe_bias_norm``), ``moe_dropped`` and ``moe_balance_loss``; {} without a mixture."""
+    if not moe_layers:
+        return {}
+    layers = [n for _, numbers in moe_layers for n in numbers]
+    out = {}
+    for key in ("moe_load_max_mean", "moe_bias_norm"):
+        values = [float(v) for v in np.asarray(m[key])]
+        out[key] = max(values)
+        out.update({f"{key}/layer{n}": v for n, v in zip(layers, values, strict=True)})
+    out["moe_dropped"] = int(m["moe_dropped"])
+    out["moe_balance_loss"] = float(m["moe_balance_loss"])
+    return out
 
 
 def check_finite(step: int, m: dict, policy: str, latest_checkpoint=lambda: None) -> bool:
@@ -334,7 +461,7 @@ def check_finite(step: int, m: dict, policy: str, latest_checkpoint=lambda: None
 
 
 def global_batch(local: dict[str, np.ndarray], sharding, global_rows: int) -> dict:
-    """This host's rows -> global arrays sharded over data x fsdp."""
+    """This host's rows -> global arrays sharded over data x fsdp x expert."""
     return {
         k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
         for k, v in local.items()
@@ -430,6 +557,13 @@ def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_ro
     held_out = f"{eval_rows:,} held-out rows" if eval_rows else "no held-out split"
     resume = (f"resuming from step {start:,} of {t.steps:,}" if start
               else f"from scratch to step {t.steps:,}")
+    experts = ""
+    if m.moe is not None:
+        e = m.moe
+        experts = (f"; MoE from layer {e.first_k_dense + 1}: {e.num_experts} experts, top-"
+                   f"{e.top_k} + {e.num_shared} shared, "
+                   f"{'dropless' if not e.capacity_factor else f'capacity {e.capacity_factor:g}'}"
+                   f", {n_params - unused_expert_params(m):,} parameters active per token")
     kinds = []
     if "K" in m.pattern:
         kinds.append(f"KDA impl {m.kda.impl}")
@@ -439,7 +573,8 @@ def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_ro
         f"kimi_k3 train  {config_name}  ->  {workdir}",
         f"  model       {m.num_layers} layers {m.pattern} ({m.pattern.count('K')} KDA, "
         f"{m.pattern.count('M')} MLA), d_model {m.d_model}, vocab {m.vocab_size}, "
-        f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}; {', '.join(kinds)}",
+        f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}; {', '.join(kinds)}"
+        f"{experts}",
         f"  data        {source}: {train_rows:,} train rows, {held_out} of {T} tokens; "
         f"batch {B} x {T} = {B * T:,} tokens per step"
         + (f" in micro-batches of {microbatch} rows" if microbatch < B else ""),
@@ -563,7 +698,8 @@ def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preem
         tot, cnt = 0.0, 0
         with setup.context():
             for _ in range(eval_batches):
-                s, n = setup.eval_step(state["params"], global_batch(next(ev), setup.batch_sharding, B))
+                s, n = setup.eval_step(model_part(state),
+                                       global_batch(next(ev), setup.batch_sharding, B))
                 tot, cnt = tot + float(s), cnt + int(n)
         loss = tot / max(cnt, 1)
         last["eval"] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
@@ -595,6 +731,7 @@ def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preem
                 "lr": float(m["lr"]),
             }
             rec["perplexity"] = math.exp(min(rec["loss"], 50.0))
+            rec.update(moe_report(m, setup.moe_layers))
             if steps_timed > 0:
                 dt = now - clock["t"]
                 tps = steps_timed * B * T / dt

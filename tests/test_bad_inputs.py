@@ -353,7 +353,7 @@ def test_relative_workdir_two_saves_a_resume_and_a_finished_run(tmp_path, jax_ca
 def test_the_config_is_printed_flat():
     flat = train_lib.flat_config(load_config("tiny.py"))
     assert "model.d_model = 128" in flat and "data.source = 'stdlib'" in flat
-    assert "mesh.axis_rules = (('activation_batch', ('data', 'fsdp')), " in "\n".join(flat)
+    assert "mesh.axis_rules = (('activation_batch', ('data', 'fsdp', 'expert')), " in "\n".join(flat)
     assert all(" = " in line and "\n" not in line for line in flat)
     assert not any("!!python" in line for line in flat)
 

@@ -8,7 +8,7 @@ from configs import CONFIG_DIR, load_config, parse_arg
 from kimi_k3.config import layer_pattern, model_spec
 from kimi_k3.model import count_params, flops_per_token
 
-NAMES = ("tiny", "ablate_ratio", "small", "1b", "k3")
+NAMES = ("tiny", "ablate_ratio", "small", "1b", "k3", "moe_tiny", "moe_1b", "kimi_linear_48b")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -60,7 +60,7 @@ def test_negative_ratio_is_rejected_naming_the_field():
 
 
 def test_configs_without_arguments_reject_one():
-    for name in ("tiny", "small", "1b", "k3"):
+    for name in ("tiny", "small", "1b", "k3", "moe_tiny", "moe_1b", "kimi_linear_48b"):
         with pytest.raises(ValueError, match=name):
             load_config(f"{name}.py:x=1")
     with pytest.raises(ValueError, match="no config file"):
@@ -71,6 +71,14 @@ def test_configs_without_arguments_reject_one():
 def test_gpu_configs_have_their_advertised_sizes():
     assert 120e6 < count_params(load_config("small").model) < 180e6
     assert 0.9e9 < count_params(load_config("1b").model) < 1.3e9
+    moe = load_config("moe_1b").model
+    assert 0.9e9 < count_params(moe, active=True) < 1.2e9 < 4e9 < count_params(moe) < 5e9
+
+
+def test_moe_tiny_is_tiny_with_three_moe_layers():
+    spec = model_spec(load_config("moe_tiny").model)
+    assert spec.moe.num_experts == 8 and spec.scan_prefix == "K" and spec.pattern == "KKKM"
+    assert count_params(spec, active=True) < count_params(spec) < 2_000_000
 
 
 def test_k3_shapes_parameter_count_and_flops():
@@ -80,7 +88,9 @@ def test_k3_shapes_parameter_count_and_flops():
     assert (m.d_model, m.num_heads, m.kda.head_dim, m.mla.num_heads) == (7168, 96, 128, 96)
     assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.attn_res, m.attn_res_block_size) == (
         1536, 512, "block", 24)
-    n = count_params(m)  # nnx.eval_shape: nothing allocated
-    assert 60e9 < n < 80e9  # dense-FFN stand-in (the real K3 FFN is MoE)
-    # Training FLOPs per token: about 6 per parameter plus attention and KDA.
-    assert 6 * n < flops_per_token(m, 8192) < 8 * n
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.num_shared) == (896, 16, 2)
+    n, active = count_params(m), count_params(m, active=True)  # nnx.eval_shape: no allocation
+    # 92 MoE layers of 896 experts of 3 x 7168 x 2048: ~3.6T, of which a token uses 18 experts
+    assert 3.5e12 < n < 3.8e12 and 95e9 < active < 115e9
+    # Training FLOPs per token: about 6 per active parameter plus attention and KDA.
+    assert 6 * (active - 163840 * 7168) < flops_per_token(m, 8192) < 8 * active

@@ -357,23 +357,25 @@ def test_shapes_that_do_not_divide_the_mesh_are_refused():
     _, state, _ = nnx.split(abstract, nnx.Param, ...)
     params, names = nnx.to_pure_dict(state), sharding.variable_axes(state)
     rules = normalize_rules(cfg.mesh.axis_rules)
-    mesh = AbstractMesh((1, 1, 3), mesh_lib.MESH_AXES)  # 4 heads over tensor = 3
+    mesh = AbstractMesh((1, 1, 1, 3), mesh_lib.MESH_AXES)  # 4 heads over tensor = 3
     with pytest.raises(ValueError, match=r"params/.*: dimension \d \(logical '(heads|vocab)'\)"
                                          r" of shape .* does not divide by mesh axes tensor"):
         sharding.tree_shardings(params, names, mesh, rules, root="params/")
     with pytest.raises(ValueError, match=r"train.microbatch_size: 6 rows per micro-batch \(of "
                                          r"data.global_batch_size=6\) do not divide by "
-                                         r"data x fsdp = 2 x 2 = 4"):
-        mesh_lib.check_batch(6, 6, AbstractMesh((2, 2, 1), mesh_lib.MESH_AXES))
+                                         r"data x fsdp x expert = 2 x 2 x 1 = 4"):
+        mesh_lib.check_batch(6, 6, AbstractMesh((2, 2, 1, 1), mesh_lib.MESH_AXES))
     with pytest.raises(ValueError, match=r"train.microbatch_size: 4 does not divide "
                                          r"data.global_batch_size=6"):
-        mesh_lib.check_batch(6, 4, AbstractMesh((2, 2, 1), mesh_lib.MESH_AXES))
+        mesh_lib.check_batch(6, 4, AbstractMesh((2, 2, 1, 1), mesh_lib.MESH_AXES))
 
 
 @pytest.mark.parametrize("sizes,devices,want", [
-    ((-1, 1, 1), 8, (8, 1, 1)), ((2, -1, 2), 8, (2, 2, 2)), ((1, 2, 4), 8, (1, 2, 4)),
-    ((-1, -1, 1), 8, "only one axis may be -1"), ((3, -1, 1), 8, "do not divide"),
-    ((2, 2, 1), 8, "uses 4 devices, but 8 are present"), ((0, 1, 1), 8, "mesh.data: 0"),
+    ((-1, 1, 1, 1), 8, (8, 1, 1, 1)), ((2, -1, 1, 2), 8, (2, 2, 1, 2)),
+    ((1, 2, 1, 4), 8, (1, 2, 1, 4)), ((1, 1, 2, -1), 8, (1, 1, 2, 4)),
+    ((-1, -1, 1, 1), 8, "only one axis may be -1"), ((3, -1, 1, 1), 8, "do not divide"),
+    ((2, 2, 1, 1), 8, "uses 4 devices, but 8 are present"), ((0, 1, 1, 1), 8, "mesh.data: 0"),
+    ((1, 1, 0, 8), 8, "mesh.expert: 0"),
 ])
 def test_mesh_shape_from_config(sizes, devices, want):
     cfg = ml_collections.ConfigDict(dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)))

@@ -7,11 +7,12 @@ from kimi_k3.layers.embed import Embed, OutputHead
 from kimi_k3.layers.kda_layer import KDALayer
 from kimi_k3.layers.mla import GatedMLA
 from kimi_k3.layers.mlp import SwiGLU
+from kimi_k3.layers.moe import MoE
 from kimi_k3.layers.norms import RMSNorm, l2_normalize, rms_normalize
 from kimi_k3.layers.short_conv import ShortConv
 
 __all__ = [
-    "Dense", "DepthQuery", "DepthResidual", "Embed", "GatedMLA", "KDALayer", "OutputHead",
+    "Dense", "DepthQuery", "DepthResidual", "Embed", "GatedMLA", "KDALayer", "MoE", "OutputHead",
     "RMSNorm", "SwiGLU", "ShortConv", "attention", "l2_normalize", "reference_attention",
     "rms_normalize",
 ]

@@ -1,0 +1,340 @@
+"""Mixture of experts: Kimi Linear's sigmoid router with a load-balancing bias, dropless or with a
+capacity, expert-parallel over the mesh's "expert" axis.
+
+Router, per token x [D], E routed experts, correction bias b [E] (``route``):
+
+    s = sigmoid(x W_r)                         [E]  scores: they weight the chosen experts
+    c = s + b                                  [E]  choice scores: they choose them
+    n_group > 1: the experts form n_group groups of E / n_group; each group is scored by the sum
+                 of its two largest c; only the topk_group best groups stay eligible (the other
+                 experts' c = -inf)
+    chosen = top_k(c)                          k experts; among equal c the lowest index wins
+    w_j = s[chosen_j];  renormalize: w_j <- w_j / (sum_j w_j + 1e-20);  w_j <- w_j * scale
+
+    y = sum_j w_j SwiGLU_{chosen_j}(x) + SwiGLU_shared(x)
+
+The router runs in float32 (``router_float32``; the matmul at full precision), scores and
+weights are float32 either way. Routed expert e is a SwiGLU of width F = expert_dim
+(W_i [E, D, 2, F] fusing gate and up, W_o [E, F, D]); the shared expert, a SwiGLU of width
+shared_dim (expert_dim x num_shared), sees every token.
+
+Balance without an auxiliary loss (DeepSeek-V3): b gets no gradient. Each forward pass records
+load_e, the tokens sent to expert e; after every optimizer step the trainer moves
+b_e += rate * sign(mean_e' load_e' - load_e) (:func:`update_bias`): the underloaded rise, the
+overloaded sink. b is model state, not a parameter (``ExpertBias``): checkpointed, never seen by
+the optimizer. Optionally a sequence-wise balance loss (``balance_loss_coef`` = alpha > 0), per
+row of T tokens:
+
+    f_e = E / (k T) sum_t [e chosen at t],   P_e = 1/T sum_t s_te / sum_e' s_te'
+    L_bal = alpha sum_e f_e P_e              averaged over rows; the trainer adds it to the loss
+
+Dispatch (per device: the tokens it holds). Dropless (``capacity_factor = 0``): every
+token-expert assignment is kept; they are sorted by expert and multiplied by grouped matmuls
+(``jax.lax.ragged_dot``). With a capacity factor c > 0, an expert takes at most
+C = ceil(c n k / E) of a device's n tokens, in priority order (every token's first choice in
+token order, then every second choice, ...); the rest are dropped (routed output zero; the
+shared expert still sees them) and counted. The experts then run as one batched matmul over
+fixed [E, C, D] buffers.
+
+Expert parallelism: under a mesh (``kimi_k3/sharding.py``'s rules in context) the dispatch runs
+inside ``shard_map``, each device on its own tokens. When the expert axis has P > 1 devices,
+each holds E / P experts. With the default rules that axis also splits the tokens: an
+``all_to_all`` takes each device's tokens to the devices holding their experts, the experts
+run there, and a second ``all_to_all`` brings the outputs home. With capacity buffers each
+device sends c n k rows, the expected traffic. Dropless, fixed shapes must cover the worst case
+(every token choosing experts on one device): each device sends every peer all n of its tokens,
+each once with its choices on that peer; the bytes of an all-gather, however many experts a
+token chose there. Under rules where the expert axis does not split the tokens, its devices
+share them: each runs its own experts on them and the outputs are summed by psum. Data and FSDP
+axes gather the expert weights at the ``shard_map``'s edge (their gradients are reduce-scattered
+back); a tensor axis splits the experts' hidden width, whose partial outputs are summed by psum.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from kimi_k3 import sharding
+from kimi_k3.config import MoeSpec
+from kimi_k3.layers.dense import Dense
+from kimi_k3.layers.mlp import SwiGLU
+
+# Logical axes of the routed experts' weights (kimi_k3/sharding.py maps them to mesh axes).
+WI_NAMES = ("expert", "embed", None, "mlp")  # [E, D, (gate, up), F]
+WO_NAMES = ("expert", "mlp", "embed")  # [E, F, D]
+RENORM_EPS = 1e-20
+
+
+class ExpertBias(nnx.Variable):
+    """The routing correction bias b [E]: it chooses experts and never weights them. Not a
+    parameter: no gradient, no optimizer; the trainer updates it from the measured load
+    (:func:`update_bias`) and checkpoints it with the parameters."""
+
+
+class MoeStat(nnx.Variable):
+    """A measurement of the last forward pass, written by the layer for the trainer to read:
+    ``load`` [E] (tokens per expert), ``dropped`` (token-expert assignments over capacity),
+    ``balance_loss`` (alpha L_bal, 0 when off)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------
+
+
+def route(x_BxTxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, spec: MoeSpec,
+          compute_dtype=jnp.float32):
+    """(scores s [B, T, E] float32, chosen experts [B, T, k] int32, weights [B, T, k] float32).
+
+    The choice uses s + b (with grouped routing when ``n_group > 1``); the weights come from s,
+    renormalised and scaled as ``spec`` says. Ties in ``lax.top_k`` go to the lowest index.
+    """
+    dt = jnp.float32 if spec.router_float32 else compute_dtype
+    precision = jax.lax.Precision.HIGHEST if spec.router_float32 else None
+    logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD.astype(dt), router_DxE.astype(dt),
+                              precision=precision)
+    s_BxTxE = jax.nn.sigmoid(logits_BxTxE.astype(jnp.float32))
+    choice_BxTxE = jax.lax.stop_gradient(s_BxTxE + bias_E.astype(jnp.float32))
+    E, G = spec.num_experts, spec.n_group
+    if G > 1:
+        B, T = x_BxTxD.shape[:2]
+        grouped_BxTxGxS = choice_BxTxE.reshape(B, T, G, E // G)
+        group_score_BxTxG = jax.lax.top_k(grouped_BxTxGxS, 2)[0].sum(-1)
+        _, best_BxTxg = jax.lax.top_k(group_score_BxTxG, spec.topk_group)
+        keep_BxTxG = jnp.any(best_BxTxg[..., None] == jnp.arange(G), axis=-2)
+        keep_BxTxE = jnp.repeat(keep_BxTxG, E // G, axis=-1)
+        choice_BxTxE = jnp.where(keep_BxTxE, choice_BxTxE, -jnp.inf)
+    _, idx_BxTxK = jax.lax.top_k(choice_BxTxE, spec.top_k)
+    w_BxTxK = jnp.take_along_axis(s_BxTxE, idx_BxTxK, axis=-1)
+    if spec.renormalize:
+        w_BxTxK = w_BxTxK / (w_BxTxK.sum(-1, keepdims=True) + RENORM_EPS)
+    return s_BxTxE, idx_BxTxK.astype(jnp.int32), w_BxTxK * spec.routed_scaling_factor
+
+
+def expert_load(idx_BxTxK: jax.Array, num_experts: int) -> jax.Array:
+    """Tokens sent to each expert [E] float32 (a token counts once per expert it chose)."""
+    return jnp.zeros((num_experts,), jnp.float32).at[idx_BxTxK.reshape(-1)].add(1.0)
+
+
+def sequence_balance_loss(s_BxTxE: jax.Array, idx_BxTxK: jax.Array) -> jax.Array:
+    """sum_e f_e P_e averaged over rows (DeepSeek-V3's sequence-wise balance loss, without its
+    coefficient): f_e = E / (k T) x the row's assignments to e, P_e = the row's mean normalised
+    score of e. Gradients reach the router through P_e only."""
+    B, T, E = s_BxTxE.shape
+    k = idx_BxTxK.shape[-1]
+    rows_BxTk = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T * k))
+    counts_BxE = jnp.zeros((B, E), jnp.float32).at[rows_BxTk, idx_BxTxK.reshape(B, T * k)].add(1.0)
+    f_BxE = counts_BxE * (E / (k * T))
+    p_BxE = jnp.mean(s_BxTxE / jnp.sum(s_BxTxE, -1, keepdims=True), axis=1)
+    return jnp.mean(jnp.sum(f_BxE * p_BxE, -1))
+
+
+def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """b_e + rate * sign(mean_e' load_e' - load_e), over the last axis (stacked layers, [.., E],
+    each balance their own experts)."""
+    return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load).astype(bias.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch: per device, inside shard_map under a mesh
+# ---------------------------------------------------------------------------------------------
+
+
+def _swiglu_grouped(rows_AxD, sizes_E, wi_ExDx2xF, wo_ExFxD):
+    """Expert SwiGLUs on rows sorted by expert (``sizes_E`` rows each, the rest of the rows
+    belong to none): two grouped matmuls."""
+    E, D, _, F = wi_ExDx2xF.shape
+    h_Ax2F = jax.lax.ragged_dot(rows_AxD, wi_ExDx2xF.reshape(E, D, 2 * F), sizes_E)
+    h_Ax2xF = h_Ax2F.reshape(-1, 2, F)
+    return jax.lax.ragged_dot(jax.nn.silu(h_Ax2xF[:, 0]) * h_Ax2xF[:, 1], wo_ExFxD, sizes_E)
+
+
+def _swiglu_batched(x_ExCxD, wi_ExDx2xF, wo_ExFxD):
+    """Expert SwiGLUs on fixed buffers: expert e on its C rows."""
+    h_ExCx2xF = jnp.einsum("ecd,edgf->ecgf", x_ExCxD, wi_ExDx2xF)
+    h_ExCxF = jax.nn.silu(h_ExCx2xF[:, :, 0]) * h_ExCx2xF[:, :, 1]
+    return jnp.einsum("ecf,efd->ecd", h_ExCxF, wo_ExFxD)
+
+
+def _inverse(perm_A: jax.Array) -> jax.Array:
+    return jnp.zeros_like(perm_A).at[perm_A].set(jnp.arange(perm_A.shape[0], dtype=perm_A.dtype))
+
+
+def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes):
+    """Every assignment kept. wi, wo hold this device's E_l experts; with P > 1 devices on the
+    expert ``axes``, tokens travel by all-to-all; with P = 1, ``idx`` holds local expert ids,
+    or E_l for a choice this device does not serve. Returns the routed output [N, D] float32."""
+    N, K = idx_NxK.shape
+    E_l = wi.shape[0]
+    if P > 1:
+        # To each peer j: all N tokens, each with its choices on j as local expert ids; a choice
+        # elsewhere becomes E_l, an id past the last expert, which sorts last and is skipped.
+        on_peer_PxNxK = (idx_NxK // E_l)[None] == jnp.arange(P)[:, None, None]
+        ids_PxNxK = jnp.where(on_peer_PxNxK, (idx_NxK % E_l)[None], E_l)
+        send = lambda a: jax.lax.all_to_all(jnp.broadcast_to(a, (P, *a.shape[-2:])), axes, 0, 0)
+        x_RxD = send(x_NxD).reshape(P * N, -1)  # R = P N rows, grouped by source device
+        ids_RxK = send(ids_PxNxK).reshape(P * N, K)
+        w_RxK = send(w_NxK).reshape(P * N, K)
+    else:
+        x_RxD, ids_RxK, w_RxK = x_NxD, idx_NxK, w_NxK
+    # A token has at most E_l choices on one device: keep those columns only.
+    Kl = min(K, E_l)
+    if Kl < K:
+        first_RxKl = jnp.argsort(ids_RxK, axis=-1)[:, :Kl]
+        ids_RxK = jnp.take_along_axis(ids_RxK, first_RxKl, -1)
+        w_RxK = jnp.take_along_axis(w_RxK, first_RxKl, -1)
+    e_A = ids_RxK.reshape(-1)  # A = R Kl assignments, row-major
+    perm_A = jnp.argsort(e_A, stable=True)
+    e_sorted_A = e_A[perm_A]
+    sizes_E = jnp.zeros((E_l,), jnp.int32).at[e_A].add(1, mode="drop")
+    y_AxD = _swiglu_grouped(x_RxD[perm_A // Kl], sizes_E, wi, wo)
+    y_AxD = jnp.where((e_sorted_A < E_l)[:, None], y_AxD, 0)  # rows of no expert
+    y_RxKxD = y_AxD[_inverse(perm_A)].reshape(x_RxD.shape[0], Kl, -1)
+    out_RxD = jnp.einsum("rk,rkd->rd", w_RxK, y_RxKxD.astype(jnp.float32))
+    if P > 1:
+        back_PxNxD = jax.lax.all_to_all(out_RxD.astype(x_NxD.dtype).reshape(P, N, -1), axes, 0, 0)
+        return back_PxNxD.astype(jnp.float32).sum(0)
+    return out_RxD
+
+
+def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int):
+    """At most ``capacity`` assignments per expert (first choices first, in token order), the rest
+    dropped. Experts and ids as in ``_dropless`` (with P = 1, E_l marks a choice served
+    elsewhere). Returns (routed output [N, D] float32, dropped choices per token [N])."""
+    N, K = idx_NxK.shape
+    E_l = wi.shape[0]
+    E, M, C = E_l * P, N * K, capacity
+    e_M = idx_NxK.T.reshape(-1)  # priority order: assignment a = slot * N + token
+    perm_M = jnp.argsort(e_M, stable=True)
+    counts = jnp.zeros((E + 1,), jnp.int32).at[e_M].add(1)  # the last: served elsewhere
+    starts = jnp.cumsum(counts) - counts
+    pos_M = (jnp.arange(M) - starts[e_M[perm_M]])[_inverse(perm_M)]  # place in its expert
+    mine_M = e_M < E
+    keep_M = mine_M & (pos_M < C)
+    # Slot (e, c) of the buffers holds expert e's c-th assignment, if it has one.
+    src_ExC = jnp.minimum(starts[:E, None] + jnp.arange(C), M - 1)
+    filled_ExC = jnp.arange(C) < counts[:E, None]
+    buf_ExCxD = jnp.where(filled_ExC[..., None], x_NxD[perm_M[src_ExC] % N], 0)
+    if P > 1:
+        buf_PxElxCxD = jax.lax.all_to_all(buf_ExCxD.reshape(P, E_l, C, -1), axes, 0, 0)
+        buf = buf_PxElxCxD.transpose(1, 0, 2, 3).reshape(E_l, P * C, -1)
+        y = _swiglu_batched(buf, wi, wo).reshape(E_l, P, C, -1).transpose(1, 0, 2, 3)
+        y_ExCxD = jax.lax.all_to_all(y, axes, 0, 0).reshape(E, C, -1)
+    else:
+        y_ExCxD = _swiglu_batched(buf_ExCxD, wi, wo)
+    y_MxD = jnp.where(keep_M[:, None],
+                      y_ExCxD[jnp.minimum(e_M, E - 1), jnp.minimum(pos_M, C - 1)], 0)
+    out_NxD = jnp.einsum("nk,knd->nd", w_NxK, y_MxD.reshape(K, N, -1).astype(jnp.float32))
+    dropped_N = jnp.sum((mine_M & ~keep_M).reshape(K, N), axis=0).astype(jnp.float32)
+    return out_NxD, dropped_N
+
+
+def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes, dispatch: str,
+            ffn_axes):
+    """The routed experts on one device's tokens: (output [B, T, D] in x's dtype, dropped
+    choices per token [B, T] float32). ``dispatch``: as ``sharding.ExpertLayout`` says."""
+    B, T, D = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(B * T, D)
+    idx_NxK, w_NxK = idx_BxTxK.reshape(B * T, -1), w_BxTxK.reshape(B * T, -1)
+    wi, wo = wi.astype(x_BxTxD.dtype), wo.astype(x_BxTxD.dtype)
+    sums = tuple(ffn_axes)  # axes whose devices hold partial outputs of the same tokens
+    if dispatch == "psum":  # every device along the expert axes holds these tokens
+        E_l = wi.shape[0]
+        mine_NxK = idx_NxK // E_l == jax.lax.axis_index(axes)
+        idx_NxK = jnp.where(mine_NxK, idx_NxK % E_l, E_l)
+        # Each device's experts see the same tokens and weights: marked as varying over the
+        # expert axes, so that their gradients are summed over them (gathers by a varying
+        # index do not say so themselves).
+        x_NxD, w_NxK = (jax.lax.pcast(a, axes, to="varying") for a in (x_NxD, w_NxK))
+        sums, P = (*axes, *sums), 1
+    if spec.capacity_factor > 0:
+        capacity = max(1, math.ceil(spec.capacity_factor * B * T * idx_NxK.shape[1]
+                                    / spec.num_experts))
+        out_NxD, dropped_N = _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes,
+                                            capacity=capacity)
+    else:
+        out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes)
+        dropped_N = jnp.zeros((B * T,), jnp.float32)
+    if sums:
+        out_NxD = jax.lax.psum(out_NxD, sums)
+    if dispatch == "psum":
+        dropped_N = jax.lax.psum(dropped_N, axes)
+    return out_NxD.reshape(B, T, D).astype(x_BxTxD.dtype), dropped_N.reshape(B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------
+
+
+class Experts(nnx.Module):
+    """E routed SwiGLU experts: wi [E, D, 2, F] (gate, up), wo [E, F, D]; fan-in init."""
+
+    def __init__(self, d_model: int, num_experts: int, expert_dim: int, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        E, D, F = num_experts, d_model, expert_dim
+        wi = jax.random.normal(rngs.params(), (E, D, 2, F), jnp.float32) / math.sqrt(D)
+        wo = jax.random.normal(rngs.params(), (E, F, D), jnp.float32) / math.sqrt(F)
+        self.wi = sharding.param(wi.astype(param_dtype), WI_NAMES)
+        self.wo = sharding.param(wo.astype(param_dtype), WO_NAMES)
+
+
+class MoE(nnx.Module):
+    """x [B, T, D] -> [B, T, D]: routed experts plus the shared expert (module docstring).
+
+    Called like the dense SwiGLU it replaces. Writes its measurements (``load``, ``dropped``,
+    ``balance_loss``: ``MoeStat``) on every call; reads ``bias`` (``ExpertBias``).
+    """
+
+    def __init__(self, d_model: int, spec: MoeSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.spec, self.dtype = spec, dtype
+        E = spec.num_experts
+        self.router = Dense(d_model, E, names=("embed", None), rngs=rngs, dtype=jnp.float32,
+                            param_dtype=param_dtype)
+        self.bias = sharding.param(jnp.zeros((E,), jnp.float32), (None,), kind=ExpertBias)
+        self.experts = Experts(d_model, E, spec.expert_dim, rngs=rngs, param_dtype=param_dtype)
+        self.shared = (SwiGLU(d_model, spec.shared_dim, rngs=rngs, dtype=dtype,
+                              param_dtype=param_dtype) if spec.num_shared else None)
+        self.load = sharding.param(jnp.zeros((E,), jnp.float32), (None,), kind=MoeStat)
+        # Scalars carry no axis names (flax's scan cannot take an axis off an empty tuple).
+        self.dropped = MoeStat(jnp.zeros((), jnp.float32))
+        self.balance_loss = MoeStat(jnp.zeros((), jnp.float32))
+
+    @jax.named_scope("moe")
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        spec = self.spec
+        x_BxTxD = x_BxTxD.astype(self.dtype)
+        s_BxTxE, idx_BxTxK, w_BxTxK = route(x_BxTxD, self.router.kernel[...], self.bias[...],
+                                            spec, self.dtype)
+        wi, wo = self.experts.wi[...], self.experts.wo[...]
+        layout = sharding.expert_layout(WI_NAMES)
+        if layout is None:  # no mesh in context: one device holds every expert
+            y_BxTxD, dropped_BxT = _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, spec=spec, P=1,
+                                           axes=(), dispatch="local", ffn_axes=())
+        else:
+            tok, ex = layout.tokens, (layout.experts or None)
+            ffn = layout.ffn or None
+            P = layout.num_shards if layout.dispatch == "all_to_all" else 1
+            fn = functools.partial(_routed, spec=spec, P=P, axes=layout.experts,
+                                   dispatch=layout.dispatch, ffn_axes=layout.ffn)
+            tokens_3d = PartitionSpec(*tok, None)
+            y_BxTxD, dropped_BxT = jax.shard_map(
+                fn, mesh=layout.mesh,
+                in_specs=(tokens_3d, tokens_3d, tokens_3d, PartitionSpec(ex, None, None, ffn),
+                          PartitionSpec(ex, ffn, None)),
+                out_specs=(tokens_3d, tok))(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo)
+        if self.shared is not None:
+            y_BxTxD = y_BxTxD + self.shared(x_BxTxD)
+        self.load[...] = expert_load(idx_BxTxK, spec.num_experts)
+        self.dropped[...] = jnp.sum(dropped_BxT)
+        if spec.balance_loss_coef > 0:
+            self.balance_loss[...] = spec.balance_loss_coef * sequence_balance_loss(
+                s_BxTxE, idx_BxTxK)
+        return y_BxTxD

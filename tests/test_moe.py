@@ -1,0 +1,351 @@
+"""The mixture of experts: the layer against its float64 NumPy definition (outputs and gradients,
+grouped routing, ties), dropless and capacity dispatch, the load-balancing bias, the balance
+loss, the config checks, the Kimi Linear 48B shapes, and (in a subprocess with 8 CPU devices)
+expert parallelism and training through the trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import load_config
+from kimi_k3 import metrics as metrics_lib
+from kimi_k3 import train_lib
+from kimi_k3.config import MoeSpec, default_model_config, model_spec, run_spec
+from kimi_k3.layers.moe import MoE, expert_load, route, update_bias
+from kimi_k3.model import count_params, flops_per_token
+from tests import moe_numpy
+
+REPO = Path(__file__).resolve().parents[1]
+B, T, D, E, F = 2, 12, 16, 8, 12
+
+
+def moe_spec(**overrides) -> MoeSpec:
+    base = MoeSpec(num_experts=E, top_k=3, expert_dim=F, num_shared=1, shared_dim=F,
+                   renormalize=True, routed_scaling_factor=2.446, n_group=1, topk_group=1,
+                   first_k_dense=0, router_float32=True, bias_update_rate=1e-3,
+                   balance_loss_coef=0.0, capacity_factor=0.0)
+    return dataclasses.replace(base, **overrides)
+
+
+def make_layer(spec: MoeSpec, p: dict) -> MoE:
+    """A MoE layer holding the NumPy weights ``p`` (moe_numpy's names), the rest of its state
+    zero; built from its shapes (nothing to compile)."""
+    layer = nnx.eval_shape(lambda: MoE(D, spec, rngs=nnx.Rngs(0)))
+    state = nnx.state(layer)
+    values = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.to_pure_dict(state))
+    values["router"]["kernel"], values["bias"] = p["Wr"], p["b"]
+    values["experts"] = {"wi": p["wi"], "wo": p["wo"]}
+    if spec.num_shared:
+        values["shared"] = {"wi": {"kernel": p["shared_wi"]}, "wo": {"kernel": p["shared_wo"]}}
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), values))
+    nnx.update(layer, state)
+    return layer
+
+
+def draw(rng, spec: MoeSpec, bias=None):
+    """Weights, input and output cotangent in float32 (as the layer sees them), redrawn until
+    every token's k-th and (k+1)-th choice (and group) are apart by 1e-3, so float32 and
+    float64 choose the same experts."""
+    for _ in range(100):
+        f32 = lambda shape, scale: rng.normal(size=shape, scale=scale).astype(np.float32)
+        p = {"Wr": f32((D, E), D ** -0.5), "wi": f32((E, D, 2, F), D ** -0.5),
+             "wo": f32((E, F, D), F ** -0.5),
+             "b": (f32((E,), 0.1) if bias is None else np.asarray(bias, np.float32))}
+        if spec.num_shared:
+            p["shared_wi"], p["shared_wo"] = f32((D, 2, F), D ** -0.5), f32((F, D), F ** -0.5)
+        x, R = f32((B * T, D), 1.0), f32((B * T, D), 1.0)
+        if bias is not None or _margin(x, p, spec) > 1e-3:
+            return p, x, R
+    raise AssertionError("no well-separated draw")
+
+
+def _margin(x, p, spec):
+    s = moe_numpy.sigmoid(x.astype(np.float64) @ p["Wr"].astype(np.float64))
+    c = np.sort(s + p["b"], axis=-1)[:, ::-1]
+    gap = (c[:, spec.top_k - 1] - c[:, spec.top_k]).min()
+    if spec.n_group > 1:
+        g = (s + p["b"]).reshape(len(x), spec.n_group, -1)
+        score = np.sort(np.sort(g, -1)[..., -2:].sum(-1), -1)[:, ::-1]
+        gap = min(gap, (score[:, spec.topk_group - 1] - score[:, spec.topk_group]).min())
+    return gap
+
+
+def reference(spec: MoeSpec, p, x, R, keep=None):
+    return moe_numpy.moe(x, p, R, k=spec.top_k, n_group=spec.n_group, topk_group=spec.topk_group,
+                         renormalize=spec.renormalize, scale=spec.routed_scaling_factor, keep=keep)
+
+
+def layer_outputs_and_grads(layer: MoE, x, R):
+    """(y [N, D], weight grads by moe_numpy's names, grad of x, the layer after the call)."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def run(params, rest, x):
+        def loss(params, x):
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            y = model(x.reshape(B, T, D)).reshape(B * T, D)
+            return jnp.sum(y * R), (y, nnx.state(model))
+        (_, (y, state)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return y, grads, state
+
+    y, (gp, gx), state = run(params, rest, jnp.asarray(x))
+    nnx.update(layer, state)
+    g = nnx.to_pure_dict(gp)
+    named = {"Wr": g["router"]["kernel"], "wi": g["experts"]["wi"], "wo": g["experts"]["wo"]}
+    if layer.shared is not None:
+        named["shared_wi"], named["shared_wo"] = g["shared"]["wi"]["kernel"], g["shared"]["wo"]["kernel"]
+    return np.asarray(y), {k: np.asarray(v) for k, v in named.items()}, np.asarray(gx), layer
+
+
+def assert_close(got, want, what, rtol=2e-5):
+    scale = max(np.abs(want).max(), 1e-6)
+    err = np.abs(got - want).max() / scale
+    assert err < rtol, f"{what}: relative error {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer against its definition
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["kimi_linear", "grouped_unnormalised", "capacity_no_drops"])
+def test_layer_matches_the_float64_definition(rng, case):
+    spec = {
+        "kimi_linear": moe_spec(),  # sigmoid, renormalised, x 2.446, one shared expert
+        "grouped_unnormalised": moe_spec(n_group=4, topk_group=2, renormalize=False,
+                                         routed_scaling_factor=1.5, num_shared=0, shared_dim=0),
+        "capacity_no_drops": moe_spec(capacity_factor=E / 3),  # C = N: nothing can drop
+    }[case]
+    p, x, R = draw(rng, spec)
+    y_ref, g_ref, gx_ref, chosen = reference(spec, p, x, R)
+    y, g, gx, layer = layer_outputs_and_grads(make_layer(spec, p), x, R)
+    assert_close(y, y_ref, "output")
+    assert_close(gx, gx_ref, "grad x")
+    for name in g:
+        assert_close(g[name], g_ref[name], f"grad {name}")
+    np.testing.assert_array_equal(np.asarray(layer.load[...]),
+                                  np.bincount(chosen.ravel(), minlength=E))
+    assert float(layer.dropped[...]) == 0
+
+
+def test_ties_are_broken_like_lax_top_k_lowest_index_first():
+    """A zero router makes every score 0.5: the choice is the bias alone, full of ties. Groups
+    of two score 1.25, 1.25, 2.0, 1.5; topk_group = 3 keeps groups 2, 3 and (tie) 0, not 1; of
+    their experts 4, 5, 6 (1.0), 1 (0.75), then 0 (0.5, tied with 7)."""
+    b = np.array([0, .25, .25, 0, .5, .5, .5, 0], np.float32)
+    x = np.random.default_rng(0).normal(size=(B * T, D)).astype(np.float32)
+    zero = np.zeros((D, E), np.float32)
+    for spec, want in [(moe_spec(top_k=5, n_group=4, topk_group=3), [4, 5, 6, 1, 0]),
+                       (moe_spec(top_k=2), [4, 5])]:
+        _, idx, _ = route(jnp.asarray(x).reshape(B, T, D), jnp.asarray(zero), jnp.asarray(b), spec)
+        _, chosen, _, _ = moe_numpy.route(x, zero, b, k=spec.top_k, n_group=spec.n_group,
+                                          topk_group=spec.topk_group)
+        np.testing.assert_array_equal(np.asarray(idx).reshape(B * T, -1), chosen)
+        assert (chosen == want).all()
+
+
+def test_dropless_sends_every_token_to_exactly_top_k_experts_even_when_skewed(rng):
+    """A bias of 10 on experts 0 and 1 sends every token there (and to one more): nothing is
+    dropped, the output is the definition's, the load counts N k assignments."""
+    spec = moe_spec()
+    bias = np.zeros(E, np.float32)
+    bias[:2] = 10.0
+    p, x, R = draw(rng, spec, bias=bias)
+    y_ref, _, _, chosen = reference(spec, p, x, R)
+    y, _, _, layer = layer_outputs_and_grads(make_layer(spec, p), x, R)
+    load = np.asarray(layer.load[...])
+    assert load[0] == load[1] == B * T and load.sum() == B * T * spec.top_k
+    assert all(len(set(row)) == spec.top_k for row in chosen)
+    assert float(layer.dropped[...]) == 0
+    assert_close(y, y_ref, "output")
+
+
+def test_capacity_factor_drops_and_counts(rng):
+    """capacity_factor 1: C = ceil(N k / E) = 9 per expert; experts 0 and 1 get all 24 tokens,
+    so 15 assignments of each are dropped (later tokens first), and the routed output of a
+    dropped assignment is zero."""
+    spec = moe_spec(capacity_factor=1.0)
+    bias = np.zeros(E, np.float32)
+    bias[:2] = 10.0
+    p, x, R = draw(rng, spec, bias=bias)
+    C = math.ceil(B * T * spec.top_k / E)
+    _, chosen, _, _ = moe_numpy.route(x, p["Wr"], p["b"], k=spec.top_k)
+    keep = moe_numpy.capacity_keep(chosen, E, C)
+    y_ref, g_ref, gx_ref, _ = reference(spec, p, x, R, keep=keep)
+    y, g, gx, layer = layer_outputs_and_grads(make_layer(spec, p), x, R)
+    assert float(layer.dropped[...]) == (~keep).sum() >= 2 * (B * T - C)
+    assert_close(y, y_ref, "output")
+    assert_close(gx, gx_ref, "grad x")
+    assert_close(g["wi"], g_ref["wi"], "grad wi")
+
+
+def test_bias_update_moves_the_load_toward_balance():
+    """Tokens whose router strongly prefers expert 0: b_e += rate sign(mean - load_e), step after
+    step, lowers expert 0's bias and spreads the load."""
+    spec = moe_spec(top_k=2)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 64, D)) + 1.0, jnp.float32)
+    W = rng.normal(size=(D, E), scale=0.3)
+    W[:, 0] += 0.5  # x has mean 1 on every channel: expert 0 scores ~ sigmoid(8)
+    W = jnp.asarray(W, jnp.float32)
+
+    def imbalance(bias):
+        load = expert_load(route(x, W, bias, spec)[1], E)
+        return load.max() / load.mean(), load
+
+    @jax.jit
+    def balance(bias):
+        step = lambda _, b: update_bias(b, imbalance(b)[1], 0.01)
+        return jax.lax.fori_loop(0, 300, step, bias)
+
+    start = jnp.zeros(E)
+    before, after_bias = float(imbalance(start)[0]), balance(start)
+    after = float(imbalance(after_bias)[0])
+    assert before > 3.5 and after < 1.5, (before, after)
+    assert float(after_bias[0]) == pytest.approx(float(after_bias.min()))
+    # the rule itself, exactly: raise the underloaded, lower the overloaded, leave the mean
+    np.testing.assert_allclose(update_bias(jnp.zeros(3), jnp.array([1.0, 2.0, 6.0]), 0.5),
+                               [0.5, 0.5, -0.5])
+    np.testing.assert_allclose(update_bias(jnp.zeros(2), jnp.array([2.0, 2.0]), 0.5), [0, 0])
+
+
+def test_sequence_balance_loss_is_the_definition_and_reaches_the_router(rng):
+    spec = moe_spec(balance_loss_coef=0.1)
+    p, x, R = draw(rng, spec)
+    layer = make_layer(spec, p)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def balance(params):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        model(jnp.asarray(x).reshape(B, T, D))
+        return model.balance_loss[...]
+
+    value, grads = jax.jit(jax.value_and_grad(balance))(params)
+    s, chosen, _, _ = moe_numpy.route(x, p["Wr"], p["b"], k=spec.top_k)
+    want = 0.1 * moe_numpy.sequence_balance_loss(s, chosen, rows=B)
+    assert float(value) == pytest.approx(want, rel=1e-5)
+    assert float(jnp.abs(grads["router"]["kernel"]).max()) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+
+
+def moe_config(**moe):
+    c = default_model_config()
+    c.moe.num_experts, c.moe.top_k = 8, 2
+    c.moe.update(moe)
+    return c
+
+
+@pytest.mark.parametrize("field,value,others,match", [
+    ("top_k", 9, {}, r"moe\.top_k: 9 must be in \[1, num_experts=8\]"),
+    ("n_group", 3, {}, r"moe\.n_group: 3 must divide num_experts=8"),
+    ("topk_group", 3, {"n_group": 2}, r"moe\.topk_group: 3 must be in \[1, n_group=2\]"),
+    ("top_k", 5, {"n_group": 2, "topk_group": 1}, r"moe\.top_k: 5 exceeds the experts"),
+    ("first_k_dense", 4, {}, r"moe\.first_k_dense: 4 must be < num_layers=4"),
+    ("capacity_factor", -1.0, {}, r"moe\.capacity_factor: -1.0 must be >= 0"),
+    ("routed_scaling_factor", 0.0, {}, r"moe\.routed_scaling_factor"),
+    ("num_experts", -8, {}, r"moe\.num_experts"),
+    ("bias_update_rate", -0.1, {}, r"moe\.bias_update_rate: -0.1 must be >= 0"),
+])
+def test_a_bad_moe_config_names_the_field(field, value, others, match):
+    c = moe_config(**others)
+    c.moe[field] = value
+    with pytest.raises(ValueError, match=r"config\.model\." + match):
+        model_spec(c)
+
+
+def test_experts_not_dividing_the_expert_axis_name_both_fields():
+    config = load_config("moe_tiny.py")
+    config.mesh.expert = 3
+    with pytest.raises(ValueError, match=r"mesh\.expert: 3 does not divide "
+                                         r"config\.model\.moe\.num_experts=8"):
+        run_spec(config)
+
+
+def test_num_experts_zero_is_the_dense_model_unchanged():
+    dense = model_spec(default_model_config())
+    assert dense.moe is None and dense.scan_prefix == ""
+    c = moe_config(first_k_dense=1)
+    spec = model_spec(c)
+    # the dense first layer is unrolled ahead of the scan: "K" + "K" x 2 + "M"
+    assert (spec.scan_prefix, spec.scan_unit, spec.scan_repeats, spec.scan_tail) == (
+        "K", "K", 2, "M")
+
+
+def test_kimi_linear_48b_has_its_published_size():
+    """48B total, ~3B active, counted with nnx.eval_shape (nothing allocated)."""
+    m = load_config("kimi_linear_48b.py").model
+    spec = model_spec(m)
+    assert [i + 1 for i, c in enumerate(spec.pattern) if c == "M"] == [4, 8, 12, 16, 20, 24, 27]
+    assert spec.scan_prefix == "K" and spec.moe.num_experts == 256 and spec.moe.top_k == 8
+    total, active = count_params(spec), count_params(spec, active=True)
+    assert 47e9 < total < 50e9, total
+    assert 2.8e9 < active < 3.6e9, active
+    # the routed experts a token leaves out, exactly
+    assert total - active == 26 * (256 - 8) * 3 * 2304 * 1024
+    # MFU counts what a token multiplies: about 6 FLOPs per active weight (not per weight)
+    assert 6 * (active - 163840 * 2304) < flops_per_token(spec, 4096) < 8 * active
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's view
+# ---------------------------------------------------------------------------------------------
+
+
+def test_moe_metrics_reach_metrics_jsonl_per_layer(tmp_path):
+    moe_layers = ((("groups", "layers", 0, "mlp"), (2, 3)), (("tail", 0, "mlp"), (4,)))
+    m = {"moe_load_max_mean": np.array([1.5, 2.0, 1.25]), "moe_bias_norm": np.array([.1, .2, .3]),
+         "moe_dropped": np.int32(7), "moe_balance_loss": np.float32(0.0)}
+    rec = train_lib.moe_report(m, moe_layers)
+    assert rec["moe_load_max_mean/layer3"] == 2.0 and rec["moe_bias_norm/layer4"] == 0.3
+    assert rec["moe_load_max_mean"] == 2.0 and rec["moe_dropped"] == 7
+    shown = []
+    w = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False, console=shown.append)
+    w.write(1, {"loss": 1.0, **rec})
+    w.close()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["moe_bias_norm/layer2"] == pytest.approx(0.1)
+    assert "layer2" not in shown[0] and "moe_load_max_mean=2.0000" in shown[0]
+
+
+def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tmp_path):
+    """tests/moe_parallel_check.py: the layer on meshes with expert 8, (fsdp 2, expert 2,
+    tensor 2) and an expert axis that does not split the tokens, against one device (outputs,
+    gradients, dropless and capacity); the whole model through train_lib: loss falling on one
+    device (2 micro-batches), the same steps on 8 devices; the routing biases move and
+    round-trip through a checkpoint."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", PYTHONPATH=str(REPO),
+               JAX_COMPILATION_CACHE_DIR=jax_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    p = subprocess.run([sys.executable, "-m", "tests.moe_parallel_check", str(tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert len(r["layer"]) == 4
+    for mesh, err in r["layer"].items():
+        assert err < 2e-5, (mesh, err)
+    assert r["mixed_rules_error"].startswith("mesh.axis_rules: the experts are split over mesh "
+                                             "axes ('expert', 'tensor')"), r["mixed_rules_error"]
+    losses = r["single_losses"]
+    assert losses[-1] < losses[0] - 0.5, losses
+    np.testing.assert_allclose(r["sharded_losses"], losses[:len(r["sharded_losses"])], rtol=2e-5)
+    assert r["param_diff"] < 2e-5 and r["bias_diff"] < 1e-6, r
+    assert r["bias_moved"] > 0 and r["restored_bias_diff"] == 0.0
+    assert r["specs"]["wi"] == "P(None, 'expert', 'fsdp', None, 'tensor')", r["specs"]
