@@ -44,17 +44,21 @@ def _lengths_parse(values):
         raise flags.ValidationError(str(e)) from e
     return True
 
-_PIECE = flags.DEFINE_integer("piece_len", 2048, "Tokens per prefill call (bounds memory).")
-_BATCH = flags.DEFINE_integer("batch_size", 1, "Windows evaluated together.")
+_PIECE = flags.DEFINE_integer(
+    "piece_len", 2048, "Tokens per prefill call (bounds memory); any positive number: the last "
+    "piece of a window is padded.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_size", 1, "Windows evaluated together.", lower_bound=1)
 _SHORT = flags.DEFINE_enum(
     "short_docs", "skip", list(eval_scoring.SHORT_DOC_RULES),
     "Documents shorter than a context length: skip them, or concatenate all documents.",
 )
-_MAX_WINDOWS = flags.DEFINE_integer("max_windows", 16, "Windows per context length (0 = all).")
+_MAX_WINDOWS = flags.DEFINE_integer("max_windows", 16, "Windows per context length (0 = all).",
+                                    lower_bound=0)
 _WHOLE = flags.DEFINE_integer(
     "whole_check_max_len", 0,
     "Also score the first batch in one whole-sequence pass for lengths up to this, and report "
     "the largest NLL difference (0 = never).",
+    lower_bound=0,
 )
 
 

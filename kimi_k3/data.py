@@ -251,6 +251,29 @@ class TextTokenizer:
         else:
             self._tok, self.vocab_size = None, BYTE_VOCAB
 
+    def encode(self, text: str) -> np.ndarray:
+        """int32 ids of ``text``: its UTF-8 bytes, or the tokenizer's ids (no special tokens
+        added)."""
+        if self._tok is None:
+            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``. Bytes are decoded as UTF-8 with U+FFFD for invalid sequences and
+        for ids outside 0..255 (a model whose vocabulary is wider than the bytes can emit them);
+        the tokenizer skips ids it does not know."""
+        ids = [int(i) for i in ids]
+        if self._tok is None:
+            text, run = [], bytearray()
+            for i in ids:
+                if 0 <= i < BYTE_VOCAB:
+                    run.append(i)
+                    continue
+                text.append(run.decode("utf-8", errors="replace") + "\ufffd")
+                run = bytearray()
+            return "".join(text) + run.decode("utf-8", errors="replace")
+        return self._tok.decode(ids)
+
     def encode_files(self, files: Sequence[str], skip_empty: bool) -> list[np.ndarray]:
         raw = []
         for f in files:

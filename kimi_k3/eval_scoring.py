@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_k3.data import load_split_streams
+from kimi_k3.model import MAX_POSITIONS
 
 SHORT_DOC_RULES = ("skip", "concat")
 
@@ -299,9 +300,9 @@ class Scorer:
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_context_lengths(values: Sequence[str | int]) -> tuple[int, ...]:
-    """``["512", "8K", "1M"]`` -> (512, 8192, 1048576). Raises ValueError naming
-    ``--context_lengths`` and the item that is not a positive integer."""
+def parse_context_lengths(values: Sequence[str | int], flag: str = "--context_lengths") -> tuple[int, ...]:
+    """``["512", "8K", "1M"]`` -> (512, 8192, 1048576). Raises ValueError naming ``flag`` and
+    the item that is not a positive integer, or that exceeds the cache's ``MAX_POSITIONS``."""
     out = []
     for item in values:
         text = str(item).strip()
@@ -309,8 +310,11 @@ def parse_context_lengths(values: Sequence[str | int]) -> tuple[int, ...]:
         digits = text[:-1] if scale > 1 else text
         if not digits.isdigit() or int(digits) == 0:
             raise ValueError(
-                f"--context_lengths: {text!r} is not a positive integer number of tokens "
+                f"{flag}: {text!r} is not a positive integer number of tokens "
                 f"(e.g. 2048, 8K, 1M)")
+        if int(digits) * scale > MAX_POSITIONS:
+            raise ValueError(f"{flag}: {text!r} = {int(digits) * scale} tokens exceeds the "
+                             f"{MAX_POSITIONS} positions a cache can count (int32)")
         out.append(int(digits) * scale)
     return tuple(out)
 
@@ -318,7 +322,8 @@ def parse_context_lengths(values: Sequence[str | int]) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class EvalOptions:
     """How eval.py measures (the module docstring says what each choice means); ``validate``
-    raises ValueError naming the field that is out of range."""
+    raises ValueError naming the eval.py flag of a field that is out of range (each field is
+    the flag of its name)."""
 
     context_lengths: tuple[int, ...]
     piece_len: int = 2048  # tokens per prefill call
@@ -329,18 +334,32 @@ class EvalOptions:
 
     def validate(self) -> EvalOptions:
         if not self.context_lengths:
-            raise ValueError("context_lengths: empty; give e.g. --context_lengths=2048,8192")
+            raise ValueError("--context_lengths: empty; give e.g. --context_lengths=2048,8192")
         for L in self.context_lengths:
             if not (isinstance(L, int) and L > 0):
-                raise ValueError(f"context_lengths: {L!r} must be a positive integer")
+                raise ValueError(f"--context_lengths: {L!r} must be a positive integer")
+            if self.context_lengths.count(L) > 1:
+                raise ValueError(f"--context_lengths: {L} is given more than once (8K is "
+                                 f"8192); give each length once")
         for field in ("piece_len", "batch_size"):
             v = getattr(self, field)
             if not (isinstance(v, int) and v > 0):
-                raise ValueError(f"{field}: {v!r} must be a positive integer")
+                raise ValueError(f"--{field}: {v!r} must be a positive integer")
+        for L in self.context_lengths:
+            # Pieces of min(piece_len, L) tokens, the last padded: the cache holds Lpad tokens.
+            P = min(self.piece_len, L)
+            if -(-L // P) * P > MAX_POSITIONS:
+                raise ValueError(
+                    f"--context_lengths / --piece_len: L={L} in pieces of {P} pads to "
+                    f"{-(-L // P) * P} tokens, more than the {MAX_POSITIONS} positions a cache "
+                    f"can count; use a --piece_len that divides {L}")
         if self.short_docs not in SHORT_DOC_RULES:
-            raise ValueError(f"short_docs: {self.short_docs!r} is not one of {SHORT_DOC_RULES}")
-        if self.max_windows < 0:
-            raise ValueError(f"max_windows: {self.max_windows} must be >= 0 (0 = all)")
+            raise ValueError(f"--short_docs: {self.short_docs!r} is not one of {SHORT_DOC_RULES}")
+        for field in ("max_windows", "whole_check_max_len"):
+            v = getattr(self, field)
+            if not (isinstance(v, int) and v >= 0):
+                raise ValueError(f"--{field}: {v!r} must be an integer >= 0 (0 = "
+                                 f"{'all' if field == 'max_windows' else 'never'})")
         return self
 
 

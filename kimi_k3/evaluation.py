@@ -30,7 +30,7 @@ from kimi_k3.data import first_bad_id
 from kimi_k3.eval_report import format_table, write_outputs
 from kimi_k3.eval_scoring import EvalOptions, Scorer, evaluate_windows, heldout_documents, make_windows
 from kimi_k3.model import HybridLM
-from kimi_k3.train_lib import quiet_library_logs
+from kimi_k3.train_lib import check_workdir, quiet_library_logs
 
 INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
 
@@ -120,11 +120,8 @@ def run(
     supplies ready models instead of building them (tests). Returns the JSON-able report.
     """
     opts.validate()
-    if not checkpoints:
-        raise ValueError("checkpoint: none given")
-    labels = [c.label for c in checkpoints]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"checkpoint: labels must be distinct, got {labels}; name them LABEL=PATH")
+    check_labels(checkpoints)
+    configs = {spec.label: spec_config(spec, config) for spec in checkpoints}
     os.makedirs(workdir, exist_ok=True)
     if docs is None:
         docs = heldout_documents(config)
@@ -149,15 +146,8 @@ def run(
         -(-w.num_windows // opts.batch_size) * -(-L // min(opts.piece_len, L))
         for L, w in windows.items()
     )
-    for spec in checkpoints:
-        cfg = spec_config(spec, config)
-        if models is not None and spec.label in models:
-            model, step = models[spec.label], None
-        else:
-            model, step = build_model(cfg, spec.path, config_name=spec.config or config_name)
-            if step is not None:
-                print(f"{spec.label}: restored step {step} from {spec.path}")
-        vocab = int(cfg.model.vocab_size)
+    for spec in checkpoints:  # every model's vocabulary first, before any model is built
+        vocab = int(configs[spec.label].model.vocab_size)
         for L, w in windows.items():
             bad = first_bad_id(w.tokens_NxL1, vocab)
             if bad is not None:
@@ -166,6 +156,14 @@ def run(
                     f"checkpoint {spec.label!r}: held-out token id {tok} (window {window} of "
                     f"L={L}, position {position}) is outside [0, {vocab}) = its "
                     f"model.vocab_size")
+    for spec in checkpoints:
+        cfg = configs[spec.label]
+        if models is not None and spec.label in models:
+            model, step = models[spec.label], None
+        else:
+            model, step = build_model(cfg, spec.path, config_name=spec.config or config_name)
+            if step is not None:
+                print(f"{spec.label}: restored step {step} from {spec.path}")
         scorer = Scorer(model)
         entry = {
             "label": spec.label,
@@ -191,6 +189,17 @@ def run(
     return report
 
 
+def check_labels(checkpoints: Sequence[CheckpointSpec]) -> None:
+    """Raises ValueError naming ``--checkpoint`` unless there is at least one checkpoint and
+    their labels are distinct (one line per label on every plot)."""
+    if not checkpoints:
+        raise ValueError("--checkpoint: none given")
+    labels = [c.label for c in checkpoints]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--checkpoint: labels must be distinct, got {labels}; name them "
+                         f"LABEL=PATH")
+
+
 def _param_count(model) -> int | None:
     """Parameters of an ``nnx.Module``; None for any other model object (a test double)."""
     if not isinstance(model, nnx.Module):
@@ -212,9 +221,21 @@ def main(
     progress: bool = True,
     config_name: str = "--config",
 ) -> dict:
-    """eval.py's body. With no ``checkpoints``, the latest checkpoint under ``workdir/checkpoints``."""
+    """eval.py's body. With no ``checkpoints``, the latest checkpoint under ``workdir/checkpoints``.
+
+    Every flag is checked (each error naming it) before a checkpoint or the data is read, and
+    ``workdir`` is created only once they all pass.
+    """
     if config is None:
         raise ValueError("--config: required (the model and the held-out data to use)")
+    opts = EvalOptions(
+        context_lengths=tuple(int(x) for x in context_lengths),
+        piece_len=piece_len,
+        batch_size=batch_size,
+        short_docs=short_docs,
+        max_windows=max_windows,
+        whole_check_max_len=whole_check_max_len,
+    ).validate()
     quiet_library_logs()  # Orbax reports every read in INFO lines
     if not checkpoints:
         own = os.path.join(workdir, "checkpoints")
@@ -227,15 +248,10 @@ def main(
             ) from e
         checkpoints = [latest]
     specs = [CheckpointSpec.parse(c) for c in checkpoints]
+    check_labels(specs)
     for s in specs:
         if s.path != INIT_CHECKPOINT and not os.path.exists(s.path):
             raise FileNotFoundError(f"--checkpoint: {s.path!r} does not exist")
-    opts = EvalOptions(
-        context_lengths=tuple(int(x) for x in context_lengths),
-        piece_len=piece_len,
-        batch_size=batch_size,
-        short_docs=short_docs,
-        max_windows=max_windows,
-        whole_check_max_len=whole_check_max_len,
-    )
+        spec_config(s, config)  # a @CONFIG that does not load fails now, not after the others
+    workdir = check_workdir(workdir)
     return run(config, specs, opts, workdir, progress=progress, config_name=config_name)

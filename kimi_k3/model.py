@@ -50,6 +50,10 @@ from kimi_k3.sharding import BTD, BTV, constrain
 # same constructor and call signature (see KDALayer), so the stack never asks which it holds.
 MIXERS = {"K": (KDALayer, "kda"), "M": (GatedMLA, "mla")}
 
+# The cache counts positions in int32 ("pos"): a cached sequence (prefill, decoding) holds at
+# most this many tokens. Entry points check lengths against it before anything runs.
+MAX_POSITIONS = 2**31 - 1
+
 
 # ----------------------------------------------------------------------------------------------
 # FLOPs and parameters

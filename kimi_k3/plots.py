@@ -1,4 +1,4 @@
-"""Line plots written straight to PNG, one line per series.
+"""Plots written straight to PNG: line plots (one line per series) and heat maps.
 
 Uses matplotlib's object API (``Figure``), never pyplot: no global state, no display needed,
 safe under pytest-xdist and on headless machines.
@@ -10,13 +10,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _tokens_label(x: float, _pos=None) -> str:
+def tokens_label(x: float, _pos=None) -> str:
     """2048 -> '2K', 1048576 -> '1M': axis labels for token counts."""
     if x <= 0 or not math.isfinite(x):
         return ""
@@ -60,12 +61,70 @@ def line_plot(
     if logy:
         ax.set_yscale("log")
     if token_axis:
-        ax.xaxis.set_major_formatter(FuncFormatter(_tokens_label))
+        ax.xaxis.set_major_formatter(FuncFormatter(tokens_label))
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.35)
     ax.legend(fontsize=8)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)
+    fig.tight_layout()
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def heatmap(
+    path: str | os.PathLike,
+    values_RxC: Sequence[Sequence[float]],
+    *,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    vmin: float = 0.0,
+    vmax: float = 1.0,
+    colorbar_label: str = "",
+    annotate: bool = True,
+    note: str | None = None,
+) -> str:
+    """Write a PNG of ``values_RxC`` as coloured cells (row 0 at the top) and return its path.
+
+    Cells that are None or not finite are left blank (grey). ``annotate`` prints each value in
+    its cell; the colour scale runs from ``vmin`` to ``vmax``.
+    """
+    grid = np.array([[np.nan if v is None else float(v) for v in row] for row in values_RxC],
+                    np.float64).reshape(len(values_RxC), -1)
+    R, C = grid.shape
+    if R == 0 or C == 0:
+        raise ValueError(f"heatmap({path}): values are empty ({R} x {C}), nothing to plot")
+    if len(row_labels) != R or len(col_labels) != C:
+        raise ValueError(f"heatmap({path}): values are {R} x {C} but there are "
+                         f"{len(row_labels)} row labels and {len(col_labels)} column labels")
+    fig = Figure(figsize=(max(4.5, 1.0 + 0.9 * C), max(3.0, 1.4 + 0.45 * R)), dpi=110)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_facecolor("0.85")  # the blank cells
+    image = ax.imshow(np.ma.masked_invalid(grid), vmin=vmin, vmax=vmax, cmap="viridis",
+                      aspect="auto", interpolation="nearest")
+    bar = fig.colorbar(image, ax=ax)
+    if colorbar_label:
+        bar.set_label(colorbar_label)
+    ax.set_xticks(range(C), [str(c) for c in col_labels])
+    ax.set_yticks(range(R), [str(r) for r in row_labels])
+    if annotate:
+        middle = (vmin + vmax) / 2
+        for r in range(R):
+            for c in range(C):
+                v = grid[r, c]
+                if math.isfinite(v):
+                    ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=8,
+                            color="black" if v > middle else "white")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     if note:
         fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)
     fig.tight_layout()

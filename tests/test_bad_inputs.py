@@ -25,7 +25,8 @@ import pytest
 
 from configs import load_config
 from kimi_k3 import checkpoint as ckpt_lib
-from kimi_k3 import eval_scoring, evaluation, train_lib
+from kimi_k3 import eval_scoring, evaluation, passkey, train_lib
+from kimi_k3 import generate as generate_lib
 from kimi_k3.ops import kda
 from tests.kda_numpy import kda_numpy, rel_err
 from tests.test_kda_ops import make_inputs
@@ -409,6 +410,160 @@ def test_eval_token_ids_outside_the_vocabulary_name_window_and_position(tmp_path
                                          r"outside \[0, 256\)"):
         evaluation.run(config, [spec], opts, str(tmp_path / "ev"), docs=docs,
                        models={"m": object()}, progress=False)
+
+
+EVAL_OPTION_CASES = [
+    (dict(piece_len=0), "--piece_len", "must be a positive integer"),
+    (dict(piece_len=-512), "--piece_len", "must be a positive integer"),
+    (dict(batch_size=0), "--batch_size", "must be a positive integer"),
+    (dict(max_windows=-1), "--max_windows", ">= 0 (0 = all)"),
+    (dict(whole_check_max_len=-4), "--whole_check_max_len", ">= 0 (0 = never)"),
+    (dict(short_docs="truncate"), "--short_docs", "'skip', 'concat'"),
+    (dict(context_lengths=[]), "--context_lengths", "empty"),
+    (dict(context_lengths=[2048, 1024, 2048]), "--context_lengths", "2048 is given more than once"),
+]
+
+
+@pytest.mark.parametrize("kwargs, flag, allowed", EVAL_OPTION_CASES,
+                         ids=[f"{k}={v}" for kw, _, _ in EVAL_OPTION_CASES for k, v in kw.items()])
+def test_eval_options_out_of_range_name_the_flag_before_anything_is_read(tmp_path, corpus, kwargs,
+                                                                         flag, allowed):
+    args = dict(context_lengths=[64], piece_len=32, batch_size=1, short_docs="skip",
+                max_windows=4, whole_check_max_len=0) | kwargs
+    lengths = args.pop("context_lengths")
+    # A checkpoint that does not exist: the flag check comes first, so it is never looked for.
+    with pytest.raises(ValueError) as info:
+        evaluation.main(tiny_config(corpus), str(tmp_path / "ev"), [str(tmp_path / "nowhere")],
+                        lengths, progress=False, **args)
+    assert flag in str(info.value) and allowed in str(info.value), str(info.value)
+    assert not (tmp_path / "ev").exists()
+
+
+def test_eval_flags_out_of_range_stop_flag_parsing(tmp_path, jax_cache):
+    p = run_eval_py(tmp_path, jax_cache, f"--config={REPO / 'configs' / 'tiny.py'}", "--workdir=ev",
+                    "--piece_len=0")
+    assert p.returncode != 0 and "--piece_len=0: 0 is not a positive integer" in p.stderr
+    assert not (tmp_path / "ev").exists()
+
+
+def test_a_context_length_past_the_cache_positions_names_the_flag():
+    with pytest.raises(ValueError, match=r"--context_lengths: '4096M' = 4294967296 tokens exceeds "
+                                         r"the 2147483647 positions"):
+        eval_scoring.parse_context_lengths(["2048", "4096M"])
+
+
+def test_eval_checkpoint_labels_and_configs_are_checked_before_any_model(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"--checkpoint: labels must be distinct, got \['a', 'a'\]"):
+        evaluation.main(tiny_config(corpus), str(tmp_path / "ev"), ["a=init", "a=init"], [64],
+                        progress=False)
+    with pytest.raises(ValueError, match=r"--checkpoint b=init@configs/nothing.py: .*nothing.py"):
+        evaluation.main(tiny_config(corpus), str(tmp_path / "ev"),
+                        ["a=init", "b=init@configs/nothing.py"], [64], progress=False)
+    assert not (tmp_path / "ev").exists()
+
+
+def test_eval_workdir_that_is_a_file_is_named(tmp_path, corpus):
+    f = tmp_path / "eval_here"
+    f.write_text("keep me")
+    with pytest.raises(ValueError, match=r"--workdir: .*eval_here' is a file"):
+        evaluation.main(tiny_config(corpus), str(f), ["init"], [64], progress=False)
+    assert f.read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------------------------
+# generate (every flag is checked before a model is built: none of these compiles anything)
+# ---------------------------------------------------------------------------------------------
+
+GENERATE_CASES = [
+    (dict(), "--prompt / --prompt_ids", "exactly one"),
+    (dict(prompts=["a"], prompt_ids=["1"]), "--prompt / --prompt_ids", "exactly one"),
+    (dict(prompt_ids=["5,6", "7,300,8"]), "--prompt_ids", "token id 300 (prompt 1, position 1) is "
+                                                         "outside [0, 256)"),
+    (dict(prompt_ids=["-2"]), "--prompt_ids", "token id -2 (prompt 0, position 0)"),
+    (dict(prompt_ids=["5,x"]), "--prompt_ids", "'x' in '5,x' is not an integer"),
+    (dict(prompts=[""]), "--prompt", "prompt 0 is empty"),
+    (dict(prompts=["a"], stop_ids=["10,256"]), "--stop_ids", "256 is outside [0, 256)"),
+    (dict(prompts=["a"], temperature=-1.0), "--temperature", "must be a finite number >= 0"),
+    (dict(prompts=["a"], top_p=1.5), "--top_p", "must lie in (0, 1]"),
+    (dict(prompts=["a"], top_p=0.0), "--top_p", "must lie in (0, 1]"),
+    (dict(prompts=["a"], temperature=0.0, top_p=0.9), "--top_p", "no effect with --temperature=0"),
+    (dict(prompts=["a"], max_new_tokens=0), "--max_new_tokens", "must be an integer >= 1"),
+    (dict(prompts=["a"], piece_len=0), "--piece_len", "must be an integer >= 1"),
+    (dict(prompts=["a"], max_new_tokens=2**31), "--max_new_tokens", "exceeds the cache's"),
+    (dict(prompts=["a"]), "--checkpoint", "no --workdir"),
+]
+
+
+@pytest.mark.parametrize("kwargs, flag, allowed", GENERATE_CASES,
+                         ids=[f"case{i}" for i in range(len(GENERATE_CASES))])
+def test_generate_bad_flags_are_named(corpus, kwargs, flag, allowed):
+    with pytest.raises(ValueError) as info:
+        generate_lib.main(tiny_config(corpus), progress=False, **kwargs)
+    assert flag in str(info.value) and allowed in str(info.value), str(info.value)
+
+
+def test_generate_checkpoint_paths_are_named(tmp_path, corpus):
+    with pytest.raises(FileNotFoundError, match=r"--checkpoint: '.*nowhere' does not exist"):
+        generate_lib.main(tiny_config(corpus), prompts=["a"], checkpoint=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"--checkpoint: none given and no checkpoint "
+                                                r"under --workdir's"):
+        generate_lib.main(tiny_config(corpus), prompts=["a"], workdir=str(tmp_path))
+
+
+def test_generate_a_text_prompt_outside_the_vocabulary_names_the_flag_and_tokenizer(corpus):
+    config = tiny_config(corpus)
+    config.model.vocab_size = 100  # bytes reach 255
+    with pytest.raises(ValueError, match=r"--prompt \(tokenised by bytes\): token id 116 \(prompt 0, "
+                                         r"position 2\) is outside \[0, 100\)"):
+        generate_lib.main(config, prompts=["abt"], checkpoint="init")
+
+
+def test_generate_py_refuses_a_bad_flag_while_parsing(tmp_path, jax_cache):
+    cmd = [sys.executable, str(REPO / "generate.py"), f"--config={REPO / 'configs' / 'tiny.py'}",
+           "--checkpoint=init", "--prompt=def ", "--max_new_tokens=0"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env(jax_cache), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0 and "--max_new_tokens=0: 0 is not a positive integer" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# passkey (benchmarks/passkey.py): checked before a model is built or --workdir is made
+# ---------------------------------------------------------------------------------------------
+
+PASSKEY_CASES = [
+    (dict(context_lengths=["97"]), "--context_lengths", "the shortest allowed is 98"),
+    (dict(context_lengths=["1x"]), "--context_lengths", "'1x' is not a positive integer"),
+    (dict(depths=["0", "1.5"]), "--depths", "'1.5' is not a number in [0, 1]"),
+    (dict(depths=["deep"]), "--depths", "'deep' is not a number in [0, 1]"),
+    (dict(digits=0), "--digits", "in [1, 64]"),
+    (dict(trials=0), "--trials", "must be an integer >= 1"),
+    (dict(batch_size=0), "--batch_size", "must be an integer >= 1"),
+    (dict(piece_len=-1), "--piece_len", "must be an integer >= 1"),
+    (dict(mode="sampled"), "--mode", "not one of ('greedy', 'teacher_forced')"),
+    (dict(train_steps=-1), "--train_steps", ">= 0"),
+    (dict(train_steps=5, train_lengths=["64"]), "--train_lengths", "the shortest allowed is 98"),
+    (dict(train_steps=5, train_lengths=["200", "120"]), "--train_lengths", "200 > 120"),
+    (dict(train_steps=5, train_lengths=["100", "120"], train_batch_size=0), "--train_batch_size",
+     ">= 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs, flag, allowed", PASSKEY_CASES,
+                         ids=[f"case{i}" for i in range(len(PASSKEY_CASES))])
+def test_passkey_bad_flags_are_named_and_nothing_is_written(tmp_path, corpus, kwargs, flag, allowed):
+    args = dict(checkpoint="init", context_lengths=["256"]) | kwargs
+    with pytest.raises(ValueError) as info:
+        passkey.main(tiny_config(corpus), str(tmp_path / "pk"), progress=False, **args)
+    assert flag in str(info.value) and allowed in str(info.value), str(info.value)
+    assert not (tmp_path / "pk").exists()
+
+
+def test_passkey_with_a_vocabulary_smaller_than_the_bytes_names_both_fields(tmp_path, corpus):
+    config = tiny_config(corpus)
+    config.model.vocab_size = 64
+    with pytest.raises(ValueError, match=r"config.data.tokenizer: bytes gives token id 121, "
+                                         r"outside \[0, 64\) = model.vocab_size"):
+        passkey.main(config, str(tmp_path / "pk"), checkpoint="init", context_lengths=["256"])
 
 
 # ---------------------------------------------------------------------------------------------

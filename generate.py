@@ -1,0 +1,68 @@
+r"""Continue a prompt with a trained model: greedy by default, or temperature / top-p sampling.
+
+    python generate.py --config=configs/tiny.py --workdir=runs/tiny --prompt="def " \
+        --max_new_tokens=64
+    python generate.py --config=configs/tiny.py --checkpoint=runs/tiny/checkpoints/200 \
+        --prompt="import " --prompt="class " --temperature=0.8 --top_p=0.95 --seed=1
+    python generate.py --config=configs/tiny.py --checkpoint=init --prompt_ids=100,101,102 \
+        --stop_ids=10
+
+Text goes through the config's tokenizer (``config.data.tokenizer``; bytes without one) and
+the continuation is printed as text; ``--prompt_ids`` takes token ids and prints ids. Repeat
+``--prompt`` / ``--prompt_ids`` for a batch (prompts of different lengths decode exactly as
+they would alone). The weights: ``--checkpoint`` (a step, checkpoints or run folder, or
+``init``), else the newest step under ``--workdir/checkpoints``. All logic lives in
+``kimi_k3.generate``.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from kimi_k3 import generate
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (the model and its tokenizer), e.g. configs/tiny.py.",
+    lock_config=True)
+flags.mark_flag_as_required("config")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run folder: its newest checkpoint is used when --checkpoint is not given.")
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "A checkpoint step, checkpoints or run folder, or 'init' (untrained).")
+_PROMPT = flags.DEFINE_multi_string("prompt", [], "Prompt text; repeat for a batch.")
+_PROMPT_IDS = flags.DEFINE_multi_string(
+    "prompt_ids", [], "Prompt as comma-separated token ids (ids are printed back); repeat for a batch.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt, at most.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", None, "Sampling temperature; 0 or unset: greedy (unset with --top_p: 1).")
+_TOP_P = flags.DEFINE_float("top_p", None, "Nucleus sampling: keep the most probable tokens "
+                            "holding this much probability, in (0, 1].")
+_STOP_IDS = flags.DEFINE_list(
+    "stop_ids", [], "Token ids that end a prompt's continuation (config.data.eos_id too, if >= 0).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_PIECE = flags.DEFINE_integer("piece_len", 2048, "Prompt tokens per prefill call (bounds memory).",
+                              lower_bound=1)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # the command prints its own lines; -v 0 for library logs
+        logging.set_verbosity(logging.WARNING)
+    generate.main(
+        _CONFIG.value,
+        prompts=_PROMPT.value,
+        prompt_ids=_PROMPT_IDS.value,
+        workdir=_WORKDIR.value,
+        checkpoint=_CHECKPOINT.value,
+        max_new_tokens=_MAX_NEW.value,
+        temperature=_TEMPERATURE.value,
+        top_p=_TOP_P.value,
+        stop_ids=_STOP_IDS.value,
+        seed=_SEED.value,
+        piece_len=_PIECE.value,
+        config_name=config_flags.get_config_filename(flags.FLAGS["config"]),
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

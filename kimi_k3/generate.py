@@ -1,0 +1,475 @@
+r"""Decoding: prompts in, continuations out (greedy, temperature or nucleus sampling), and the
+body of the ``generate.py`` command.
+
+    from kimi_k3.generate import Sampling, generate
+
+    out = generate(model, [[72, 105], [68, 101, 102, 32]], max_new_tokens=32)     # greedy
+    out = generate(model, prompts, 32, sampling=Sampling(temperature=0.8, top_p=0.95),
+                   stop_ids=(10,), seed=1)
+    out.tokens[i]    # int32 [n_i]: prompt i's new tokens, its stop id last if it met one
+    out.finish[i]    # "stop" (met a stop id) | "length" (max_new_tokens reached)
+
+``model`` follows the ``HybridLM`` contract: ``init_cache(B, max_len)``,
+``prefill(tokens_BxT, cache) -> (logits_BxTxV, cache)``, ``step(token_B, cache) -> (logits_BxV,
+cache)``. A ``Decoder`` holds its jitted functions; pass one instead of the model to reuse
+them across calls (an ``nnx.Module``'s are shared by every model of its architecture anyway).
+
+The next token, from the float32 logits z [B, V] at the last position read:
+
+    greedy (temperature = 0)   next = argmax_v z_v
+    temperature t > 0          next ~ p = softmax(z / t)
+    top-p, 0 < top_p < 1       sort p in decreasing order and keep the shortest head whose mass
+                               reaches top_p (the most probable token always; a token tied
+                               with the last one kept stays too), renormalise, sample in it
+
+The sample for sequence position s uses the key ``fold_in(key(seed), s)``: a run is
+deterministic in (seed, prompts).
+
+One run, for B prompts of lengths L_i and N = ``max_new_tokens``:
+
+    cache = init_cache(B, max_i L_i + N)       KDA state + conv tails (fixed size), MLA latents
+    prefill of the prompts, in pieces of ``piece_len`` tokens     jitted, the cache donated
+    step(token_B), one position per call, until every row is done  jitted, the cache donated
+
+**Prompts of different lengths: lockstep.** The cache keeps one position counter for all rows
+(MLA writes every row's latent at the same slot and masks the keys by it), and there is no
+padding mask, so every row must hold a real token at every position the batch has passed.
+The rows therefore advance together:
+
+1. the common prefix, the first L_min = min_i L_i tokens of every prompt, is prefilled
+   together;
+2. then one ``step`` per position s = L_min, L_min + 1, ...: row i feeds its own prompt
+   token s while s < L_i (what it would have sampled there is dropped), and from then on the
+   tokens it samples;
+3. until every row has N new tokens or has met a stop id (a finished row keeps stepping with
+   the others; what it produces is dropped).
+
+Row i's sequence is its prompt followed by its own samples, nothing in between, so it decodes
+exactly as it would alone (tests/test_generate.py checks this against one prompt at a time).
+The cost is max_i L_i - L_min single-token steps for the longer prompts' tails: give prompts
+of very different lengths to separate calls (prefill is much faster than steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from kimi_k3.checkpoint import resolve_step_dir
+from kimi_k3.data import TextTokenizer, first_bad_id
+from kimi_k3.eval_scoring import align_cache
+from kimi_k3.evaluation import INIT_CHECKPOINT, build_model
+from kimi_k3.model import MAX_POSITIONS
+from kimi_k3.train_lib import quiet_library_logs
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the next token
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen (module docstring). ``temperature = 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_flags(cls, temperature: float | None, top_p: float | None) -> Sampling:
+        """The command line's rule: greedy unless ``--temperature`` or ``--top_p`` is given;
+        ``--top_p`` alone samples at temperature 1."""
+        if temperature is None:
+            temperature = 0.0 if top_p is None else 1.0
+        return cls(float(temperature), 1.0 if top_p is None else float(top_p)).validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> Sampling:
+        t, p = self.temperature, self.top_p
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"--temperature: {t!r} must be a finite number >= 0 (0 = greedy)")
+        if not (math.isfinite(p) and 0 < p <= 1):
+            raise ValueError(f"--top_p: {p!r} must lie in (0, 1] (1 = the whole vocabulary)")
+        if t == 0 and p < 1:
+            raise ValueError(f"--top_p: {p} has no effect with --temperature=0 (greedy); give a "
+                             f"temperature > 0, or leave --temperature out to sample at 1")
+        return self
+
+
+GREEDY = Sampling()
+
+
+def nucleus_mask(logits_BxV: jax.Array, top_p) -> jax.Array:
+    """bool [B, V]: the tokens top-p keeps. With p = softmax(logits) sorted in decreasing order
+    p_(1) >= p_(2) >= ..., token (j) is kept when the mass before it, sum_{i<j} p_(i), is below
+    ``top_p``; a token whose logit equals the smallest kept one is kept too; ``top_p >= 1``
+    keeps every token (float rounding of the sum never drops one)."""
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    n_keep_B = jnp.maximum(jnp.sum(before_BxV < top_p, axis=-1), 1)
+    cutoff_B = jnp.take_along_axis(sorted_BxV, n_keep_B[:, None] - 1, axis=-1)
+    return (logits_BxV >= cutoff_B) | (top_p >= 1.0)
+
+
+@jax.jit
+def _argmax(logits_BxV):
+    return jnp.argmax(logits_BxV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+
+@jax.jit
+def _sample(logits_BxV, key, position, temperature, top_p):
+    scaled_BxV = logits_BxV.astype(jnp.float32) / temperature
+    scaled_BxV = jnp.where(nucleus_mask(scaled_BxV, top_p), scaled_BxV, -jnp.inf)
+    return jax.random.categorical(jax.random.fold_in(key, position), scaled_BxV).astype(jnp.int32)
+
+
+def sample_tokens(logits_BxV: jax.Array, key: jax.Array, position: int, sampling: Sampling) -> jax.Array:
+    """int32 [B]: the next token of each row from its logits [B, V] (module docstring), with the
+    randomness of sequence ``position`` (``fold_in(key, position)``). Jitted; the temperature
+    and top_p are traced, so every sampling setting shares one compilation."""
+    if sampling.greedy:
+        return _argmax(logits_BxV)
+    return _sample(logits_BxV, key, position, jnp.float32(sampling.temperature),
+                   jnp.float32(sampling.top_p))
+
+
+# ---------------------------------------------------------------------------------------------
+# The jitted model calls
+# ---------------------------------------------------------------------------------------------
+
+
+def _decoder_fns(get_model: Callable):
+    """(prefill_piece, step): jitted, each donating the cache it is given."""
+
+    def prefill_piece(state, tokens_BxP, cache):
+        logits_BxPxV, cache = get_model(state).prefill(tokens_BxP, cache)
+        return logits_BxPxV[:, -1], cache  # only the last position's logits leave
+
+    def step(state, token_B, cache):
+        return get_model(state).step(token_B, cache)
+
+    return jax.jit(prefill_piece, donate_argnums=(2,)), jax.jit(step, donate_argnums=(2,))
+
+
+@functools.lru_cache(maxsize=16)
+def _nnx_decoder_fns(graphdef):
+    """One pair per architecture: models of the same config share their compilations."""
+    return _decoder_fns(lambda state: nnx.merge(graphdef, state))
+
+
+class Decoder:
+    """A model's jitted ``prefill`` (in pieces) and ``step``, the cache donated to each call, so
+    the KDA state and the MLA latent cache are updated in place.
+
+    An ``nnx.Module`` is split once into (graphdef, state), so the jitted functions take the
+    weights as an argument and are shared by every model of that graphdef; any other object
+    with the ``HybridLM`` methods is traced as it is (test doubles).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        spec = getattr(model, "spec", None)
+        self.vocab_size = None if spec is None else int(spec.vocab_size)
+        if isinstance(model, nnx.Module):
+            graphdef, self._state = nnx.split(model)
+            self._prefill, self._step = _nnx_decoder_fns(graphdef)
+        else:
+            self._state = None
+            self._prefill, self._step = _decoder_fns(lambda state: model)
+
+    def init_cache(self, batch_size: int, max_len: int):
+        return self.model.init_cache(batch_size, max_len)
+
+    def prefill(self, tokens_BxT: np.ndarray, cache, piece_len: int,
+                on_piece: Callable[[], None] | None = None):
+        """(logits [B, V] after the last of the T tokens, the cache after them). T >= 1 tokens
+        go in pieces of ``piece_len`` (the last piece may be shorter: one more compilation)."""
+        tokens_BxT = np.asarray(tokens_BxT, np.int32)
+        T = tokens_BxT.shape[1]
+        if T < 1:
+            raise ValueError("Decoder.prefill: needs at least one token per row")
+        P = min(piece_len, T)
+        first = jnp.asarray(tokens_BxT[:, :P])
+        cache = align_cache(cache, jax.eval_shape(self._prefill, self._state, first, cache)[1])
+        logits_BxV = None
+        for start in range(0, T, P):
+            piece = jnp.asarray(tokens_BxT[:, start : start + P])
+            logits_BxV, cache = self._prefill(self._state, piece, cache)
+            if on_piece is not None:
+                on_piece()
+        return logits_BxV, cache
+
+    def step(self, token_B, cache):
+        """(logits [B, V] after ``token_B``, the cache after it)."""
+        return self._step(self._state, jnp.asarray(token_B, jnp.int32), cache)
+
+    def pieces(self, T: int, piece_len: int) -> int:
+        """The prefill calls ``prefill`` makes for T tokens."""
+        return -(-T // min(piece_len, T))
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Generation:
+    """What ``generate`` returns: per prompt, its new tokens and why it stopped."""
+
+    tokens: list[np.ndarray]  # int32 [n_i], n_i <= max_new_tokens; a stop id is the last token
+    finish: list[str]  # "stop" | "length"
+    prompt_lengths: list[int]
+    prefill_seconds: float  # the common prefix, compilation included
+    decode_seconds: float  # the steps, compilation included
+    steps: int  # step calls (one position of every row each)
+
+    def summary(self) -> str:
+        new = sum(len(t) for t in self.tokens)
+        rate = new / self.decode_seconds if self.decode_seconds > 0 else math.nan
+        return (f"{len(self.tokens)} prompt(s) of {min(self.prompt_lengths)}-{max(self.prompt_lengths)} "
+                f"tokens; {new} new tokens in {self.steps} steps; prefill {self.prefill_seconds:.2f} s, "
+                f"decoding {self.decode_seconds:.2f} s ({rate:.1f} new tokens/s, compilation included)")
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None,
+                  name: str = "prompts") -> list[np.ndarray]:
+    """The prompts as int32 arrays. Raises ValueError naming ``name`` (the argument or flag the
+    prompts came from) for no prompt, an empty prompt, or a token id outside [0, vocab_size)
+    (the first bad id, its prompt and its position)."""
+    if len(prompts) == 0:
+        raise ValueError(f"{name}: no prompt given")
+    out = []
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"{name}: prompt {i} is empty or not a flat list of token ids "
+                             f"(shape {arr.shape}); every prompt needs at least one token")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{name}: prompt {i} holds {arr.dtype} values, not integer token ids")
+        if vocab_size is not None:
+            bad = first_bad_id(arr, vocab_size)
+            if bad is not None:
+                (position,), tok = bad
+                raise ValueError(f"{name}: token id {tok} (prompt {i}, position {position}) is "
+                                 f"outside [0, {vocab_size}) = model.vocab_size")
+        out.append(arr.astype(np.int32))
+    return out
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling = GREEDY,
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    piece_len: int = 2048,
+    progress: bool = False,
+) -> Generation:
+    """Continue each prompt (token ids) by up to ``max_new_tokens`` tokens; module docstring.
+
+    ``model``: a ``HybridLM`` (or anything with its methods), or a ``Decoder`` of one.
+    ``stop_ids``: a row is done after it emits any of them (kept as its last token).
+    ``piece_len``: tokens per prefill call (bounds the memory of the logits and activations).
+    ``progress``: a bar on stderr, shown only when stderr is a terminal.
+    """
+    dec = model if isinstance(model, Decoder) else Decoder(model)
+    sampling = sampling.validate()
+    rows = check_prompts(prompts, dec.vocab_size)
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"--max_new_tokens: {max_new_tokens!r} must be an integer >= 1")
+    if not (isinstance(piece_len, int) and piece_len >= 1):
+        raise ValueError(f"--piece_len: {piece_len!r} must be an integer >= 1")
+    lengths = np.array([len(r) for r in rows], np.int64)
+    B, N = len(rows), max_new_tokens
+    L_min, L_max = int(lengths.min()), int(lengths.max())
+    if L_max + N > MAX_POSITIONS:
+        raise ValueError(f"--max_new_tokens: the longest prompt ({L_max} tokens) plus {N} new "
+                         f"tokens exceeds the cache's {MAX_POSITIONS} positions")
+    stops = np.asarray(sorted({int(s) for s in stop_ids}), np.int64)
+
+    prompt_BxL = np.zeros((B, L_max), np.int32)
+    for i, r in enumerate(rows):
+        prompt_BxL[i, : len(r)] = r
+    out_BxN = np.zeros((B, N), np.int32)
+    n_new = np.zeros(B, np.int64)
+    finish: list[str | None] = [None] * B
+    key = jax.random.key(seed)
+
+    total = dec.pieces(L_min, piece_len) + (L_max + N - 1 - L_min)
+    with tqdm(total=total, desc="generate", unit="call",
+              disable=not (progress and sys.stderr.isatty())) as bar:
+        t0 = time.perf_counter()
+        cache = dec.init_cache(B, L_max + N)
+        bar.set_postfix(phase="prefill")
+        logits_BxV, cache = dec.prefill(prompt_BxL[:, :L_min], cache, piece_len,
+                                        on_piece=lambda: bar.update(1))
+        jax.block_until_ready(logits_BxV)
+        t1 = time.perf_counter()
+        bar.set_postfix(phase="decode")
+        steps = 0
+        for s in range(L_min, L_max + N):  # s: the position of the token chosen now
+            sampled_B = np.asarray(sample_tokens(logits_BxV, key, s, sampling))
+            in_prompt_B = s < lengths
+            token_B = np.where(in_prompt_B, prompt_BxL[:, min(s, L_max - 1)], sampled_B)
+            for i in np.nonzero(~in_prompt_B)[0]:
+                if finish[i] is not None:
+                    continue
+                out_BxN[i, n_new[i]] = token_B[i]
+                n_new[i] += 1
+                if np.isin(token_B[i], stops):
+                    finish[i] = "stop"
+                elif n_new[i] == N:
+                    finish[i] = "length"
+            if all(f is not None for f in finish):
+                break
+            logits_BxV, cache = dec.step(token_B, cache)
+            steps += 1
+            bar.update(1)
+        jax.block_until_ready(logits_BxV)
+        t2 = time.perf_counter()
+    return Generation(
+        tokens=[out_BxN[i, : n_new[i]].copy() for i in range(B)],
+        finish=[str(f) for f in finish],
+        prompt_lengths=[int(n) for n in lengths],
+        prefill_seconds=t1 - t0,
+        decode_seconds=t2 - t1,
+        steps=steps,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The generate.py command
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_id_list(text: str, flag: str) -> list[int]:
+    """``"1, 2,3"`` -> [1, 2, 3]. Raises ValueError naming ``flag`` and the item that is not an
+    integer."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} in {text!r} is not an integer token id; give "
+                             f"comma-separated ids, e.g. {flag}=72,105") from None
+    return out
+
+
+def resolve_checkpoint(checkpoint: str | None, workdir: str | None) -> str:
+    """``init``, or the step folder to restore: ``checkpoint`` (a step, checkpoints or run
+    folder), else the newest step under ``workdir/checkpoints``. Errors name the flags."""
+    if checkpoint == INIT_CHECKPOINT:
+        return checkpoint
+    if checkpoint:
+        return resolve_step_dir(checkpoint)[0]
+    if not workdir:
+        raise ValueError("--checkpoint: none given, and no --workdir to find one in; pass "
+                         "--checkpoint=PATH, --workdir=RUN or --checkpoint=init (untrained weights)")
+    own = os.path.join(workdir, "checkpoints")
+    try:
+        return resolve_step_dir(own)[0]
+    except (FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(
+            f"--checkpoint: none given and no checkpoint under --workdir's {own!r}; pass "
+            f"--checkpoint=PATH (or --checkpoint=init for untrained weights)") from e
+
+
+def describe_weights(path: str, step: int | None) -> str:
+    if path == INIT_CHECKPOINT:
+        return "weights: untrained (--checkpoint=init, from config.seed)"
+    return f"weights: step {step} from {path}"
+
+
+def main(
+    config,
+    *,
+    prompts: Sequence[str] = (),
+    prompt_ids: Sequence[str] = (),
+    workdir: str | None = None,
+    checkpoint: str | None = None,
+    max_new_tokens: int = 64,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    stop_ids: Sequence[str] = (),
+    seed: int = 0,
+    piece_len: int = 2048,
+    progress: bool = True,
+    config_name: str = "--config",
+) -> list[str]:
+    """generate.py's body: check every flag, restore the model, generate, print.
+
+    ``prompts`` are text (through ``config.data.tokenizer``, bytes without one); ``prompt_ids``
+    are comma-separated token ids, one string per prompt. Prints, and returns, one output per
+    prompt: the continuation's text (a stop id left out) or its ids (a stop id included).
+    Everything is checked before the model is built, each error naming its flag.
+    """
+    if config is None:
+        raise ValueError("--config: required (the model, and its tokenizer for text prompts)")
+    if bool(prompts) == bool(prompt_ids):
+        raise ValueError("--prompt / --prompt_ids: give exactly one of them (text, or "
+                         "comma-separated token ids); repeat it for a batch of prompts")
+    sampling = Sampling.from_flags(temperature, top_p)
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"--max_new_tokens: {max_new_tokens!r} must be an integer >= 1")
+    if not (isinstance(piece_len, int) and piece_len >= 1):
+        raise ValueError(f"--piece_len: {piece_len!r} must be an integer >= 1")
+    vocab = int(config.model.vocab_size)
+    stops = [i for text in stop_ids if str(text).strip() for i in parse_id_list(str(text), "--stop_ids")]
+    for s in stops:
+        if not 0 <= s < vocab:
+            raise ValueError(f"--stop_ids: {s} is outside [0, {vocab}) = model.vocab_size")
+    eos = int(config.data.get("eos_id", -1)) if "data" in config else -1
+    if eos >= 0:
+        stops.append(eos)
+
+    tokenizer = None
+    if prompt_ids:
+        rows = check_prompts([parse_id_list(p, "--prompt_ids") for p in prompt_ids], vocab,
+                             "--prompt_ids")
+    else:
+        tokenizer = TextTokenizer(config.data.tokenizer if "data" in config else "")
+        tok_name = tokenizer.path or "bytes"
+        encoded = [tokenizer.encode(p) for p in prompts]
+        rows = check_prompts(encoded, vocab, f"--prompt (tokenised by {tok_name})")
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > MAX_POSITIONS:
+        raise ValueError(f"--max_new_tokens: the longest prompt ({longest} tokens) plus "
+                         f"{max_new_tokens} exceeds the cache's {MAX_POSITIONS} positions")
+    path = resolve_checkpoint(checkpoint, workdir)
+
+    quiet_library_logs()
+    model, step = build_model(config, path, config_name=config_name)
+    print(describe_weights(path, step), file=sys.stderr)
+    gen = generate(model, rows, max_new_tokens, sampling=sampling, stop_ids=stops, seed=seed,
+                   piece_len=piece_len, progress=progress)
+    outputs = []
+    for tokens, why in zip(gen.tokens, gen.finish, strict=True):
+        if prompt_ids:
+            outputs.append(",".join(str(int(t)) for t in tokens))
+        else:
+            body = tokens[:-1] if why == "stop" else tokens
+            outputs.append(tokenizer.decode(body))
+    for i, (text, why) in enumerate(zip(outputs, gen.finish, strict=True)):
+        if len(outputs) > 1:
+            print(f"--- prompt {i} ({why}, {len(gen.tokens[i])} new tokens) ---")
+        print(text)
+    print(gen.summary(), file=sys.stderr)
+    return outputs

@@ -1,0 +1,158 @@
+"""Decoding: greedy decoding is the argmax of the whole-sequence forward, a batch of prompts of
+different lengths decodes each as it would alone, stop ids end a row, top-p and temperature
+sample what they promise, the cache is donated to every call, and generate.py's body prints a
+continuation. (Bad flags: tests/test_bad_inputs.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_k3 import generate as gen_lib
+from kimi_k3.data import TextTokenizer
+from kimi_k3.generate import Decoder, Sampling, generate, sample_tokens
+from kimi_k3.model import HybridLM
+from tests.test_eval import tiny_config
+
+# Lengths 8, 4 and 5 in pieces of 4: the batch shares a 4-token prefix; alone, the prompts
+# prefill in pieces of 4 (and 1). Every test here uses these shapes, so each function
+# compiles once for the whole module.
+PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [100, 101, 102, 32], [105, 109, 112, 111, 114]]
+PIECE = 4
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A small byte-level HybridLM ("KKM": a scanned group and an unrolled tail layer)."""
+    cfg = tiny_config("KKM", vocab=256)
+    return HybridLM(cfg.model, rngs=nnx.Rngs(jax.random.key(3, impl="rbg")))
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+    return generate(model, PROMPTS, NEW, piece_len=PIECE)
+
+
+def test_greedy_tokens_are_the_argmax_of_the_whole_sequence_forward(model, greedy):
+    assert greedy.finish == ["length"] * 3 and [len(t) for t in greedy.tokens] == [NEW] * 3
+    # One forward over every prompt + its tokens, right-padded to one length: a row's padding
+    # comes after all of its tokens, so causality keeps it from changing their logits.
+    T = max(len(p) for p in PROMPTS) + NEW
+    seq_BxT = np.zeros((3, T), np.int32)
+    for i, (p, t) in enumerate(zip(PROMPTS, greedy.tokens, strict=True)):
+        seq_BxT[i, : len(p) + NEW] = np.concatenate([p, t])
+    logits_BxTxV = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(seq_BxT)))
+    for i, (p, t) in enumerate(zip(PROMPTS, greedy.tokens, strict=True)):
+        # Token j was chosen from the logits at position len(p) - 1 + j.
+        pred_NxV = logits_BxTxV[i, len(p) - 1 : len(p) - 1 + NEW]
+        top2 = np.sort(pred_NxV, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-4  # where two logits tie, either is the argmax
+        assert clear.any()
+        np.testing.assert_array_equal(np.argmax(pred_NxV, -1)[clear], t[clear])
+        np.testing.assert_allclose(pred_NxV[np.arange(NEW), t], pred_NxV.max(-1), atol=1e-4)
+
+
+def test_a_batch_of_different_lengths_decodes_each_prompt_as_alone(model, greedy):
+    for p, t in zip(PROMPTS, greedy.tokens, strict=True):
+        alone = generate(model, [p], NEW, piece_len=PIECE)
+        np.testing.assert_array_equal(alone.tokens[0], t)
+    # Lockstep: the 4-token common prefix in one prefill call, then one step per position up to
+    # the longest prompt's last new token but one.
+    assert greedy.steps == max(map(len, PROMPTS)) + NEW - 1 - min(map(len, PROMPTS))
+
+
+def test_stop_ids_end_their_row_and_the_others_go_on(model, greedy):
+    stop = int(greedy.tokens[1][2])
+    out = generate(model, PROMPTS, NEW, stop_ids=[stop], piece_len=PIECE)
+    for t, got, why in zip(greedy.tokens, out.tokens, out.finish, strict=True):
+        hits = np.nonzero(t == stop)[0]
+        cut = hits[0] + 1 if len(hits) else NEW
+        np.testing.assert_array_equal(got, t[:cut])  # the stop id is the last token
+        assert why == ("stop" if len(hits) else "length")
+    assert out.finish[1] == "stop"
+
+
+def test_sampling_is_deterministic_in_its_seed(model):
+    hot = Sampling(temperature=4.0, top_p=0.95)
+    a = generate(model, PROMPTS, NEW, sampling=hot, seed=1, piece_len=PIECE)
+    b = generate(model, PROMPTS, NEW, sampling=hot, seed=1, piece_len=PIECE)
+    c = generate(model, PROMPTS, NEW, sampling=hot, seed=2, piece_len=PIECE)
+    assert all(np.array_equal(x, y) for x, y in zip(a.tokens, b.tokens, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a.tokens, c.tokens, strict=True))
+
+
+def test_the_cache_is_donated_to_every_call(model):
+    dec = Decoder(model)
+    cache = dec.init_cache(3, max(map(len, PROMPTS)) + NEW)
+    _, cache = dec.prefill(np.asarray([p[:PIECE] for p in PROMPTS]), cache, PIECE)
+    before = jax.tree.leaves(cache)
+    _, after = dec.step(np.zeros(3, np.int32), cache)
+    assert all(x.is_deleted() for x in before)  # updated in place, not copied
+    assert int(after["pos"]) == PIECE + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the next token
+# ---------------------------------------------------------------------------------------------
+
+
+def test_top_p_keeps_the_nucleus_and_temperature_flattens_the_softmax():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits_BxV = jnp.asarray(np.tile(np.log(p), (n, 1)), jnp.float32)
+    key = jax.random.key(0)
+
+    def freqs(sampling):
+        tokens = np.asarray(sample_tokens(logits_BxV, key, 7, sampling))
+        return np.bincount(tokens, minlength=4) / n
+
+    np.testing.assert_array_equal(freqs(Sampling()), [1, 0, 0, 0])  # greedy
+    np.testing.assert_allclose(freqs(Sampling(1.0)), p, atol=0.04)
+    flat = np.sqrt(p) / np.sqrt(p).sum()  # softmax(log p / 2)
+    np.testing.assert_allclose(freqs(Sampling(2.0)), flat, atol=0.04)
+    # top_p = 0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it: tokens 0 and 1, renormalised.
+    np.testing.assert_allclose(freqs(Sampling(1.0, 0.7)), [0.625, 0.375, 0, 0], atol=0.04)
+    np.testing.assert_array_equal(freqs(Sampling(1.0, 0.5)), [1, 0, 0, 0])  # 0.5 reaches 0.5
+    # Ties with the last token kept stay in.
+    mask = gen_lib.nucleus_mask(jnp.asarray([[2.0, 1.0, 1.0, 0.0]]), 0.6)
+    np.testing.assert_array_equal(mask, [[True, True, True, False]])
+
+
+def test_sampling_from_flags():
+    assert Sampling.from_flags(None, None) == Sampling(0.0, 1.0)  # greedy
+    assert Sampling.from_flags(None, 0.9) == Sampling(1.0, 0.9)  # --top_p alone samples at 1
+    assert Sampling.from_flags(0.7, None) == Sampling(0.7, 1.0)
+
+
+def test_bytes_decode_and_encode_round_trip():
+    tok = TextTokenizer("")
+    ids = tok.encode("naïve déjà")
+    assert ids.dtype == np.int32 and tok.decode(ids) == "naïve déjà"
+    assert tok.decode([104, 105, 300, 33]) == "hi\ufffd!"  # an id past the bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# generate.py's body
+# ---------------------------------------------------------------------------------------------
+
+
+def test_generate_command_prints_the_continuation(model, capsys, monkeypatch):
+    # The fixture's model stands in for --checkpoint=init's (building one is test_eval's job).
+    monkeypatch.setattr(gen_lib, "build_model", lambda config, path, config_name: (model, None))
+    config = tiny_config("KKM", vocab=256)
+    config.data.eos_id = 10  # a newline ends a continuation, as --stop_ids=10 would
+    out = gen_lib.main(config, prompts=["def "], checkpoint="init", max_new_tokens=NEW,
+                       piece_len=PIECE, progress=False)
+    printed = capsys.readouterr()
+    assert len(out) == 1 and printed.out == out[0] + "\n"
+    assert "untrained" in printed.err and "new tokens" in printed.err
+    ids = gen_lib.main(config, prompt_ids=[",".join(map(str, p)) for p in PROMPTS],
+                       checkpoint="init", max_new_tokens=NEW, piece_len=PIECE, progress=False)
+    assert "--- prompt 2 (" in capsys.readouterr().out  # a batch prints a header per prompt
+    first = [int(i) for i in ids[1].split(",")]  # "def ": ids keep the stop id, text does not
+    assert 1 <= len(first) <= NEW and 10 not in first[:-1]
+    assert TextTokenizer("").decode(first[:-1] if first[-1] == 10 else first) == out[0]
