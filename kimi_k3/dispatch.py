@@ -19,6 +19,10 @@ Attention (``kimi_k3.layers.attention``): "reference", "xla" (blockwise), "cudnn
 ``CUDNN_MASK_BYTES``, else the Pallas (Triton) kernel when T % 128 == 0); on TPU, splash
 when T % 128 == 0; "xla" otherwise, and whenever the queries continue a cache (prefill,
 decoding: q_offset != 0 or S != T).
+
+Attention against a cache (``kimi_k3.layers.attention.cache_attention``, MLA's prefill and
+decoding), where each block of keys also returns its log-sum-exp: "auto" is cuDNN on GPU in
+bf16/fp16, splash on TPU when the piece is a multiple of 128 tokens, "xla" otherwise.
 """
 
 from __future__ import annotations
@@ -141,3 +145,32 @@ def attention_fallback(requested: str, chosen: str, err: Exception) -> None:
     logging.warning("attention: %s kernel unavailable for these shapes (%s); using xla",
                     chosen, first)
     _report("attention", requested, "xla", f"{chosen} failed: {first[:80]}")
+
+
+def choose_cache_attention_impl(requested: str, *, dtype, T: int,
+                                backend: str | None = None) -> str:
+    """The implementation of the blocks of ``cache_attention`` (pieces of ``T`` queries, each
+    block of keys returning its log-sum-exp) for ``requested``. "cudnn" needs a GPU; "pallas"
+    is splash (TPU, or interpreted on CPU) and needs T % 128 == 0; explicit requests run or
+    raise."""
+    if requested not in ATTN_IMPLS:
+        raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {requested!r}")
+    backend = backend or jax.default_backend()
+    if requested == "cudnn" and backend != "gpu":
+        raise ValueError(f"attention: impl='cudnn' needs a GPU, the backend is {backend!r}; use "
+                         f"'auto' or 'xla'")
+    if requested == "pallas" and (backend == "gpu" or T % 128):
+        raise ValueError(f"attention: impl='pallas' against a cache is splash (TPU), which needs "
+                         f"pieces of a multiple of 128 tokens; got T={T} on {backend!r}; use "
+                         f"'auto', 'cudnn' (GPU) or 'xla'")
+    if requested != "auto":
+        _report("cache attention", requested, requested, backend)
+        return requested
+    half = str(dtype) in ("bfloat16", "float16")
+    chosen = "xla"
+    if backend == "gpu" and half:
+        chosen = "cudnn"
+    elif backend == "tpu" and T % 128 == 0:
+        chosen = "pallas"
+    _report("cache attention", requested, chosen, f"{backend}, {dtype}, pieces of {T}")
+    return chosen

@@ -16,6 +16,7 @@ from kimi_k3.layers.attention import (
     _splash_attention,
     _triton_attention,
     attention,
+    cache_attention,
     reference_attention,
 )
 from kimi_k3.layers.attn_res import DepthResidual
@@ -125,6 +126,11 @@ def test_attention_rejects_bad_arguments():
         attention(q, normal(2, (1, 8, 3, 4)), normal(2, (1, 8, 3, 4)))
     with pytest.raises(ValueError, match="cudnn"):
         attention(q, k, k, segment_ids=jnp.zeros((1, 8), jnp.int32), impl="cudnn")
+    from kimi_k3.dispatch import choose_cache_attention_impl
+    with pytest.raises(ValueError, match="impl='cudnn' needs a GPU"):
+        choose_cache_attention_impl("cudnn", dtype="bfloat16", T=128, backend="cpu")
+    with pytest.raises(ValueError, match="multiple of 128 tokens; got T=100"):
+        choose_cache_attention_impl("pallas", dtype="float32", T=100, backend="tpu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,6 +239,65 @@ def test_mla_latent_cache_in_pieces_equals_one_pass():
         o, cache = apply(layer, x[:, a:b], cache=cache, pos=jnp.int32(a))
         outs.append(o)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), one, atol=2e-5)
+
+
+def test_mla_expanded_cache_reads_in_pieces_equal_one_pass():
+    """Long pieces read the cache expanded, block by block (pos not a multiple of the piece,
+    pieces not multiples of the attention block), then a short piece reads it absorbed."""
+    layer = mla_layer(q_lora_rank=10, block=8)
+    assert [layer.cache_form(T) for T in (2, 18, 20)] == ["absorbed", "expanded", "expanded"]
+    x = normal(12, (2, 61, D))
+    one, _ = apply(layer, x)
+    cache = layer.init_cache(2, 64)
+    outs = []
+    for a, b in ((0, 20), (20, 40), (40, 58), (58, 61)):
+        o, cache = apply(layer, x[:, a:b], cache=cache, pos=jnp.int32(a))
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), one, atol=2e-5)
+
+
+def numpy_attention_at(q, k, v, scale, q_offset):
+    """float64 softmax attention of queries at positions q_offset + i over keys j <= q_offset + i;
+    q [B, T, H, D], k [B, S, KH, D], v [B, S, KH, Dv]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, H, _ = q.shape
+    S, KH = k.shape[1], k.shape[2]
+    k, v = np.repeat(k, H // KH, axis=2), np.repeat(v, H // KH, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) * scale
+    visible = np.arange(S)[None, :] <= (q_offset + np.arange(T))[:, None]
+    s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshv->bthv", p, v)
+
+
+@pytest.mark.parametrize("impl,B,T,S,pos", [
+    ("xla", 2, 18, 70, 41),  # three earlier blocks, the last one cut at pos
+    ("xla", 1, 24, 50, 0),  # the piece alone
+    ("reference", 2, 7, 40, 30),
+    ("pallas", 1, 128, 384, 200),  # splash, interpreted: blocks [0, 128) and [128, 200)
+    *([("cudnn", 2, 256, 1024, 300)] if jax.default_backend() == "gpu" else []),
+])
+def test_cache_attention_block_by_block_equals_float64(impl, B, T, S, pos):
+    """cache_attention (blocks merged by log-sum-exp) against float64 NumPy; the cache holds a
+    latent that ``expand`` turns into grouped keys and values, as MLA's does; entries past
+    pos + T are garbage that must never be read. cuDNN (GPU only) runs in bf16."""
+    H, KH, L = 4, 2, 6
+    D, Dv, dtype, tol = (8, 5, jnp.float32, 2e-5) if impl != "cudnn" else (64, 32, jnp.bfloat16, 2e-2)
+    rng = np.random.default_rng()
+    cache = jnp.asarray(rng.normal(size=(B, S, L)), dtype)
+    cache = cache.at[:, pos + T:].set(1e30)
+    W_k, W_v = normal(1, (L, KH, D), 0.5).astype(dtype), normal(2, (L, KH, Dv), 0.5).astype(dtype)
+
+    def expand(e):
+        return jnp.einsum("bnl,lkd->bnkd", e, W_k), jnp.einsum("bnl,lkd->bnkd", e, W_v)
+
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)) * D ** -0.5, dtype)
+    out = jax.jit(lambda q, c, p: cache_attention(q, c, p, expand, scale=0.4, impl=impl))(
+        q, cache, jnp.int32(pos))
+    k, v = expand(cache[:, :pos + T])
+    want = numpy_attention_at(q, k, v, 0.4, pos)
+    np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ Implementations (``impl=``), one equation:
                  (prefill, decoding), xla. Decided in kimi_k3/dispatch.py; an explicit impl
                  runs or raises.
 
+Against a cache (prefill in pieces, evaluation at long context), ``cache_attention`` reads the
+cache block by block with ``attention_lse`` (each block's output and log-sum-exp, from cuDNN on
+GPU, splash on TPU, the blockwise loop elsewhere) and merges the blocks by log-sum-exp.
+
 Value heads narrower than key heads (MLA: 192 vs 128) are zero-padded where a kernel wants
 equal head dims, and the padding is sliced off.
 """
@@ -375,3 +379,130 @@ def attention(q, k, v, *, scale=None, segment_ids=None, kv_segment_ids=None, q_o
     return blockwise_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
                                kv_segment_ids=kv_segment_ids, q_offset=q_offset,
                                block_q=block_size, block_k=block_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention against a cache, block by block (prefill in pieces, decoding)
+# ----------------------------------------------------------------------------------------------
+
+# Scores one call of the "xla" blocks may hold at once (float32): decoding (a few queries)
+# takes the whole cache as one key block instead of looping over thousands of small ones.
+_SCORE_BYTES = 256 << 20
+
+
+def attention_lse(q, k, v, *, scale, causal, kv_len=None, impl="xla"):
+    """One block of keys: ``(o, lse)`` with o [B, T, H, Dv] (float32) and lse [B, T, H] (float32),
+
+        lse_i = log sum_{j visible} exp(scale q_i . k_j)
+        o_i   = sum_{j visible} exp(scale q_i . k_j - lse_i) v_j
+
+    ``causal``: T == S, key j visible to query i iff j <= i (the piece against itself).
+    Otherwise every key j < ``kv_len`` (a traced scalar; None = all S) is visible (an earlier
+    block of the cache). q [B, T, H, D], k [B, S, KH, D], v [B, S, KH, Dv], KH dividing H.
+    ``impl``: "xla" | "reference" | "cudnn" | "pallas" (splash), as chosen by
+    ``dispatch.choose_cache_attention_impl``. Every visible set must be non-empty.
+    """
+    B, T, H, D = q.shape
+    S, KH, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if causal and S != T:
+        raise ValueError(f"attention_lse: causal needs S == T, got T={T}, S={S}")
+    if impl == "cudnn":
+        lengths = None if kv_len is None else jnp.full((B,), kv_len, jnp.int32)
+        o, lse = jax.nn.dot_product_attention(
+            q, k, _pad_last(v, D), scale=scale, is_causal=causal, key_value_seq_lengths=lengths,
+            implementation="cudnn", return_residual=True)
+        return o[..., :Dv].astype(jnp.float32), lse.astype(jnp.float32).reshape(B, T, H)
+    if impl == "pallas":
+        return _splash_lse(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
+    kv_pos = jnp.arange(S)
+    kv_seg_BxS = jnp.zeros((B, S), jnp.int32)
+    if kv_len is not None:  # keys at or past kv_len: another segment than the queries' 0
+        kv_seg_BxS = jnp.broadcast_to((kv_pos >= kv_len).astype(jnp.int32), (B, S))
+    q_seg_BxT = jnp.zeros((B, T), jnp.int32)
+    q_offset = jnp.int32(0 if causal else S)  # non-causal: every key precedes every query
+    if impl == "reference":
+        mask = _masks(q_seg_BxT, kv_seg_BxS, q_offset + jnp.arange(T), kv_pos, S)  # [B, T, S]
+        qg = q.reshape(B, T, KH, H // KH, D)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        lse = jax.nn.logsumexp(s, axis=-1)  # [B, KH, G, T]
+        o = jnp.einsum("bkgts,bskv->btkgv", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+        return o.reshape(B, T, H, Dv), jnp.moveaxis(lse, 3, 1).reshape(B, T, H)
+    bq = min(512, _round_up(T, 8))
+    bk = min(_round_up(S, 8), max(512, _round_up(_SCORE_BYTES // (4 * B * H * bq), 512)))
+    qg = q.reshape(B, T, KH, H // KH, D)
+    o, lse = _flash_fwd_impl(qg, k, v, q_seg_BxT, kv_seg_BxS, q_offset, scale, bq, bk)
+    return o.reshape(B, T, H, Dv), lse.reshape(B, T, H)
+
+
+def _splash_lse(q, k, v, *, scale, causal, kv_len):
+    """attention_lse through TPU splash attention (save_residuals), interpreted off TPU."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    B, T, H, D = q.shape
+    S, KH, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if T % 128 or S % 128:
+        raise ValueError(f"attention: splash needs T and S multiples of 128, got T={T}, S={S}")
+    if KH != H:
+        k, v = jnp.repeat(k, H // KH, axis=2), jnp.repeat(v, H // KH, axis=2)
+    Dp, Dvp = _round_up(D, 128), _round_up(Dv, 128)
+    qh = jnp.swapaxes(_pad_last(q * jnp.asarray(scale, q.dtype), Dp), 1, 2)  # [B, H, T, Dp]
+    kh = jnp.swapaxes(_pad_last(k, Dp), 1, 2)
+    vh = jnp.swapaxes(_pad_last(v, Dvp), 1, 2)
+    one = splash.CausalMask((T, S)) if causal else splash.FullMask((T, S))
+    bq = next(b for b in (512, 256, 128) if T % b == 0)
+    bk = next(b for b in (512, 256, 128) if S % b == 0)
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk)
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([one] * H), head_shards=1, q_seq_shards=1, block_sizes=sizes,
+        save_residuals=True, interpret=jax.default_backend() != "tpu")
+    kv_seg = jnp.zeros((S,), jnp.int32)
+    if kv_len is not None:
+        kv_seg = (jnp.arange(S) >= kv_len).astype(jnp.int32)
+    seg = splash.SegmentIds(q=jnp.zeros((T,), jnp.int32), kv=kv_seg)
+    o, (lse,) = jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=seg))(qh, kh, vh)
+    o = jnp.swapaxes(o, 1, 2)[..., :Dv].astype(jnp.float32)  # [B, T, H, Dv]
+    return o, jnp.swapaxes(lse, 1, 2).astype(jnp.float32)  # lse [B, H, T] -> [B, T, H]
+
+
+def merge_lse(o_a, lse_a, o_b, lse_b):
+    """Two partial attentions over disjoint key sets -> the attention over their union:
+    weights exp(lse - lse_union), lse_union = logaddexp(lse_a, lse_b). o [B, T, H, Dv] and
+    lse [B, T, H], float32."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    w_a, w_b = jnp.exp(lse_a - lse)[..., None], jnp.exp(lse_b - lse)[..., None]
+    return w_a * o_a + w_b * o_b, lse
+
+
+def cache_attention(q_BxTxHxD, cache_BxSxL, pos, expand, *, scale, impl="xla"):
+    """The T queries at positions pos .. pos+T-1 against a cache that already holds their own
+    entries: o [B, T, H, Dv] in float32, equal to ``attention(q, k, v, q_offset=pos)`` over
+    the expanded cache, without ever expanding more than T cache entries at a time or holding
+    more than one block of scores.
+
+    The keys are read in blocks of T entries: blocks 0 .. ceil(pos / T) - 1 are wholly visible
+    (keys at or past ``pos`` in the last one are masked); the piece's own block [pos, pos + T)
+    is causal. Each block returns (o, lse) and the blocks are merged by their log-sum-exps
+    (:func:`merge_lse`), in a loop whose trip count follows the traced ``pos``.
+
+    ``expand(entries [B, n, L]) -> (k [B, n, KH, D], v [B, n, KH, Dv])`` turns cache entries
+    into keys and values (MLA: decompress the latent). pos + T must not exceed S; ``pos`` may be
+    traced.
+    """
+    T = q_BxTxHxD.shape[1]
+    pos = jnp.asarray(pos, jnp.int32)
+
+    def block(start, kv_len, causal):
+        entries = lax.dynamic_slice_in_dim(cache_BxSxL, start, T, axis=1)
+        k, v = expand(entries)
+        return attention_lse(q_BxTxHxD, k, v, scale=scale, causal=causal, kv_len=kv_len,
+                             impl=impl)
+
+    def earlier(j, carry):
+        start = j * T
+        o, lse = block(start, pos - start, causal=False)
+        return merge_lse(*carry, o, lse)
+
+    carry = block(pos, None, causal=True)
+    o, _ = lax.fori_loop(0, (pos + T - 1) // T, earlier, carry)
+    return o

@@ -15,10 +15,20 @@ ds (the shared key slice), dv (values):
 No RoPE or any other position signal: order comes from the KDA layers. Training attention runs
 blockwise (see layers/attention.py), so no T x T matrix is built.
 
-Decoding and prefill in pieces cache [c ; k_s] per token (R + ds numbers, whatever H) and attend
-in the latent space ("absorption"): q'_h = [q_nope,h W_uk,h^T ; q_s,h] against keys [c ; k_s],
-values c, then o_h = o'_h W_uv,h. That is multi-query attention with head dims R + ds / R; the
-scores equal the ones above because q_nope,h . (c W_uk,h) = (q_nope,h W_uk,h^T) . c.
+Decoding and prefill in pieces cache [c ; k_s] per token (R + ds numbers, whatever H) and read
+the cache in one of two forms, whichever costs fewer FLOPs for a piece of T queries
+(``cache_form``):
+
+- "absorbed" (short pieces: decoding): attend in the latent space, q'_h = [q_nope,h W_uk,h^T ;
+  q_s,h] against keys [c ; k_s], values c, then o_h = o'_h W_uv,h. That is multi-query attention
+  with head dims R + ds / R and no decompression; the scores equal the ones above because
+  q_nope,h . (c W_uk,h) = (q_nope,h W_uk,h^T) . c.
+- "expanded" (long pieces: prefill, evaluation): the cache is decompressed block by block, T
+  entries at a time, into the per-head keys and values above, and the piece attends to each
+  block with a flash kernel that returns its log-sum-exp (cuDNN on GPU, splash on TPU); the
+  blocks are merged by log-sum-exp (``attention.cache_attention``). Per piece this costs
+  2 S R H (dn + dv) FLOPs of decompression against 2 T S H (R + ds + R) of absorbed attention
+  over (dn + ds + dv) of expanded, so it wins from T of about R (dn + dv) / (2R - dn - dv).
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_k3.config import MlaSpec
-from kimi_k3.layers.attention import attention
+from kimi_k3.dispatch import choose_cache_attention_impl
+from kimi_k3.layers.attention import attention, blockwise_attention, cache_attention
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.sharding import BTHK, constrain
@@ -69,6 +80,55 @@ class GatedMLA(nnx.Module):
         R, ds = self.spec.kv_lora_rank, self.spec.shared_head_dim
         return {"latent_kv": jnp.zeros((batch_size, max_len, R + ds), self.dtype)}
 
+    def cache_form(self, T: int) -> str:
+        """"expanded" or "absorbed": the cheaper way for a piece of T queries to read the cache
+        (the module docstring gives the two FLOP counts; per cache entry, the expanded form adds
+        the decompression once, the absorbed form pays wider heads per query)."""
+        R, dn = self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
+        ds, dv = self.spec.shared_head_dim, self.spec.v_head_dim
+        expanded = R * (dn + dv) + T * (dn + ds + dv)
+        absorbed = T * (2 * R + ds)
+        return "expanded" if expanded < absorbed else "absorbed"
+
+    def _keys_values(self, c_BxNxR, ks_BxNxS):
+        """Per-head keys [B, N, H, dn + ds] = [c W_uk,h ; k_s] and values [B, N, H, dv]."""
+        H = self.spec.num_heads
+        k_nope = self.k_up(c_BxNxR)  # [B, N, H, dn]
+        ks_b = jnp.broadcast_to(ks_BxNxS[:, :, None, :], (*ks_BxNxS.shape[:2], H,
+                                                          ks_BxNxS.shape[-1]))
+        k_BxNxHxQ = jnp.concatenate([k_nope, ks_b.astype(k_nope.dtype)], -1)
+        return constrain(k_BxNxHxQ, BTHK), constrain(self.v_up(c_BxNxR), BTHK)
+
+    def _expand(self, latent_BxNxL):
+        """Cache entries [c ; k_s] -> (keys, values) as the whole-sequence path builds them."""
+        R = self.spec.kv_lora_rank
+        latent_BxNxL = latent_BxNxL.astype(self.dtype)
+        return self._keys_values(latent_BxNxL[..., :R], latent_BxNxL[..., R:])
+
+    def _attend_expanded(self, q_BxTxHxQ, kv_BxSxL, pos):
+        impl = choose_cache_attention_impl(self.spec.attn_impl, dtype=jnp.dtype(self.dtype).name,
+                                           T=q_BxTxHxQ.shape[1])
+        o = cache_attention(q_BxTxHxQ, kv_BxSxL, pos, self._expand, scale=self.scale, impl=impl)
+        return o.astype(self.dtype)
+
+    def _attend_absorbed(self, q_BxTxHxQ, kv_BxSxL, pos):
+        R, dn = self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
+        # Absorb W_uk into the query: q'_h = q_nope,h W_uk,h^T  (latent space, [B, T, H, R]).
+        W_uk = self.k_up.kernel[...].astype(self.dtype)  # [R, H, dn]
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_BxTxHxQ[..., :dn], W_uk,
+                           preferred_element_type=jnp.float32).astype(self.dtype)
+        q_abs = jnp.concatenate([q_lat, q_BxTxHxQ[..., dn:]], -1)  # [B, T, H, R + ds]
+        kv = kv_BxSxL.astype(self.dtype)[:, :, None, :]  # one key/value head
+        B, T, H = q_abs.shape[:3]
+        # Few queries: large key blocks (at most 64M float32 scores per block), not thousands of
+        # small steps.
+        block_k = max(512, (64 << 20) // (B * H * max(T, 8)) // 512 * 512)
+        o_lat = blockwise_attention(q_abs, kv, kv[..., :R], scale=self.scale, q_offset=pos,
+                                    block_q=self.spec.attn_block_size, block_k=block_k)
+        W_uv = self.v_up.kernel[...].astype(self.dtype)  # [R, H, dv]
+        return jnp.einsum("bthr,rhv->bthv", o_lat, W_uv,
+                          preferred_element_type=jnp.float32).astype(self.dtype)
+
     def _queries(self, x_BxTxD):
         if self.spec.q_lora_rank > 0:
             return self.q_up(self.q_norm(self.q_down(x_BxTxD)))
@@ -88,19 +148,13 @@ class GatedMLA(nnx.Module):
         document per row); their latents are written there and they attend to positions <= their
         own. pos + T must not exceed the cache's max_len.
         """
-        H, R, dn = self.spec.num_heads, self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
         with jax.named_scope("mla_proj"):
             q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
             c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
             ks_BxTxS = self.k_shared(x_BxTxD)
         if cache is None:
             with jax.named_scope("mla_proj"):
-                k_nope = self.k_up(c_BxTxR)  # [B, T, H, dn]
-                ks_b = jnp.broadcast_to(ks_BxTxS[:, :, None, :],
-                                        (*ks_BxTxS.shape[:2], H, ks_BxTxS.shape[-1]))
-                k_BxTxHxQ = constrain(jnp.concatenate([k_nope, ks_b.astype(k_nope.dtype)], -1),
-                                      BTHK)
-                v_BxTxHxV = constrain(self.v_up(c_BxTxR), BTHK)
+                k_BxTxHxQ, v_BxTxHxV = self._keys_values(c_BxTxR, ks_BxTxS)
             with jax.named_scope("mla_attention"):
                 o_BxTxHxV = attention(
                     q_BxTxHxQ, k_BxTxHxQ, v_BxTxHxV, scale=self.scale,
@@ -115,19 +169,11 @@ class GatedMLA(nnx.Module):
             kv_BxSxL = jax.lax.dynamic_update_slice_in_dim(
                 cache["latent_kv"], new_kv.astype(cache["latent_kv"].dtype), pos, axis=1
             )
-            # Absorb W_uk into the query: q'_h = q_nope,h W_uk,h^T  (latent space, [B, T, H, R]).
-            W_uk = self.k_up.kernel[...].astype(self.dtype)  # [R, H, dn]
-            q_lat = jnp.einsum("bthn,rhn->bthr", q_BxTxHxQ[..., :dn], W_uk,
-                               preferred_element_type=jnp.float32).astype(self.dtype)
-            q_abs = jnp.concatenate([q_lat, q_BxTxHxQ[..., dn:]], -1)  # [B, T, H, R + ds]
-            kv = kv_BxSxL.astype(self.dtype)[:, :, None, :]  # one key/value head
-            o_lat = attention(
-                q_abs, kv, kv[..., :R], scale=self.scale, q_offset=pos, impl="xla",
-                block_size=self.spec.attn_block_size,
-            )  # [B, T, H, R]
-            W_uv = self.v_up.kernel[...].astype(self.dtype)  # [R, H, dv]
-            o_BxTxHxV = jnp.einsum("bthr,rhv->bthv", o_lat, W_uv,
-                                   preferred_element_type=jnp.float32).astype(self.dtype)
+            with jax.named_scope("mla_attention"):
+                if self.cache_form(x_BxTxD.shape[1]) == "expanded":
+                    o_BxTxHxV = self._attend_expanded(q_BxTxHxQ, kv_BxSxL, pos)
+                else:
+                    o_BxTxHxV = self._attend_absorbed(q_BxTxHxQ, kv_BxSxL, pos)
             new_cache = {"latent_kv": kv_BxSxL}
         with jax.named_scope("mla_out"):
             if self.spec.output_gate:

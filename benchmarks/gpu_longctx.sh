@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Long-context, decoding and MoE measurements on the lent H200 (device tool, one GPU), one phase
+# per call:
+#
+#   run(carry=[".whl"], command="bash benchmarks/gpu_longctx.sh PHASE")   # .whl: ml-collections,
+#                                                                          # tensorboardX wheels
+# check:   the cache-attention tests on the GPU (cuDNN blocks with their log-sum-exp), then
+#          eval.py at context 1,048,576 on a 1B-shaped 3:1 model (fresh weights, pieces of 64K),
+#          then long_context_memory.py for 3:1 at the 1B shapes (forward and prefill, 8K..1M).
+# series:  long_context_memory.py for all-MLA and all-KDA at the 1B shapes.
+# decode:  benchmarks/decode_bench.py (time per output token, 8K..1M, batch 1 and largest).
+# moe:     benchmarks/moe_bench.py (the MoE layer: ragged_dot vs one-hot einsum; moe_1b vs 1b).
+# Tables go to $OUT; logs to $OUT/logs.tgz.
+set -u
+PHASE=${1:?one of check, series, decode, moe}
+OUT=${OUT:-/tmp/gpu_out}
+W=/tmp/work
+mkdir -p "$OUT" "$W"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$W/gpu.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$W/gpu.txt"
+
+pack() { tar czf "$OUT/logs.tgz" -C "$W" . 2>/dev/null; ls -la "$OUT"; }
+trap pack EXIT
+quiet() { grep -v "^[IW][0-9]" | grep -v "^\s*$"; }
+SHAPES_1B="--d_model=2048 --num_layers=20 --heads=16 --head_dim=128 --kv_lora_rank=512"
+
+lcm() {  # name, timeout, long_context_memory flags...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" python3 benchmarks/long_context_memory.py $SHAPES_1B --out_dir="$W/lcm_$name" \
+        "$@" > "$W/lcm_$name.log" 2>&1
+    cp "$W/lcm_$name/long_context_memory.md" "$OUT/lcm_$name.md" 2>/dev/null
+    quiet < "$W/lcm_$name.log" | tail -n 30
+}
+
+if [ "$PHASE" = check ]; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py -k "cache" 2>&1 \
+        | tail -n 15 | tee "$W/tests.log"
+    START=$(date +%s)
+    timeout 200 python3 eval.py --config=configs/1b.py --checkpoint=init --context_lengths=1M \
+        --piece_len=65536 --max_windows=1 --short_docs=concat --workdir="$W/eval_1m" \
+        > "$W/eval_1m.log" 2>&1
+    echo "eval.py at 1M: rc=$? wall $(( $(date +%s) - START )) s (compilation included)" \
+        | tee -a "$W/eval_1m.log"
+    quiet < "$W/eval_1m.log" | tail -n 25
+    cp "$W/eval_1m.log" "$OUT/eval_1m.log"
+    lcm 3to1 260 --variants=3:1 --seq_lens=8192,131072,524288,1048576 --piece_len=65536 \
+        --repeats=1 --max_seconds=120
+fi
+
+if [ "$PHASE" = series ]; then
+    lcm mla 280 --variants=all-MLA --seq_lens=8192,131072,524288,1048576 --piece_len=65536 \
+        --repeats=1 --max_seconds=150
+    lcm kda 200 --variants=all-KDA --seq_lens=8192,131072,524288,1048576 --piece_len=65536 \
+        --repeats=1 --max_seconds=60
+fi
