@@ -7,12 +7,14 @@
 # check:   the cache-attention tests on the GPU (cuDNN blocks with their log-sum-exp), then
 #          eval.py at context 1,048,576 on a 1B-shaped 3:1 model (fresh weights, pieces of 64K),
 #          then long_context_memory.py for 3:1 at the 1B shapes (forward and prefill, 8K..1M).
+# check2: the same tests, cache_attention_bench.py (cuDNN block forms), eval.py at 1M (half of
+#          the stdlib files held out, so a 1M-token window exists), 3:1 prefill at 128K and 1M.
 # series:  long_context_memory.py for all-MLA and all-KDA at the 1B shapes.
 # decode:  benchmarks/decode_bench.py (time per output token, 8K..1M, batch 1 and largest).
 # moe:     benchmarks/moe_bench.py (the MoE layer: ragged_dot vs one-hot einsum; moe_1b vs 1b).
 # Tables go to $OUT; logs to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of check, series, decode, moe}
+PHASE=${1:?one of check, check2, series, decode, moe}
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
 mkdir -p "$OUT" "$W"
@@ -49,6 +51,23 @@ if [ "$PHASE" = check ]; then
     cp "$W/eval_1m.log" "$OUT/eval_1m.log"
     lcm 3to1 260 --variants=3:1 --seq_lens=8192,131072,524288,1048576 --piece_len=65536 \
         --repeats=1 --max_seconds=120
+fi
+
+if [ "$PHASE" = check2 ]; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py -k "cache" 2>&1 \
+        | grep -E "passed|failed|Error|error|FAILED|assert|Mismatch|Max" | head -n 40 \
+        | tee "$W/tests.log"
+    timeout 90 python3 benchmarks/cache_attention_bench.py 2>&1 | quiet | tee "$OUT/cache_attention.md"
+    START=$(date +%s)
+    timeout 150 python3 eval.py --config=configs/1b.py --checkpoint=init --context_lengths=1M \
+        --piece_len=65536 --max_windows=1 --short_docs=concat --config.data.eval_fraction=0.5 \
+        --workdir="$W/eval_1m" > "$W/eval_1m.log" 2>&1
+    echo "eval.py at 1M: rc=$? wall $(( $(date +%s) - START )) s (compilation included)" \
+        | tee -a "$W/eval_1m.log"
+    quiet < "$W/eval_1m.log" | tail -n 25
+    cp "$W/eval_1m.log" "$OUT/eval_1m.log"
+    lcm 3to1p 150 --variants=3:1 --modes=prefill --seq_lens=131072,1048576 --piece_len=65536 \
+        --repeats=1 --max_seconds=100
 fi
 
 if [ "$PHASE" = series ]; then

@@ -247,12 +247,13 @@ def test_mla_expanded_cache_reads_in_pieces_equal_one_pass():
     layer = mla_layer(q_lora_rank=10, block=8)
     assert [layer.cache_form(T) for T in (2, 18, 20)] == ["absorbed", "expanded", "expanded"]
     x = normal(12, (2, 61, D))
-    one, _ = apply(layer, x)
-    cache = layer.init_cache(2, 64)
-    outs = []
-    for a, b in ((0, 20), (20, 40), (40, 58), (58, 61)):
-        o, cache = apply(layer, x[:, a:b], cache=cache, pos=jnp.int32(a))
-        outs.append(o)
+    with jax.default_matmul_precision("highest"):  # GPU: float32 dots, not TF32
+        one, _ = apply(layer, x)
+        cache = layer.init_cache(2, 64)
+        outs = []
+        for a, b in ((0, 20), (20, 40), (40, 58), (58, 61)):
+            o, cache = apply(layer, x[:, a:b], cache=cache, pos=jnp.int32(a))
+            outs.append(o)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), one, atol=2e-5)
 
 
@@ -293,9 +294,10 @@ def test_cache_attention_block_by_block_equals_float64(impl, B, T, S, pos):
         return jnp.einsum("bnl,lkd->bnkd", e, W_k), jnp.einsum("bnl,lkd->bnkd", e, W_v)
 
     q = jnp.asarray(rng.normal(size=(B, T, H, D)) * D ** -0.5, dtype)
-    out = jax.jit(lambda q, c, p: cache_attention(q, c, p, expand, scale=0.4, impl=impl))(
-        q, cache, jnp.int32(pos))
-    k, v = expand(cache[:, :pos + T])
+    with jax.default_matmul_precision("highest"):  # GPU: float32 dots, not TF32
+        out = jax.jit(lambda q, c, p: cache_attention(q, c, p, expand, scale=0.4, impl=impl))(
+            q, cache, jnp.int32(pos))
+        k, v = expand(cache[:, :pos + T])
     want = numpy_attention_at(q, k, v, 0.4, pos)
     np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
 

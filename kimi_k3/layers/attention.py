@@ -262,18 +262,59 @@ def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def _cudnn_api():
+    """JAX's cuDNN fused-attention module, whose entry point takes value heads narrower than
+    key heads (cuDNN >= 9.10, Hopper: MLA's 128 vs 192, no padding) and returns the log-sum-exp
+    in float32; None where this JAX lacks it (then jax.nn's entry point, v padded)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo
+    except ImportError:
+        return None
+    if not hasattr(fused_attention_stablehlo, "MaskType"):
+        return None
+    return fused_attention_stablehlo
+
+
+def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None,
+                residual=False):
+    """cuDNN flash attention: ``mask_type`` one of "causal", "none", "padding" (keys j <
+    kv_len [B] visible). Returns o [B, T, H, Dv] (and the log-sum-exp [B, T, H], float32, with
+    ``residual``). Uses the MLA-capable entry point where it takes these head dims, else pads
+    v to q's head dim."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    fa = _cudnn_api()
+    if fa is not None:
+        kind = {"causal": fa.MaskType.CAUSAL, "none": fa.MaskType.NO_MASK,
+                "padding": fa.MaskType.PADDING}[mask_type]
+        for v_in in ((v, _pad_last(v, D)) if Dv != D else (v,)):
+            try:
+                out = fa.dot_product_attention(
+                    q, k, v_in, mask=mask, q_seqlen=q_len, kv_seqlen=kv_len, scale=scale,
+                    mask_type=kind, return_residual=residual)
+            except NotImplementedError:
+                continue  # this cuDNN takes no narrower value heads: pad them
+            if not residual:
+                return out[..., :Dv]
+            o, lse_BxHxT = out
+            return o[..., :Dv], jnp.swapaxes(lse_BxHxT.astype(jnp.float32), 1, 2)
+    out = jax.nn.dot_product_attention(
+        q, k, _pad_last(v, D), mask=None if mask is None else mask.astype(bool), scale=scale,
+        is_causal=mask_type == "causal", query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+        implementation="cudnn", return_residual=residual)
+    if not residual:
+        return out[..., :Dv]
+    raise NotImplementedError("attention: this JAX's cuDNN entry point returns the log-sum-exp "
+                              "in the output dtype only; use impl='xla' against a cache")
+
+
 def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
     """cuDNN flash attention, causal; packed documents through a [B, 1, T, T] mask (cuDNN reads
     it as an additive bias, one tile per block: memory B T^2, so dispatch keeps it to short
-    rows). Pads v's head dim to q's."""
-    D, Dv = q.shape[-1], v.shape[-1]
+    rows)."""
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    o = jax.nn.dot_product_attention(
-        q, k, _pad_last(v, D), mask=mask, scale=scale, is_causal=True, implementation="cudnn"
-    )
-    return o[..., :Dv]
+    return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
 
 
 def _splash_attention(q, k, v, *, scale, segment_ids):
@@ -407,11 +448,14 @@ def attention_lse(q, k, v, *, scale, causal, kv_len=None, impl="xla"):
     if causal and S != T:
         raise ValueError(f"attention_lse: causal needs S == T, got T={T}, S={S}")
     if impl == "cudnn":
-        lengths = None if kv_len is None else jnp.full((B,), kv_len, jnp.int32)
-        o, lse = jax.nn.dot_product_attention(
-            q, k, _pad_last(v, D), scale=scale, is_causal=causal, key_value_seq_lengths=lengths,
-            implementation="cudnn", return_residual=True)
-        return o[..., :Dv].astype(jnp.float32), lse.astype(jnp.float32).reshape(B, T, H)
+        if causal or kv_len is None:
+            o, lse = _cudnn_call(q, k, v, scale=scale, mask_type="causal" if causal else "none",
+                                 residual=True)
+        else:
+            o, lse = _cudnn_call(q, k, v, scale=scale, mask_type="padding", residual=True,
+                                 q_len=jnp.full((B,), T, jnp.int32),
+                                 kv_len=jnp.full((B,), kv_len, jnp.int32))
+        return o.astype(jnp.float32), lse
     if impl == "pallas":
         return _splash_lse(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
     kv_pos = jnp.arange(S)
@@ -480,9 +524,10 @@ def cache_attention(q_BxTxHxD, cache_BxSxL, pos, expand, *, scale, impl="xla"):
     the expanded cache, without ever expanding more than T cache entries at a time or holding
     more than one block of scores.
 
-    The keys are read in blocks of T entries: blocks 0 .. ceil(pos / T) - 1 are wholly visible
-    (keys at or past ``pos`` in the last one are masked); the piece's own block [pos, pos + T)
-    is causal. Each block returns (o, lse) and the blocks are merged by their log-sum-exps
+    The keys are read in blocks of T entries: blocks 0 .. pos // T - 1 are wholly visible (no
+    mask: the kernels' fastest form); when pos is not a multiple of T, the block that it cuts
+    is read with the keys at or past pos masked; the piece's own block [pos, pos + T) is
+    causal. Each block returns (o, lse) and the blocks are merged by their log-sum-exps
     (:func:`merge_lse`), in a loop whose trip count follows the traced ``pos``.
 
     ``expand(entries [B, n, L]) -> (k [B, n, KH, D], v [B, n, KH, Dv])`` turns cache entries
@@ -498,11 +543,14 @@ def cache_attention(q_BxTxHxD, cache_BxSxL, pos, expand, *, scale, impl="xla"):
         return attention_lse(q_BxTxHxD, k, v, scale=scale, causal=causal, kv_len=kv_len,
                              impl=impl)
 
-    def earlier(j, carry):
-        start = j * T
-        o, lse = block(start, pos - start, causal=False)
-        return merge_lse(*carry, o, lse)
+    def whole(j, carry):  # block j lies wholly before the piece: no mask at all
+        return merge_lse(*carry, *block(j * T, None, causal=False))
+
+    def partial(carry):  # the block that pos cuts: its keys before pos
+        start = pos // T * T
+        return merge_lse(*carry, *block(start, pos - start, causal=False))
 
     carry = block(pos, None, causal=True)
-    o, _ = lax.fori_loop(0, (pos + T - 1) // T, earlier, carry)
+    carry = lax.fori_loop(0, pos // T, whole, carry)
+    o, _ = lax.cond(pos % T > 0, partial, lambda c: c, carry)
     return o
