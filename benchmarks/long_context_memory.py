@@ -52,8 +52,8 @@ VARIANTS = ("all-MLA", "3:1", "all-KDA")
 MODES = ("forward", "prefill")
 FIELDS = ("variant", "pattern", "mode", "seq_len", "status", "seconds", "tokens_per_s", "peak_bytes",
           "xla_bytes", "cache_bytes", "params", "detail")
-_RESULT = "RESULT "
-_DEVICE = "DEVICE "
+RESULT = "RESULT "  # a worker's stdout line: this prefix, then one row as JSON
+DEVICE = "DEVICE "  # a worker's stdout line: this prefix, then the device it runs on
 
 
 def pattern_for(variant: str, num_layers: int) -> str:
@@ -102,12 +102,12 @@ def cache_bytes(model, seq_len: int, batch_size: int = 1) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
 
 
-def _is_oom(err: BaseException) -> bool:
+def is_oom(err: BaseException) -> bool:
     text = f"{type(err).__name__}: {err}".lower()
     return any(s in text for s in ("resource_exhausted", "out of memory", "oom", "failed to allocate"))
 
 
-def _peak_bytes():
+def peak_bytes_in_use():
     import jax
 
     stats = jax.devices()[0].memory_stats()
@@ -192,15 +192,15 @@ def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
             # The first pass may include one-time runtime work: when there are more, drop it.
             row["seconds"] = statistics.median(times[1:] if len(times) > 1 else times)
             row["tokens_per_s"] = T / row["seconds"]
-            row["peak_bytes"] = _peak_bytes()
+            row["peak_bytes"] = peak_bytes_in_use()
             if row["seconds"] > args.max_seconds:
                 row["status"] = "too_slow"
                 row["detail"] = f"one pass took {row['seconds']:.1f} s > --max_seconds {args.max_seconds}"
         except Exception as err:  # XLA raises its own types for OOM; anything else is reported too
-            row["status"] = "oom" if _is_oom(err) else "error"
+            row["status"] = "oom" if is_oom(err) else "error"
             row["detail"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
         rows.append(row)
-        emit(_RESULT + json.dumps(row))
+        emit(RESULT + json.dumps(row))
         if row["status"] != "ok":
             break
     return rows
@@ -211,34 +211,56 @@ def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _device_name() -> str:
+def device_name() -> str:
     import jax
 
     return f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}"
 
 
-def _series_in_subprocess(argv: list[str], variant: str, mode: str, on_row, on_device) -> None:
-    """Run one series in a fresh process, passing each row to ``on_row`` as soon as it is
-    measured (so a run cut short by a time limit keeps what it measured)."""
-    import tempfile
+def stream_worker(script: str, argv: list[str], on_row, on_device,
+                  timeout: float | None = None) -> tuple[int, str]:
+    """Run ``python script *argv`` in a fresh process and pass each row it prints (a ``RESULT``
+    line) to ``on_row`` and its ``DEVICE`` line to ``on_device`` as soon as they come, so a run
+    cut short by a time limit keeps what it measured. The worker's allocator may take 95% of
+    the card (JAX's default pool is 75%). Past ``timeout`` seconds the worker is killed.
 
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", f"--variant={variant}",
-           f"--mode={mode}"]
-    # Let the allocator take nearly the whole card (JAX's default pool is 75% of it).
+    Returns (exit code: negative for a signal, -9 when killed; the last line of its stderr).
+    """
+    import tempfile
+    import threading
+
+    cmd = [sys.executable, os.path.abspath(script), *argv]
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
-    done = set()
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, env=env)
-        for line in proc.stdout:
-            if line.startswith(_RESULT):
-                row = json.loads(line[len(_RESULT):])
-                done.add(row["seq_len"])
-                on_row(row)
-            elif line.startswith(_DEVICE):
-                on_device(line[len(_DEVICE):].strip())
-        code = proc.wait()
+        timer = threading.Timer(timeout, proc.kill) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith(RESULT):
+                    on_row(json.loads(line[len(RESULT):]))
+                elif line.startswith(DEVICE):
+                    on_device(line[len(DEVICE):].strip())
+            code = proc.wait()
+        finally:
+            if timer:
+                timer.cancel()
         err.seek(0)
         tail = (err.read().strip().splitlines() or [""])[-1]
+    return code, tail
+
+
+def _series_in_subprocess(argv: list[str], variant: str, mode: str, on_row, on_device) -> None:
+    """Run one series in a fresh process (``stream_worker``)."""
+    done = set()
+
+    def seen(row):
+        done.add(row["seq_len"])
+        on_row(row)
+
+    code, tail = stream_worker(__file__, [*argv, "--worker", f"--variant={variant}", f"--mode={mode}"],
+                               seen, on_device)
     if code != 0:
         print(f"  {variant} {mode}: worker exited with {code}: {tail[:300]}")
         nxt = [T for T in sorted(_lengths(argv)) if T not in done][:1]
@@ -294,7 +316,7 @@ def write_outputs(rows: list[dict], out_dir: str, device: str) -> dict[str, str]
     return paths
 
 
-def _gib(x) -> str:
+def gib(x) -> str:
     return "" if not x else f"{x / 2**30:.4g}"
 
 
@@ -309,9 +331,26 @@ def format_table(rows: list[dict], device: str) -> str:
         lines.append(
             f"| {r['variant']} | {r['mode']} | {r['seq_len']} | {r['status']} | "
             f"{'' if secs is None else f'{secs:.4g}'} | {'' if tps is None else f'{tps:.4g}'} | "
-            f"{_gib(r.get('peak_bytes'))} | {_gib(r.get('xla_bytes'))} | {_gib(r.get('cache_bytes'))} |"
+            f"{gib(r.get('peak_bytes'))} | {gib(r.get('xla_bytes'))} | {gib(r.get('cache_bytes'))} |"
         )
     return "\n".join(lines)
+
+
+# The model flags' values under --smoke: CPU toy sizes (2 layers, so 3:1 is "KM").
+SMOKE_MODEL = dict(d_model=32, num_layers=2, heads=2, head_dim=16, kv_lora_rank=16, shared_head_dim=8,
+                   attn_block_size=16, dtype="float32")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's shape flags, read by ``model_config`` (shared with decode_bench.py)."""
+    p.add_argument("--d_model", type=int, default=512)
+    p.add_argument("--num_layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4, help="KDA and MLA heads")
+    p.add_argument("--head_dim", type=int, default=128, help="KDA K = V; MLA nope / value dims")
+    p.add_argument("--kv_lora_rank", type=int, default=256)
+    p.add_argument("--shared_head_dim", type=int, default=64)
+    p.add_argument("--attn_block_size", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
 
 
 def parse_args(argv=None):
@@ -324,14 +363,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", type=strs, default=list(VARIANTS))
     p.add_argument("--modes", type=strs, default=list(MODES))
     p.add_argument("--piece_len", type=int, default=8192, help="prefill tokens per call")
-    p.add_argument("--d_model", type=int, default=512)
-    p.add_argument("--num_layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4, help="KDA and MLA heads")
-    p.add_argument("--head_dim", type=int, default=128, help="KDA K = V; MLA nope / value dims")
-    p.add_argument("--kv_lora_rank", type=int, default=256)
-    p.add_argument("--shared_head_dim", type=int, default=64)
-    p.add_argument("--attn_block_size", type=int, default=512)
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    add_model_args(p)
     p.add_argument("--repeats", type=int, default=3, help="timed passes per point (median)")
     p.add_argument("--max_seconds", type=float, default=60.0,
                    help="a series stops after a pass slower than this")
@@ -344,9 +376,7 @@ def parse_args(argv=None):
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
-        p.set_defaults(seq_lens=[32, 64], piece_len=16, d_model=32, num_layers=2, heads=2,
-                       head_dim=16, kv_lora_rank=16, shared_head_dim=8, attn_block_size=16,
-                       dtype="float32", repeats=1, in_process=True)
+        p.set_defaults(seq_lens=[32, 64], piece_len=16, repeats=1, in_process=True, **SMOKE_MODEL)
     args = p.parse_args(argv)
     for v in args.variants:
         pattern_for(v, args.num_layers)
@@ -362,18 +392,18 @@ def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.worker:
-        print(_DEVICE + _device_name(), flush=True)
+        print(DEVICE + device_name(), flush=True)
         run_series(args, args.variant, args.mode, emit=lambda s: print(s, flush=True))
         return []
     # With workers, this process never touches the accelerator (it would hold its memory).
-    device = [_device_name() if args.in_process else "device not yet known"]
+    device = [device_name() if args.in_process else "device not yet known"]
     print(f"lengths {args.seq_lens}; variants {args.variants}; modes {args.modes}", flush=True)
     rows = []
 
     def on_row(r):
         rows.append(r)
         secs = "" if r.get("seconds") is None else f"{r['seconds']:.4g} s"
-        peak, est = _gib(r.get("peak_bytes")) or "-", _gib(r.get("xla_bytes")) or "-"
+        peak, est = gib(r.get("peak_bytes")) or "-", gib(r.get("xla_bytes")) or "-"
         print(f"  {r['seq_len']:>8} tokens: {r['status']:<8} {secs:<12} peak {peak} GiB, "
               f"XLA est. {est} GiB {r.get('detail', '')}", flush=True)
         write_outputs(rows, args.out_dir, device[0])  # after every point: a cut-short run keeps it
