@@ -9,8 +9,9 @@
 #          then long_context_memory.py for 3:1 at the 1B shapes (forward and prefill, 8K..1M).
 # check2: the same tests, cache_attention_bench.py (cuDNN block forms), eval.py at 1M (half of
 #          the stdlib files held out, so a 1M-token window exists), 3:1 prefill at 128K and 1M.
-# series:  long_context_memory.py for all-MLA and all-KDA at the 1B shapes.
-# decode:  benchmarks/decode_bench.py (time per output token, 8K..1M, batch 1 and largest).
+# series:  long_context_memory.py for all-MLA (to 512K) and all-KDA (to 1M) at the 1B shapes.
+# decode:  benchmarks/decode_bench.py (time per output token at 8K, 128K and 1M, batch 1 and
+#          the largest that fits), then the series above.
 # moe:     benchmarks/moe_bench.py (the MoE layer: ragged_dot vs one-hot einsum; moe_1b vs 1b).
 # Tables go to $OUT; logs to $OUT/logs.tgz.
 set -u
@@ -70,9 +71,21 @@ if [ "$PHASE" = check2 ]; then
         --repeats=1 --max_seconds=100
 fi
 
-if [ "$PHASE" = series ]; then
-    lcm mla 280 --variants=all-MLA --seq_lens=8192,131072,524288,1048576 --piece_len=65536 \
-        --repeats=1 --max_seconds=150
-    lcm kda 200 --variants=all-KDA --seq_lens=8192,131072,524288,1048576 --piece_len=65536 \
-        --repeats=1 --max_seconds=60
-fi
+series() {
+    lcm mla 170 --variants=all-MLA --seq_lens=8192,131072,524288 --piece_len=65536 \
+        --repeats=1 --max_seconds=80
+    lcm kda 110 --variants=all-KDA --seq_lens=8192,131072,524288,1048576 --piece_len=65536 \
+        --repeats=1 --max_seconds=40
+}
+
+decode() {
+    JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout 260 python3 benchmarks/decode_bench.py \
+        --out_dir="$W/decode" $SHAPES_1B --contexts=8192,131072,1048576 --variants=all-MLA,3:1 \
+        --search=jump --max_batch=64 --warmup=2 --steps=3 --max_seconds=60 \
+        > "$W/decode.log" 2>&1
+    cp "$W/decode/"*.md "$OUT/" 2>/dev/null
+    quiet < "$W/decode.log" | tail -n 40
+}
+
+if [ "$PHASE" = series ]; then series; fi
+if [ "$PHASE" = decode ]; then decode; series; fi
