@@ -87,5 +87,12 @@ decode() {
     quiet < "$W/decode.log" | tail -n 40
 }
 
+if [ "$PHASE" = moe ]; then
+    timeout 420 python3 benchmarks/moe_bench.py --out_dir="$W/moe" --budget_s=380 \
+        --layer_timeout_s=110 --train_timeout_s=140 --steps=6 > "$W/moe.log" 2>&1
+    cp "$W/moe/moe_bench.md" "$OUT/" 2>/dev/null
+    quiet < "$W/moe.log" | tail -n 50
+fi
+
 if [ "$PHASE" = series ]; then series; fi
 if [ "$PHASE" = decode ]; then decode; series; fi

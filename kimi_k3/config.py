@@ -49,7 +49,8 @@ def _save_dots_and_kernels(prim, *avals, **params) -> bool:
     del avals
     if prim.name == "name":
         return params.get("name") in SAVED_NAMES
-    return prim.name in ("dot_general", "pallas_call") or "dot_product_attention" in prim.name
+    return (prim.name in ("dot_general", "ragged_dot_general", "pallas_call")
+            or "dot_product_attention" in prim.name)
 
 
 REMAT_POLICIES: dict[str, Callable | None] = {
