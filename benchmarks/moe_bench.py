@@ -16,11 +16,13 @@ width, shared expert, compute and parameter dtypes) on B x ``--seq`` tokens of r
 each B of ``--batches``; forward + backward (the gradients of sum(y * R) for x and every
 parameter), jitted, the median of ``--reps`` timed runs after a warm-up run, each waited for.
 
-    ragged        the layer as written: dropless, assignments sorted by expert, two grouped
-                  matmuls (``jax.lax.ragged_dot``)
+    ragged        the layer dropless with ``moe.expert_matmul="ragged"``: assignments sorted by
+                  expert, two grouped matmuls (``jax.lax.ragged_dot``)
     onehot        the same output from the same parameters, densely: every token through every
                   expert, weighted by the layer's own routing weights scattered to [B, T, E]
                   (zero outside the token's top-k), plus the shared expert (:func:`onehot_moe`)
+    dense         the layer's own dense form, ``moe.expert_matmul="dense"`` (what "auto" picks
+                  on GPU): the one-hot computation inside the layer
     capacity      the layer's capacity mode (``moe.capacity_factor = --capacity_factor``): each
                   expert on a fixed buffer of C = ceil(c N k / E) rows, the rest dropped
     dense_equiv   a dense SwiGLU of width k F + shared: the same matmul FLOPs without routing
@@ -87,7 +89,7 @@ from kimi_k3.layers.moe import MoE, route
 from kimi_k3.model import count_params, flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
-LAYER_VARIANTS = ("ragged", "onehot", "capacity", "dense_equiv", "ragged_cudnn")
+LAYER_VARIANTS = ("ragged", "onehot", "dense", "capacity", "dense_equiv", "ragged_cudnn")
 EXTRA_VARIANTS = ("dense_equiv", "ragged_cudnn")  # measured after the training runs
 TRAIN_RUNS = ("dense", "moe", "moe_cudnn")
 # Asks XLA to hand ragged dots to cuDNN instead of rewriting them as dense dots over every
@@ -183,7 +185,7 @@ def check_agreement(spec: ModelSpec, B: int, T: int, bf16: bool = True, seed: in
     each over the largest value; float32 with every matmul at full precision, then (``bf16``)
     in bfloat16, for information."""
     D = spec.d_model
-    moe = dataclasses.replace(spec.moe, capacity_factor=0.0)
+    moe = dataclasses.replace(spec.moe, capacity_factor=0.0, expert_matmul="ragged")
     kx, kr = jax.random.split(jax.random.key(seed + 1))
     x_BxTxD = jax.random.normal(kx, (B, T, D), jnp.float32)
     r_BxTxD = jax.random.normal(kr, (B, T, D), jnp.float32)
@@ -205,7 +207,8 @@ def _module(variant: str, spec: ModelSpec, capacity_factor: float, seed: int):
     if variant == "dense_equiv":
         return SwiGLU(D, e.top_k * e.expert_dim + e.shared_dim, **kw)
     cf = capacity_factor if variant == "capacity" else 0.0
-    return MoE(D, dataclasses.replace(e, capacity_factor=cf), **kw)
+    matmul = "dense" if variant == "dense" else "ragged"  # the layer's own two forms
+    return MoE(D, dataclasses.replace(e, capacity_factor=cf, expert_matmul=matmul), **kw)
 
 
 def _analysis(compiled) -> tuple[float | None, float | None, str]:

@@ -158,6 +158,9 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.moe.balance_loss_coef = 0.0  # alpha of the sequence-wise balance loss; 0 = off
     cfg.moe.capacity_factor = 0.0  # 0 = dropless; c > 0: of a device's n tokens an expert takes
     # at most ceil(c * n * top_k / E), the rest of its assignments are dropped (fixed shapes)
+    cfg.moe.expert_matmul = "auto"  # dropless experts: "ragged" (jax.lax.ragged_dot on rows
+    # sorted by expert) | "dense" (every token through every local expert, weighted by its
+    # routing weights, zero off its top-k: E / k x the FLOPs, no sort) | "auto" (kimi_k3/dispatch.py)
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
     cfg.tie_embeddings = True  # output head = embedding^T / sqrt(D)
@@ -305,6 +308,7 @@ class MoeSpec:
     bias_update_rate: float  # >= 0, per optimizer step
     balance_loss_coef: float  # >= 0
     capacity_factor: float  # 0 = dropless
+    expert_matmul: str = "auto"  # "auto" | "ragged" | "dense": how dropless experts multiply
 
 
 @dataclasses.dataclass(frozen=True)
@@ -615,7 +619,8 @@ def _moe_spec(cfg, num_layers: int) -> MoeSpec | None:
         bias_update_rate=f.number("bias_update_rate", 0.0),
         balance_loss_coef=f.number("balance_loss_coef", 0.0),
         capacity_factor=f.number("capacity_factor", 0.0,
-                                 allowed="must be >= 0 (0 = dropless)"))
+                                 allowed="must be >= 0 (0 = dropless)"),
+        expert_matmul=f.choice("expert_matmul", dispatch.EXPERT_MATMULS))
 
 
 def model_spec(cfg, backend: str | None = None) -> ModelSpec:

@@ -34,6 +34,7 @@ import jax
 from pallas_kernels.kda import pallas_supported
 
 KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
+EXPERT_MATMULS = ("auto", "ragged", "dense")
 ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX).
@@ -173,4 +174,27 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     elif backend == "tpu" and T % 128 == 0:
         chosen = "pallas"
     _report("cache attention", requested, chosen, f"{backend}, {dtype}, pieces of {T}")
+    return chosen
+
+
+def choose_expert_matmul(requested: str, *, tokens_move: bool,
+                         backend: str | None = None) -> str:
+    """How dropless experts multiply (``layers/moe.py``): "ragged" (``jax.lax.ragged_dot`` on
+    rows sorted by expert) or "dense" (every token through every local expert, weighted).
+    "auto": "dense" on GPU, where XLA rewrites ``ragged_dot`` into a dense product with a far
+    larger footprint (BENCHMARKS.md: 74 ms against 8 ms for "dense" at 4,096 tokens of
+    configs/moe_1b.py's layer on an H200), "ragged" elsewhere and whenever tokens move between
+    devices (all-to-all expert parallelism, which "dense" cannot take: it raises)."""
+    if requested not in EXPERT_MATMULS:
+        raise ValueError(f"moe: expert_matmul must be one of {EXPERT_MATMULS}, got {requested!r}")
+    backend = backend or jax.default_backend()
+    if requested == "dense" and tokens_move:
+        raise ValueError("moe: expert_matmul='dense' cannot run with all-to-all expert "
+                         "parallelism (tokens move to their experts' devices); use 'ragged' or "
+                         "'auto'")
+    if requested != "auto":
+        _report("expert matmul", requested, requested, backend)
+        return requested
+    chosen = "dense" if backend == "gpu" and not tokens_move else "ragged"
+    _report("expert matmul", requested, chosen, backend + (", all-to-all" if tokens_move else ""))
     return chosen

@@ -168,7 +168,7 @@ def test_smoke_layer_mode_checks_and_times_every_variant(bench, tmp_path, cache_
                      f"--work_dir={tmp_path / 'work'}"])
     assert "-> **agree**" in md
     rows = _table_rows(md)
-    for variant in ("ragged", "onehot", "capacity", "dense_equiv"):
+    for variant in ("ragged", "onehot", "dense", "capacity", "dense_equiv"):
         assert float(rows[variant][2]) > 0, rows[variant]  # ms
     assert rows["ragged"][4] == "1.00"  # time / ragged
     assert (tmp_path / "moe_bench.md").read_text() == md
@@ -176,7 +176,7 @@ def test_smoke_layer_mode_checks_and_times_every_variant(bench, tmp_path, cache_
         csv_rows = list(csv.DictReader(f))
     assert [(r["section"], r["name"], r["status"]) for r in csv_rows] == [
         ("check", "ragged vs onehot", "agree")] + [
-        ("layer", v, "ok") for v in ("ragged", "onehot", "capacity", "dense_equiv")]
+        ("layer", v, "ok") for v in ("ragged", "onehot", "dense", "capacity", "dense_equiv")]
 
 
 def test_smoke_train_mode_measures_the_dense_and_the_moe_config(bench, tmp_path, cache_env):

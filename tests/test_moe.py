@@ -35,7 +35,7 @@ def moe_spec(**overrides) -> MoeSpec:
     base = MoeSpec(num_experts=E, top_k=3, expert_dim=F, num_shared=1, shared_dim=F,
                    renormalize=True, routed_scaling_factor=2.446, n_group=1, topk_group=1,
                    first_k_dense=0, router_float32=True, bias_update_rate=1e-3,
-                   balance_loss_coef=0.0, capacity_factor=0.0)
+                   balance_loss_coef=0.0, capacity_factor=0.0, expert_matmul="ragged")
     return dataclasses.replace(base, **overrides)
 
 
@@ -120,10 +120,12 @@ def assert_close(got, want, what, rtol=2e-5):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["kimi_linear", "grouped_unnormalised", "capacity_no_drops"])
+@pytest.mark.parametrize("case", ["kimi_linear", "grouped_unnormalised", "capacity_no_drops",
+                                  "dense_experts"])
 def test_layer_matches_the_float64_definition(rng, case):
     spec = {
         "kimi_linear": moe_spec(),  # sigmoid, renormalised, x 2.446, one shared expert
+        "dense_experts": moe_spec(expert_matmul="dense", n_group=2, topk_group=1),
         "grouped_unnormalised": moe_spec(n_group=4, topk_group=2, renormalize=False,
                                          routed_scaling_factor=1.5, num_shared=0, shared_dim=0),
         "capacity_no_drops": moe_spec(capacity_factor=E / 3),  # C = N: nothing can drop
@@ -261,6 +263,7 @@ def moe_config(**moe):
     ("routed_scaling_factor", 0.0, {}, r"moe\.routed_scaling_factor"),
     ("num_experts", -8, {}, r"moe\.num_experts"),
     ("bias_update_rate", -0.1, {}, r"moe\.bias_update_rate: -0.1 must be >= 0"),
+    ("expert_matmul", "grouped", {}, r"moe\.expert_matmul: 'grouped'"),
 ])
 def test_a_bad_moe_config_names_the_field(field, value, others, match):
     c = moe_config(**others)
@@ -349,3 +352,12 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
     assert r["param_diff"] < 2e-5 and r["bias_diff"] < 1e-6, r
     assert r["bias_moved"] > 0 and r["restored_bias_diff"] == 0.0
     assert r["specs"]["wi"] == "P(None, 'expert', 'fsdp', None, 'tensor')", r["specs"]
+
+
+def test_expert_matmul_auto_is_dense_on_gpu_and_dense_refuses_all_to_all():
+    from kimi_k3.dispatch import choose_expert_matmul
+    assert choose_expert_matmul("auto", tokens_move=False, backend="gpu") == "dense"
+    assert choose_expert_matmul("auto", tokens_move=True, backend="gpu") == "ragged"
+    assert choose_expert_matmul("auto", tokens_move=False, backend="cpu") == "ragged"
+    with pytest.raises(ValueError, match="expert_matmul='dense' cannot run with all-to-all"):
+        choose_expert_matmul("dense", tokens_move=True, backend="gpu")

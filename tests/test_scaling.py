@@ -19,7 +19,8 @@ def run_scaling(out_dir, *extra, timeout=600):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, str(REPO / "benchmarks" / "scaling.py"), "--config=configs/tiny.py",
            "--platform=cpu", "--steps=4", "--log_every=2", "--per_device_batch=1",
-           "--config.data.seq_len=64", f"--out_dir={out_dir}", *extra]
+           "--config.data.seq_len=64", "--config.model.num_layers=2", "--config.model.kda_per_mla=1",
+           "--config.model.kda.impl=recurrent", f"--out_dir={out_dir}", *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -30,7 +30,9 @@ row of T tokens:
 
 Dispatch (per device: the tokens it holds). Dropless (``capacity_factor = 0``): every
 token-expert assignment is kept; they are sorted by expert and multiplied by grouped matmuls
-(``jax.lax.ragged_dot``). With a capacity factor c > 0, an expert takes at most
+(``jax.lax.ragged_dot``), or (``expert_matmul="dense"``, the GPU's "auto") every token goes
+through every local expert with its routing weights, zero off its top-k, as two einsums. With
+a capacity factor c > 0, an expert takes at most
 C = ceil(c n k / E) of a device's n tokens, in priority order (every token's first choice in
 token order, then every second choice, ...); the rest are dropped (routed output zero; the
 shared expert still sees them) and counted. The experts then run as one batched matmul over
@@ -62,6 +64,7 @@ from jax.sharding import PartitionSpec
 
 from kimi_k3 import sharding
 from kimi_k3.config import MoeSpec
+from kimi_k3.dispatch import choose_expert_matmul
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.mlp import SwiGLU
 
@@ -162,6 +165,22 @@ def _swiglu_batched(x_ExCxD, wi_ExDx2xF, wo_ExFxD):
     return jnp.einsum("ecf,efd->ecd", h_ExCxF, wo_ExFxD)
 
 
+def _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo):
+    """Every token through every local expert, each expert's hidden activations scaled by the
+    token's routing weight for it (zero off its top-k; ids >= E_l belong to other devices):
+
+        g[n, e] = sum_j w[n, j] [idx[n, j] = e],   y_n = sum_e (g[n, e] a_e(x_n)) W_o,e
+
+    with a_e the expert's SwiGLU hidden activations. Equal to the grouped form; E_l / k times
+    its expert FLOPs, but two plain einsums."""
+    E_l = wi.shape[0]
+    g_NxE = jnp.sum(jax.nn.one_hot(idx_NxK, E_l, dtype=jnp.float32) * w_NxK[..., None], axis=1)
+    h_NxEx2xF = jnp.einsum("nd,edgf->negf", x_NxD, wi)
+    a_NxExF = jax.nn.silu(h_NxEx2xF[:, :, 0]) * h_NxEx2xF[:, :, 1]
+    a_NxExF = (a_NxExF.astype(jnp.float32) * g_NxE[..., None]).astype(x_NxD.dtype)
+    return jnp.einsum("nef,efd->nd", a_NxExF, wo, preferred_element_type=jnp.float32)
+
+
 def _inverse(perm_A: jax.Array) -> jax.Array:
     return jnp.zeros_like(perm_A).at[perm_A].set(jnp.arange(perm_A.shape[0], dtype=perm_A.dtype))
 
@@ -259,7 +278,11 @@ def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes,
         out_NxD, dropped_N = _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes,
                                             capacity=capacity)
     else:
-        out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes)
+        matmul = choose_expert_matmul(spec.expert_matmul, tokens_move=P > 1)
+        if matmul == "dense":
+            out_NxD = _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo)
+        else:
+            out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes)
         dropped_N = jnp.zeros((B * T,), jnp.float32)
     if sums:
         out_NxD = jax.lax.psum(out_NxD, sums)
