@@ -317,19 +317,24 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
     return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
 
 
+def _splash_inputs(q, k, v, scale):
+    """q, k, v [B, T|S, H|KH, D|Dv] -> splash's [B, H, T|S, *]: key/value heads repeated to H,
+    head dims padded to lane multiples (128), the scale folded into q (splash does not scale)."""
+    H, KH = q.shape[2], k.shape[2]
+    if KH != H:
+        k, v = jnp.repeat(k, H // KH, axis=2), jnp.repeat(v, H // KH, axis=2)
+    Dp, Dvp = _round_up(q.shape[-1], 128), _round_up(v.shape[-1], 128)
+    qh = jnp.swapaxes(_pad_last(q * jnp.asarray(scale, q.dtype), Dp), 1, 2)
+    return qh, jnp.swapaxes(_pad_last(k, Dp), 1, 2), jnp.swapaxes(_pad_last(v, Dvp), 1, 2)
+
+
 def _splash_attention(q, k, v, *, scale, segment_ids):
     """TPU splash attention, causal, with segment ids. Head dims padded to lane multiples (128)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    B, T, H, D = q.shape
-    KH, Dv = k.shape[2], v.shape[-1]
-    if KH != H:
-        k, v = jnp.repeat(k, H // KH, axis=2), jnp.repeat(v, H // KH, axis=2)
-    Dp, Dvp = _round_up(D, 128), _round_up(Dv, 128)
-    # splash does not scale: fold the scale into q.
-    qh = jnp.swapaxes(_pad_last(q * jnp.asarray(scale, q.dtype), Dp), 1, 2)  # [B, H, T, Dp]
-    kh = jnp.swapaxes(_pad_last(k, Dp), 1, 2)
-    vh = jnp.swapaxes(_pad_last(v, Dvp), 1, 2)
+    B, T, H, _ = q.shape
+    Dv = v.shape[-1]
+    qh, kh, vh = _splash_inputs(q, k, v, scale)
     if T % 128:
         raise ValueError(f"attention: splash needs T to be a multiple of 128, got T={T}")
     block = next(b for b in (512, 256, 128) if T % b == 0)
@@ -483,16 +488,10 @@ def _splash_lse(q, k, v, *, scale, causal, kv_len):
     """attention_lse through TPU splash attention (save_residuals), interpreted off TPU."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    B, T, H, D = q.shape
-    S, KH, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    T, H, S, Dv = q.shape[1], q.shape[2], k.shape[1], v.shape[-1]
     if T % 128 or S % 128:
         raise ValueError(f"attention: splash needs T and S multiples of 128, got T={T}, S={S}")
-    if KH != H:
-        k, v = jnp.repeat(k, H // KH, axis=2), jnp.repeat(v, H // KH, axis=2)
-    Dp, Dvp = _round_up(D, 128), _round_up(Dv, 128)
-    qh = jnp.swapaxes(_pad_last(q * jnp.asarray(scale, q.dtype), Dp), 1, 2)  # [B, H, T, Dp]
-    kh = jnp.swapaxes(_pad_last(k, Dp), 1, 2)
-    vh = jnp.swapaxes(_pad_last(v, Dvp), 1, 2)
+    qh, kh, vh = _splash_inputs(q, k, v, scale)
     one = splash.CausalMask((T, S)) if causal else splash.FullMask((T, S))
     bq = next(b for b in (512, 256, 128) if T % b == 0)
     bk = next(b for b in (512, 256, 128) if S % b == 0)
