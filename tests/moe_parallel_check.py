@@ -78,7 +78,9 @@ def layer_errors() -> dict:
     cases = [("dropless", spec, name, sizes, DEFAULT_RULES) for name, sizes in MESHES.items()]
     cases += [("capacity", dataclasses.replace(spec, capacity_factor=8 / 3),
                "fsdp2_expert2_tensor2", MESHES["fsdp2_expert2_tensor2"], DEFAULT_RULES),
-              ("dropless", spec, "expert4_not_splitting_tokens", (2, 1, 4, 1), psum_rules)]
+              ("dropless", spec, "expert4_not_splitting_tokens", (2, 1, 4, 1), psum_rules),
+              ("dense", dataclasses.replace(spec, expert_matmul="dense"),
+               "expert4_not_splitting_tokens", (2, 1, 4, 1), psum_rules)]
     for mode, s, name, sizes, rules in cases:
         mesh = mesh_of(sizes)
         with jax.set_mesh(mesh), sharding.axis_rules(sharding.make_rules(mesh, rules)):

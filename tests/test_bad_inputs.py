@@ -648,8 +648,10 @@ def _isolation_case(rng, impl, backend=None):
     return out
 
 
+# The isolation is done around the kernel (kimi_k3/ops/kda_guards.py), the same for every
+# backend: the GPU layout's interpreter stands for the kernel (the TPU layout's is far slower).
 @pytest.mark.parametrize("impl, backend", [("recurrent", None), ("xla", None),
-                                           ("pallas", "interpret"), ("pallas", "tpu_interpret")])
+                                           ("pallas", "interpret")])
 def test_a_nan_in_one_document_never_reaches_another(rng, impl, backend):
     out = _isolation_case(rng, impl, backend)
     (o_good, S_good), grads_good = out["good"]

@@ -231,13 +231,14 @@ def test_mla_latent_cache_in_pieces_equals_one_pass():
     """Absorbed attention over the latent cache == the expanded training path."""
     layer = mla_layer(q_lora_rank=10, block=4)
     x = normal(11, (2, 9, D))
-    one, _ = apply(layer, x)
-    cache = layer.init_cache(2, 16)
-    assert cache["latent_kv"].shape == (2, 16, 12 + 4)
-    outs = []
-    for a, b in ((0, 4), (4, 5), (5, 9)):
-        o, cache = apply(layer, x[:, a:b], cache=cache, pos=jnp.int32(a))
-        outs.append(o)
+    with jax.default_matmul_precision("highest"):  # GPU: float32 dots, not TF32
+        one, _ = apply(layer, x)
+        cache = layer.init_cache(2, 16)
+        assert cache["latent_kv"].shape == (2, 16, 12 + 4)
+        outs = []
+        for a, b in ((0, 4), (4, 5), (5, 9)):
+            o, cache = apply(layer, x[:, a:b], cache=cache, pos=jnp.int32(a))
+            outs.append(o)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), one, atol=2e-5)
 
 

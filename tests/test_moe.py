@@ -329,8 +329,8 @@ def test_moe_metrics_reach_metrics_jsonl_per_layer(tmp_path):
 def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tmp_path):
     """tests/moe_parallel_check.py: the layer on meshes with expert 8, (fsdp 2, expert 2,
     tensor 2) and an expert axis that does not split the tokens, against one device (outputs,
-    gradients, dropless and capacity); the whole model through train_lib: loss falling on one
-    device (2 micro-batches), the same steps on 8 devices; the routing biases move and
+    gradients, dropless, capacity, and the dense expert form); the whole model through
+    train_lib: loss falling on one device (2 micro-batches), the same steps on 8 devices; the routing biases move and
     round-trip through a checkpoint."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", PYTHONPATH=str(REPO),
@@ -341,7 +341,7 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.split("RESULT ", 1)[1])
-    assert len(r["layer"]) == 4
+    assert len(r["layer"]) == 5
     for mesh, err in r["layer"].items():
         assert err < 2e-5, (mesh, err)
     assert r["mixed_rules_error"].startswith("mesh.axis_rules: the experts are split over mesh "
