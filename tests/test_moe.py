@@ -330,8 +330,8 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
     """tests/moe_parallel_check.py: the layer on meshes with expert 8, (fsdp 2, expert 2,
     tensor 2) and an expert axis that does not split the tokens, against one device (outputs,
     gradients, dropless, capacity, and the dense expert form); the whole model through
-    train_lib: loss falling on one device (2 micro-batches), the same steps on 8 devices; the routing biases move and
-    round-trip through a checkpoint."""
+    train_lib: loss falling on one device (2 micro-batches), the same steps on 8 devices; the
+    routing biases move and round-trip through a checkpoint."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", PYTHONPATH=str(REPO),
                JAX_COMPILATION_CACHE_DIR=jax_cache,
