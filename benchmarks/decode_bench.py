@@ -63,7 +63,6 @@ the three are rewritten after every batch.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import sys
@@ -447,11 +446,7 @@ def write_outputs(rows: list[dict], out_dir: str, device: str, args, plot: bool 
     os.makedirs(out_dir, exist_ok=True)
     paths = {"csv": os.path.join(out_dir, "decode.csv"), "md": os.path.join(out_dir, "decode.md"),
              "png": os.path.join(out_dir, "decode_ms_per_token.png")}
-    with open(paths["csv"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in FIELDS})
+    lcm.write_csv(paths["csv"], rows, FIELDS)
     with open(paths["md"], "w") as f:
         f.write(format_tables(rows, device, args) + "\n")
 

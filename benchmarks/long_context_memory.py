@@ -274,6 +274,15 @@ def _lengths(argv):
     return parse_args(argv).seq_lens
 
 
+def write_csv(path: str, rows: list[dict], fields) -> None:
+    """``rows`` as CSV with the columns ``fields`` (a missing or None value: empty)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+
+
 def write_outputs(rows: list[dict], out_dir: str, device: str) -> dict[str, str]:
     from kimi_k3 import plots
 
@@ -282,11 +291,7 @@ def write_outputs(rows: list[dict], out_dir: str, device: str) -> dict[str, str]
              "md": os.path.join(out_dir, "long_context_memory.md"),
              "time_png": os.path.join(out_dir, "long_context_time.png"),
              "memory_png": os.path.join(out_dir, "long_context_memory.png")}
-    with open(paths["csv"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in FIELDS})
+    write_csv(paths["csv"], rows, FIELDS)
     with open(paths["md"], "w") as f:
         f.write(format_table(rows, device) + "\n")
 

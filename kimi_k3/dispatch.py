@@ -148,10 +148,23 @@ def attention_fallback(requested: str, chosen: str, err: Exception) -> None:
     _report("attention", requested, "xla", f"{chosen} failed: {first[:80]}")
 
 
+def cudnn_fused_attention():
+    """JAX's cuDNN fused-attention module, whose entry point takes value heads narrower than
+    key heads (cuDNN >= 9.10, Hopper: MLA's 128 vs 192, no padding) and returns the log-sum-exp
+    in float32; None where this JAX lacks it (jax.nn's public entry point casts the log-sum-exp
+    to the output dtype, too coarse for merging blocks)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo
+    except ImportError:
+        return None
+    return fused_attention_stablehlo if hasattr(fused_attention_stablehlo, "MaskType") else None
+
+
 def choose_cache_attention_impl(requested: str, *, dtype, T: int,
                                 backend: str | None = None) -> str:
     """The implementation of the blocks of ``cache_attention`` (pieces of ``T`` queries, each
-    block of keys returning its log-sum-exp) for ``requested``. "cudnn" needs a GPU; "pallas"
+    block of keys returning its log-sum-exp) for ``requested``. "cudnn" needs a GPU and
+    :func:`cudnn_fused_attention` ("auto" takes "xla" on a GPU without it); "pallas"
     is splash (TPU, or interpreted on CPU) and needs T % 128 == 0; explicit requests run or
     raise."""
     if requested not in ATTN_IMPLS:
@@ -160,6 +173,11 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     if requested == "cudnn" and backend != "gpu":
         raise ValueError(f"attention: impl='cudnn' needs a GPU, the backend is {backend!r}; use "
                          f"'auto' or 'xla'")
+    lse_entry = cudnn_fused_attention() is not None
+    if requested == "cudnn" and not lse_entry:
+        raise ValueError(f"attention: impl='cudnn' against a cache needs JAX's cuDNN entry point "
+                         f"that returns the log-sum-exp in float32, absent in JAX "
+                         f"{jax.__version__}; use 'auto' or 'xla'")
     if requested == "pallas" and (backend == "gpu" or T % 128):
         raise ValueError(f"attention: impl='pallas' against a cache is splash (TPU), which needs "
                          f"pieces of a multiple of 128 tokens; got T={T} on {backend!r}; use "
@@ -169,7 +187,7 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
         return requested
     half = str(dtype) in ("bfloat16", "float16")
     chosen = "xla"
-    if backend == "gpu" and half:
+    if backend == "gpu" and half and lse_entry:
         chosen = "cudnn"
     elif backend == "tpu" and T % 128 == 0:
         chosen = "pallas"

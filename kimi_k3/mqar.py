@@ -131,6 +131,24 @@ def masked_cross_entropy(logits_BxTxV, targets_BxT, weights_BxT):
     return jnp.sum(nll_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT), 1.0)
 
 
+def masked_train_step(graphdef, rest, tx):
+    """The jitted step ``(params, opt_state, inputs, targets, weights) -> (params, opt_state,
+    loss)`` of the model (graphdef, rest) under optimizer ``tx``, on the loss of
+    :func:`masked_cross_entropy` (the synthetic tasks' answers only)."""
+
+    def loss_fn(params, inputs, targets, weights):
+        logits = merge_model(graphdef, params, rest)(inputs)
+        return masked_cross_entropy(logits, targets, weights)
+
+    @jax.jit
+    def train_step(params, opt_state, inputs, targets, weights):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, weights)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
 def answer_hits(logits_BxTxV, targets_BxT, weights_BxT):
     """(number of answers predicted exactly by argmax, number of answers)."""
     hit = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT).astype(jnp.float32)
@@ -196,15 +214,7 @@ def train_mqar(
     tx, _ = optim.make_optimizer(config.opt, steps, params)
     opt_state = tx.init(params)
 
-    def loss_fn(params, inputs, targets, weights):
-        logits = merge_model(graphdef, params, rest)(inputs)
-        return masked_cross_entropy(logits, targets, weights)
-
-    @jax.jit
-    def train_step(params, opt_state, inputs, targets, weights):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, weights)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    train_step = masked_train_step(graphdef, rest, tx)
 
     @jax.jit
     def logits_fn(params, inputs):

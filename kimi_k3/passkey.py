@@ -50,10 +50,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
 from kimi_k3 import optim, plots
@@ -62,7 +60,7 @@ from kimi_k3.eval_scoring import parse_context_lengths
 from kimi_k3.evaluation import build_model
 from kimi_k3.generate import Decoder, describe_weights, generate, resolve_checkpoint
 from kimi_k3.model import MAX_POSITIONS
-from kimi_k3.mqar import masked_cross_entropy
+from kimi_k3.mqar import masked_train_step
 from kimi_k3.train_lib import check_workdir, merge_model, quiet_library_logs, split_model
 
 FILLER_SENTENCES = (
@@ -203,15 +201,7 @@ def train_passkey(model, task: PasskeyTask, opt_cfg, *, steps: int, batch_size: 
     tx, _ = optim.make_optimizer(opt_cfg, steps, params)
     opt_state = tx.init(params)
 
-    def loss_fn(params, inputs, targets, weights):
-        logits = merge_model(graphdef, params, rest)(inputs)
-        return masked_cross_entropy(logits, targets, weights)
-
-    @jax.jit
-    def train_step(params, opt_state, inputs, targets, weights):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, weights)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    train_step = masked_train_step(graphdef, rest, tx)
 
     rng = np.random.default_rng([seed, 0])
     loss = math.nan

@@ -198,6 +198,17 @@ def test_short_conv_matches_direct_convolution_and_masks_documents():
     np.testing.assert_allclose(y_seg[:, 5:], y_doc2, atol=1e-6)
 
 
+def test_cache_attention_without_the_float32_lse_entry_point_takes_xla_or_says_why(monkeypatch):
+    from kimi_k3 import dispatch
+    assert dispatch.choose_cache_attention_impl("auto", dtype="bfloat16", T=256,
+                                                backend="gpu") == "cudnn"
+    monkeypatch.setattr(dispatch, "cudnn_fused_attention", lambda: None)
+    assert dispatch.choose_cache_attention_impl("auto", dtype="bfloat16", T=256,
+                                                backend="gpu") == "xla"
+    with pytest.raises(ValueError, match="log-sum-exp in float32, absent in JAX"):
+        dispatch.choose_cache_attention_impl("cudnn", dtype="bfloat16", T=256, backend="gpu")
+
+
 # ----------------------------------------------------------------------------------------------
 # Gated MLA
 # ----------------------------------------------------------------------------------------------

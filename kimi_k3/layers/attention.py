@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kimi_k3.dispatch import attention_fallback, choose_attention_impl
+from kimi_k3.dispatch import attention_fallback, choose_attention_impl, cudnn_fused_attention
 
 # Finite "minus infinity": masked scores never turn into NaN, even in fully masked blocks.
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -262,19 +262,6 @@ def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _cudnn_api():
-    """JAX's cuDNN fused-attention module, whose entry point takes value heads narrower than
-    key heads (cuDNN >= 9.10, Hopper: MLA's 128 vs 192, no padding) and returns the log-sum-exp
-    in float32; None where this JAX lacks it (then jax.nn's entry point, v padded)."""
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo
-    except ImportError:
-        return None
-    if not hasattr(fused_attention_stablehlo, "MaskType"):
-        return None
-    return fused_attention_stablehlo
-
-
 def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None,
                 residual=False):
     """cuDNN flash attention: ``mask_type`` one of "causal", "none", "padding" (keys j <
@@ -282,7 +269,7 @@ def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None
     ``residual``). Uses the MLA-capable entry point where it takes these head dims, else pads
     v to q's head dim."""
     D, Dv = q.shape[-1], v.shape[-1]
-    fa = _cudnn_api()
+    fa = cudnn_fused_attention()
     if fa is not None:
         kind = {"causal": fa.MaskType.CAUSAL, "none": fa.MaskType.NO_MASK,
                 "padding": fa.MaskType.PADDING}[mask_type]
@@ -303,8 +290,9 @@ def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None
         implementation="cudnn", return_residual=residual)
     if not residual:
         return out[..., :Dv]
-    raise NotImplementedError("attention: this JAX's cuDNN entry point returns the log-sum-exp "
-                              "in the output dtype only; use impl='xla' against a cache")
+    # dispatch.choose_cache_attention_impl never picks cuDNN without that entry point.
+    raise ValueError("attention: this JAX has no cuDNN entry point that returns the log-sum-exp "
+                     "in float32 (jax.nn's casts it to the output dtype); use impl='xla'")
 
 
 def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
