@@ -10,8 +10,8 @@ body of the ``generate.py`` command.
     out.finish[i]    # "stop" (met a stop id) | "length" (max_new_tokens reached)
 
 ``model`` follows the ``HybridLM`` contract: ``init_cache(B, max_len)``,
-``prefill(tokens_BxT, cache) -> (logits_BxTxV, cache)``, ``step(token_B, cache) -> (logits_BxV,
-cache)``. A ``Decoder`` holds its jitted functions; pass one instead of the model to reuse
+``prefill(tokens_BxT, cache, last_only) -> (logits, cache)`` (logits [B, T, V], or [B, 1, V]
+after the last token with ``last_only``), ``step(token_B, cache) -> (logits_BxV, cache)``. A ``Decoder`` holds its jitted functions; pass one instead of the model to reuse
 them across calls (an ``nnx.Module``'s are shared by every model of its architecture anyway).
 
 The next token, from the float32 logits z [B, V] at the last position read:
@@ -156,8 +156,9 @@ def _decoder_fns(get_model: Callable):
     """(prefill_piece, step): jitted, each donating the cache it is given."""
 
     def prefill_piece(state, tokens_BxP, cache):
-        logits_BxPxV, cache = get_model(state).prefill(tokens_BxP, cache)
-        return logits_BxPxV[:, -1], cache  # only the last position's logits leave
+        # The head on the last position only: a long prompt piece never makes [B, P, V] logits.
+        logits_Bx1xV, cache = get_model(state).prefill(tokens_BxP, cache, last_only=True)
+        return logits_Bx1xV[:, 0], cache
 
     def step(state, token_B, cache):
         return get_model(state).step(token_B, cache)

@@ -390,13 +390,18 @@ class HybridLM(nnx.Module):
         cache["tail"] = tuple(layer.init_cache(batch_size, max_len) for layer in self.tail)
         return cache
 
-    def prefill(self, tokens_BxT: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    def prefill(self, tokens_BxT: jax.Array, cache: dict,
+                last_only: bool = False) -> tuple[jax.Array, dict]:
         """Continues the cached sequences with T more tokens (positions pos .. pos+T-1).
 
-        Returns (logits [B, T, V] float32, the cache after them). pos + T must not exceed the
-        cache's max_len (MLA writes its latents there).
+        Returns (logits [B, T, V] float32, the cache after them); with ``last_only``, the
+        logits after the last token only, [B, 1, V] (decoding: the head runs on one position,
+        not on a whole long prompt piece). pos + T must not exceed the cache's max_len (MLA
+        writes its latents there).
         """
         h_BxTxD, cache = self._forward(self._embed(tokens_BxT), None, cache)
+        if last_only:
+            h_BxTxD = h_BxTxD[:, -1:]
         return self.logits(h_BxTxD), cache
 
     def step(self, token_B: jax.Array, cache: dict) -> tuple[jax.Array, dict]:

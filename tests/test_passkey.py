@@ -123,7 +123,7 @@ class Oracle:
     def init_cache(self, batch_size, max_len):
         return {"pos": jnp.zeros((), jnp.int32), "tokens": jnp.zeros((batch_size, max_len), jnp.int32)}
 
-    def prefill(self, tokens_BxT, cache):
+    def prefill(self, tokens_BxT, cache, last_only=False):
         B, T = tokens_BxT.shape
         toks = jax.lax.dynamic_update_slice_in_dim(cache["tokens"], tokens_BxT, cache["pos"], axis=1)
         pos = cache["pos"] + T
@@ -137,7 +137,7 @@ class Oracle:
         want = jnp.take_along_axis(key, k[:, None], axis=1)[:, 0]
         want = jnp.where(k > 0, DIGIT_0 + (want - DIGIT_0 + self.shift) % 10, want)
         logits = jnp.zeros((B, T, self.vocab)).at[:, -1].set(jax.nn.one_hot(want, self.vocab) * 10)
-        return logits, {"pos": pos, "tokens": toks}
+        return logits[:, -1:] if last_only else logits, {"pos": pos, "tokens": toks}
 
     def step(self, token_B, cache):
         logits, cache = self.prefill(token_B[:, None], cache)
