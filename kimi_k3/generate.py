@@ -11,8 +11,9 @@ body of the ``generate.py`` command.
 
 ``model`` follows the ``HybridLM`` contract: ``init_cache(B, max_len)``,
 ``prefill(tokens_BxT, cache, last_only) -> (logits, cache)`` (logits [B, T, V], or [B, 1, V]
-after the last token with ``last_only``), ``step(token_B, cache) -> (logits_BxV, cache)``. A ``Decoder`` holds its jitted functions; pass one instead of the model to reuse
-them across calls (an ``nnx.Module``'s are shared by every model of its architecture anyway).
+after the last token with ``last_only``), ``step(token_B, cache) -> (logits_BxV, cache)``.
+A ``Decoder`` holds its jitted functions; pass one instead of the model to reuse them across
+calls (an ``nnx.Module``'s are shared by every model of its architecture anyway).
 
 The next token, from the float32 logits z [B, V] at the last position read:
 
