@@ -18,7 +18,7 @@ eval_loss_by_position.png to --workdir, and prints the perplexity table. All log
 from absl import app, flags
 from ml_collections import config_flags
 
-from kimi_k3 import eval_scoring, evaluation
+from kimi_k3 import compile_cache, eval_scoring, evaluation
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (model + held-out data), e.g. configs/tiny.py.", lock_config=True
@@ -61,9 +61,12 @@ _WHOLE = flags.DEFINE_integer(
     lower_bound=0,
 )
 
+_CACHE = compile_cache.define_flag()
+
 
 def main(argv):
     del argv
+    compile_cache.enable(_CACHE.value)
     evaluation.main(
         _CONFIG.value,
         _WORKDIR.value,

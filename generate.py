@@ -18,7 +18,7 @@ they would alone). The weights: ``--checkpoint`` (a step, checkpoints or run fol
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from kimi_k3 import generate
+from kimi_k3 import compile_cache, generate
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (the model and its tokenizer), e.g. configs/tiny.py.",
@@ -42,12 +42,14 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _PIECE = flags.DEFINE_integer("piece_len", 2048, "Prompt tokens per prefill call (bounds memory).",
                               lower_bound=1)
 
+_CACHE = compile_cache.define_flag()
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # the command prints its own lines; -v 0 for library logs
         logging.set_verbosity(logging.WARNING)
+    compile_cache.enable(_CACHE.value)
     generate.main(
         _CONFIG.value,
         prompts=_PROMPT.value,

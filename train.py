@@ -15,8 +15,8 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from kimi_k3 import compile_cache, train_lib
 from kimi_k3 import mesh as mesh_lib
-from kimi_k3 import train_lib
 
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py[:arg].",
                                 lock_config=True)
@@ -26,6 +26,7 @@ flags.DEFINE_bool("multihost", False,
 flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-host).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+_CACHE = compile_cache.define_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
@@ -35,6 +36,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:  # the run prints its own summary; -v 0 for library logs
         logging.set_verbosity(logging.WARNING)
+    compile_cache.enable(_CACHE.value)
     mesh_lib.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                     FLAGS.process_id, force=FLAGS.multihost)
     train_lib.train(FLAGS.config, os.path.abspath(FLAGS.workdir),

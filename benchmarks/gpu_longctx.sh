@@ -13,9 +13,18 @@
 # decode:  benchmarks/decode_bench.py (time per output token at 8K, 128K and 1M, batch 1 and
 #          the largest that fits), then the series above.
 # moe:     benchmarks/moe_bench.py (the MoE layer: ragged_dot vs one-hot einsum; moe_1b vs 1b).
+# moe2:    the grouped-matmul tests on the GPU (Hopper kernels against float64), then
+#          moe_bench.py: the layer with the Mosaic GPU grouped matmul against the one-hot and
+#          dense forms and capacity, and moe_1b ("auto": the Hopper kernels) against 1b.
+# gmm:     benchmarks/grouped_matmul_bench.py (the Hopper grouped matmul alone, 32K and 256K
+#          rows), moe_1b's training step alone, then eval.py at 1M once.
+# eval1m:  eval.py at context 1,048,576 on a 1B-shaped 3:1 model (as check2), twice: the
+#          second run finds its programs in the persistent compilation cache.
+# moe3:    the grouped-matmul tests on the GPU, the grouped matmul at 32K rows, then moe_1b
+#          ("auto": the Hopper kernels) against 1b in one moe_bench.py run.
 # Tables go to $OUT; logs to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of check, check2, series, decode, moe}
+PHASE=${1:?one of check, check2, series, decode, moe, moe2, gmm, eval1m, moe3}
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
 mkdir -p "$OUT" "$W"
@@ -92,6 +101,54 @@ if [ "$PHASE" = moe ]; then
         --layer_timeout_s=110 --train_timeout_s=140 --steps=6 > "$W/moe.log" 2>&1
     cp "$W/moe/moe_bench.md" "$OUT/" 2>/dev/null
     quiet < "$W/moe.log" | tail -n 50
+fi
+
+if [ "$PHASE" = moe2 ]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_grouped_matmul.py \
+        tests/test_moe.py -k "grouped or mosaic or expert_matmul or numpy" 2>&1 \
+        | grep -E "passed|failed|Error|error|FAILED|assert|err" | head -n 40 | tee "$W/tests.log"
+    timeout 400 python3 benchmarks/moe_bench.py --out_dir="$W/moe" --budget_s=380 \
+        --variants=mosaic_gpu,onehot,dense,capacity --train_runs=dense,moe \
+        --layer_timeout_s=90 --train_timeout_s=150 --steps=6 > "$W/moe.log" 2>&1
+    cp "$W/moe/moe_bench.md" "$OUT/" 2>/dev/null
+    quiet < "$W/moe.log" | tail -n 50
+fi
+
+if [ "$PHASE" = gmm ]; then
+    timeout 150 python3 benchmarks/grouped_matmul_bench.py --impls=mosaic_gpu,einsum 2>&1 \
+        | quiet | tee "$OUT/grouped_matmul.md"
+    timeout 200 python3 benchmarks/moe_bench.py --out_dir="$W/moe" --budget_s=190 --mode=train \
+        --train_runs=moe --train_timeout_s=185 --steps=4 > "$W/moe.log" 2>&1
+    cp "$W/moe/moe_bench.md" "$OUT/moe_train.md" 2>/dev/null
+    quiet < "$W/moe.log" | grep -v "^RESULT" | tail -n 25
+fi
+
+if [ "$PHASE" = eval1m ] || [ "$PHASE" = gmm ]; then
+    RUNS="1 2"; [ "$PHASE" = gmm ] && RUNS=1
+    for run in $RUNS; do
+        START=$(date +%s)
+        timeout 200 python3 eval.py --compilation_cache=/tmp/jax_cache \
+            --config=configs/1b.py --checkpoint=init --context_lengths=1M --piece_len=65536 \
+            --max_windows=1 --short_docs=concat --config.data.eval_fraction=0.5 \
+            --workdir="$W/eval_1m_$run" > "$W/eval_1m_$run.log" 2>&1
+        echo "eval.py at 1M (run $run): rc=$? wall $(( $(date +%s) - START )) s" \
+            | tee -a "$W/eval_1m_$run.log"
+        quiet < "$W/eval_1m_$run.log" | tail -n 20
+        cp "$W/eval_1m_$run.log" "$OUT/"
+    done
+fi
+
+if [ "$PHASE" = moe3 ]; then
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_grouped_matmul.py \
+        tests/test_moe.py -k "grouped or mosaic or expert_matmul or float64" 2>&1 \
+        | grep -E "passed|failed|Error|error|FAILED|assert|err" | head -n 40 | tee "$W/tests.log"
+    timeout 60 python3 benchmarks/grouped_matmul_bench.py --rows=32768 --shapes=2048x1024 \
+        --impls=mosaic_gpu,einsum 2>&1 | quiet | tee "$OUT/grouped_matmul_32k.md"
+    timeout ${MOE_LIMIT:-330} python3 benchmarks/moe_bench.py --out_dir="$W/moe" --mode=train \
+        --budget_s=$(( ${MOE_LIMIT:-330} - 10 )) --train_runs=dense,moe \
+        --train_timeout_s=$(( ${MOE_LIMIT:-330} - 20 )) --steps=3 > "$W/moe.log" 2>&1
+    cp "$W/moe/moe_bench.md" "$OUT/moe_train.md" 2>/dev/null
+    quiet < "$W/moe.log" | grep -v "^RESULT" | tail -n 25
 fi
 
 if [ "$PHASE" = series ]; then series; fi

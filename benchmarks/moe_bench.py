@@ -26,6 +26,8 @@ parameter), jitted, the median of ``--reps`` timed runs after a warm-up run, eac
     capacity      the layer's capacity mode (``moe.capacity_factor = --capacity_factor``): each
                   expert on a fixed buffer of C = ceil(c N k / E) rows, the rest dropped
     dense_equiv   a dense SwiGLU of width k F + shared: the same matmul FLOPs without routing
+    mosaic_gpu    the same sorted rows through ``moe.expert_matmul="mosaic_gpu"``: Hopper
+                  grouped-matmul kernels (Pallas Mosaic GPU; "auto" on sm_90; GPU only)
     ragged_cudnn  "ragged" with XLA_FLAGS asking for XLA's cuDNN ragged-dot fusion (GPU only)
 
 Useful FLOPs are the active ones, 6 N (D E + 3 D (k F + S)) for N tokens (router, k chosen
@@ -43,8 +45,9 @@ subprocess per config, ``--dense_config`` then ``--moe_config`` at the same ``--
 ``--seq``, ``--steps`` timed steps after the first (each step its own report, so the median is
 per step), micro-batches ``--microbatch`` (0: the trainer's automatic choice); tokens/s, s/step,
 MFU from ``model.flops_per_token`` (a mixture's active FLOPs) against the device's dense bf16
-peak, parameters and ``count_params(active=True)``, peak memory. ``moe_cudnn`` in
-``--train_runs`` adds the MoE run with the cuDNN ragged-dot flag.
+peak, parameters and ``count_params(active=True)``, peak memory. The MoE run uses its config's
+``expert_matmul`` ("auto": "mosaic_gpu" on an H200); ``moe_dense`` in ``--train_runs`` adds it
+with ``expert_matmul="dense"``, ``moe_cudnn`` with "ragged" and the cuDNN ragged-dot flag.
 
 Every measurement runs in a subprocess of its own (``--jobs`` at a time; ``--isolate``: each
 layer variant alone), inside ``--budget_s`` seconds overall, in this order: the ragged, onehot
@@ -84,14 +87,16 @@ from flax import nnx
 from configs import load_config
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3.config import ModelSpec, model_spec
+from kimi_k3.dispatch import hopper_gpu
 from kimi_k3.layers.mlp import SwiGLU
 from kimi_k3.layers.moe import MoE, route
 from kimi_k3.model import count_params, flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
-LAYER_VARIANTS = ("ragged", "onehot", "dense", "capacity", "dense_equiv", "ragged_cudnn")
+LAYER_VARIANTS = ("mosaic_gpu", "ragged", "onehot", "dense", "capacity", "dense_equiv",
+                  "ragged_cudnn")
 EXTRA_VARIANTS = ("dense_equiv", "ragged_cudnn")  # measured after the training runs
-TRAIN_RUNS = ("dense", "moe", "moe_cudnn")
+TRAIN_RUNS = ("dense", "moe", "moe_dense", "moe_cudnn")
 # Asks XLA to hand ragged dots to cuDNN instead of rewriting them as dense dots over every
 # group (the flag exists in jaxlib 0.10.2; where cuDNN is too old, XLA falls back silently, and
 # the "XLA FLOPs / useful" column shows it).
@@ -207,7 +212,7 @@ def _module(variant: str, spec: ModelSpec, capacity_factor: float, seed: int):
     if variant == "dense_equiv":
         return SwiGLU(D, e.top_k * e.expert_dim + e.shared_dim, **kw)
     cf = capacity_factor if variant == "capacity" else 0.0
-    matmul = "dense" if variant == "dense" else "ragged"  # the layer's own two forms
+    matmul = variant if variant in ("dense", "mosaic_gpu") else "ragged"  # the layer's own forms
     return MoE(D, dataclasses.replace(e, capacity_factor=cf, expert_matmul=matmul), **kw)
 
 
@@ -296,6 +301,9 @@ def layer_worker(job: dict) -> None:
                    "tokens": B * job["seq"], **info}
             if variant == "ragged_cudnn" and jax.default_backend() != "gpu":
                 _emit({**row, "status": "skipped: GPU only"})
+                continue
+            if variant == "mosaic_gpu" and not hopper_gpu():
+                _emit({**row, "status": "skipped: sm_90+ GPU only"})
                 continue
             try:
                 row.update(time_layer(variant, spec, B, job["seq"], job["reps"],
@@ -430,6 +438,9 @@ def train_jobs(a, work: Path) -> list[Job]:
                f"--config.train.microbatch_size={a.microbatch}",
                "--config.train.tensorboard=False", *a.train_overrides]
         env = {"XLA_FLAGS": CUDNN_RAGGED_DOT_FLAG} if run == "moe_cudnn" else {}
+        if run in ("moe_dense", "moe_cudnn"):
+            cmd.append("--config.model.moe.expert_matmul="
+                       + ("dense" if run == "moe_dense" else "ragged"))
         jobs.append(Job(key=f"train {run}", cmd=cmd, log=work / f"train_{run}.log",
                         cap_s=a.train_timeout_s, env_extra=env, workdir=wd,
                         expect=[{"section": "train", "name": run, "config": config}]))
@@ -582,7 +593,7 @@ def train_table(rows: list[dict], a) -> list[str]:
             f"{'%' if mfu else ''} | {_f(r.get('peak_gib'), '.1f')} | "
             f"{_f(r.get('final_loss'), '.3f', '')} | {r['status']} |")
     by = {r["name"]: r for r in rows if r.get("tokens_per_s")}
-    for moe in ("moe", "moe_cudnn"):
+    for moe in ("moe", "moe_dense", "moe_cudnn"):
         if "dense" in by and moe in by:
             d, m = by["dense"], by[moe]
             mfus = (f"; MFU {100 * m['mfu']:.1f}% against {100 * d['mfu']:.1f}%"
@@ -674,7 +685,8 @@ def parse_args(argv):
                     batch=2 if smoke else 8, steps=2 if smoke else 10, reps=2 if smoke else 5,
                     check_seq=16 if smoke else 64, isolate=not smoke, jobs=3 if smoke else 1,
                     train_overrides=list(SMOKE_TRAIN_OVERRIDES) if smoke else [],
-                    variants=[v for v in LAYER_VARIANTS if not (smoke and v == "ragged_cudnn")])
+                    variants=[v for v in LAYER_VARIANTS
+                              if not (smoke and v in ("ragged_cudnn", "mosaic_gpu"))])
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)

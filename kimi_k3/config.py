@@ -159,8 +159,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.moe.capacity_factor = 0.0  # 0 = dropless; c > 0: of a device's n tokens an expert takes
     # at most ceil(c * n * top_k / E), the rest of its assignments are dropped (fixed shapes)
     cfg.moe.expert_matmul = "auto"  # dropless experts: "ragged" (jax.lax.ragged_dot on rows
-    # sorted by expert) | "dense" (every token through every local expert, weighted by its
-    # routing weights, zero off its top-k: E / k x the FLOPs, no sort) | "auto" (kimi_k3/dispatch.py)
+    # sorted by expert) | "mosaic_gpu" (the same rows through Hopper grouped-matmul kernels,
+    # sm_90+, bf16, D and F multiples of 128) | "dense" (every token through every local
+    # expert, weighted by its routing weights, zero off its top-k: E / k x the FLOPs, no sort)
+    # | "auto" (kimi_k3/dispatch.py)
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
     cfg.tie_embeddings = True  # output head = embedding^T / sqrt(D)
@@ -308,7 +310,8 @@ class MoeSpec:
     bias_update_rate: float  # >= 0, per optimizer step
     balance_loss_coef: float  # >= 0
     capacity_factor: float  # 0 = dropless
-    expert_matmul: str = "auto"  # "auto" | "ragged" | "dense": how dropless experts multiply
+    expert_matmul: str = "auto"  # "auto" | "ragged" | "mosaic_gpu" | "dense": how dropless
+    # experts multiply
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ import jax
 from pallas_kernels.kda import pallas_supported
 
 KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
-EXPERT_MATMULS = ("auto", "ragged", "dense")
+EXPERT_MATMULS = ("auto", "ragged", "mosaic_gpu", "dense")
 ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX).
@@ -195,14 +195,30 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     return chosen
 
 
-def choose_expert_matmul(requested: str, *, tokens_move: bool,
-                         backend: str | None = None) -> str:
-    """How dropless experts multiply (``layers/moe.py``): "ragged" (``jax.lax.ragged_dot`` on
-    rows sorted by expert) or "dense" (every token through every local expert, weighted).
-    "auto": "dense" on GPU, where XLA rewrites ``ragged_dot`` into a dense product with a far
-    larger footprint (BENCHMARKS.md: 74 ms against 8 ms for "dense" at 4,096 tokens of
-    configs/moe_1b.py's layer on an H200), "ragged" elsewhere and whenever tokens move between
-    devices (all-to-all expert parallelism, which "dense" cannot take: it raises)."""
+def hopper_gpu(backend: str | None = None) -> bool:
+    """True on an NVIDIA GPU of compute capability 9.0 or newer (Hopper's wgmma and TMA)."""
+    if (backend or jax.default_backend()) != "gpu":
+        return False
+    try:
+        return float(jax.devices()[0].compute_capability) >= 9.0
+    except (AttributeError, ValueError):  # not CUDA (ROCm has no compute_capability)
+        return False
+
+
+def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, int] = (),
+                         dtype=None, backend: str | None = None) -> str:
+    """How dropless experts multiply (``layers/moe.py``): rows sorted by expert through
+    ``kimi_k3.ops.grouped_matmul`` — "ragged" (``jax.lax.ragged_dot``) or "mosaic_gpu" (the
+    Hopper kernels) — or "dense" (every token through every local expert, weighted). ``dims``:
+    the (D, F) of the experts, ``dtype`` their compute dtype, for "mosaic_gpu"'s shape rules.
+
+    "auto": "mosaic_gpu" on sm_90+ GPUs where the kernels take the shapes and dtype (moe_bench
+    measures it against the rest); else "dense" on GPU, where XLA rewrites ``ragged_dot`` into a
+    dense product with a far larger footprint (BENCHMARKS.md: 74 ms against 8 ms for "dense" at
+    4,096 tokens of configs/moe_1b.py's layer on an H200), "ragged" elsewhere and whenever
+    tokens move between devices (all-to-all expert parallelism, which "dense" cannot take)."""
+    from kimi_k3.ops.grouped_matmul import mosaic_gpu_fits
+
     if requested not in EXPERT_MATMULS:
         raise ValueError(f"moe: expert_matmul must be one of {EXPERT_MATMULS}, got {requested!r}")
     backend = backend or jax.default_backend()
@@ -210,9 +226,23 @@ def choose_expert_matmul(requested: str, *, tokens_move: bool,
         raise ValueError("moe: expert_matmul='dense' cannot run with all-to-all expert "
                          "parallelism (tokens move to their experts' devices); use 'ragged' or "
                          "'auto'")
+
+    def mosaic_why() -> str | None:
+        if not hopper_gpu(backend):
+            return f"backend {backend} is not an sm_90+ GPU"
+        D, F = dims
+        return mosaic_gpu_fits(D, 2 * F, dtype) or mosaic_gpu_fits(F, D, dtype)
+
+    if requested == "mosaic_gpu":
+        why = mosaic_why()
+        if why is not None:
+            raise ValueError(f"moe: expert_matmul='mosaic_gpu' cannot run here: {why}")
     if requested != "auto":
         _report("expert matmul", requested, requested, backend)
         return requested
-    chosen = "dense" if backend == "gpu" and not tokens_move else "ragged"
+    if dims and mosaic_why() is None:
+        chosen = "mosaic_gpu"
+    else:
+        chosen = "dense" if backend == "gpu" and not tokens_move else "ragged"
     _report("expert matmul", requested, chosen, backend + (", all-to-all" if tokens_move else ""))
     return chosen

@@ -351,6 +351,21 @@ def test_relative_workdir_two_saves_a_resume_and_a_finished_run(tmp_path, jax_ca
     assert snapshot(run) == before
 
 
+def test_compilation_cache_folder_is_made_or_named(tmp_path):
+    from kimi_k3 import compile_cache
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        assert compile_cache.enable("") is None and jax.config.jax_compilation_cache_dir == before
+        folder = compile_cache.enable(str(tmp_path / "a" / "cache"))
+        assert folder == str(tmp_path / "a" / "cache") and os.path.isdir(folder)
+        assert jax.config.jax_compilation_cache_dir == folder
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(ValueError, match="--compilation_cache: cannot create .*file/cache"):
+            compile_cache.enable(str(tmp_path / "file" / "cache"))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_the_config_is_printed_flat():
     flat = train_lib.flat_config(load_config("tiny.py"))
     assert "model.d_model = 128" in flat and "data.source = 'stdlib'" in flat

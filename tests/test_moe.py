@@ -100,7 +100,8 @@ def layer_outputs_and_grads(layer: MoE, x, R):
         (_, (y, state)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
         return y, grads, state
 
-    y, (gp, gx), state = run(params, rest, jnp.asarray(x))
+    with jax.default_matmul_precision("highest"):  # float32 products, not TF32 on a GPU
+        y, (gp, gx), state = run(params, rest, jnp.asarray(x))
     nnx.update(layer, state)
     g = nnx.to_pure_dict(gp)
     named = {"Wr": g["router"]["kernel"], "wi": g["experts"]["wi"], "wo": g["experts"]["wo"]}

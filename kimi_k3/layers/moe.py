@@ -30,8 +30,10 @@ row of T tokens:
 
 Dispatch (per device: the tokens it holds). Dropless (``capacity_factor = 0``): every
 token-expert assignment is kept; they are sorted by expert and multiplied by grouped matmuls
-(``jax.lax.ragged_dot``), or (``expert_matmul="dense"``, the GPU's "auto") every token goes
-through every local expert with its routing weights, zero off its top-k, as two einsums. With
+(``kimi_k3.ops.grouped_matmul``: ``jax.lax.ragged_dot``, or Hopper's Mosaic GPU kernels with
+``expert_matmul="mosaic_gpu"``, "auto" on sm_90), or (``expert_matmul="dense"``, "auto" on
+other GPUs) every token goes through every local expert with its routing weights, zero off its
+top-k, as two einsums. With
 a capacity factor c > 0, an expert takes at most
 C = ceil(c n k / E) of a device's n tokens, in priority order (every token's first choice in
 token order, then every second choice, ...); the rest are dropped (routed output zero; the
@@ -67,6 +69,7 @@ from kimi_k3.config import MoeSpec
 from kimi_k3.dispatch import choose_expert_matmul
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.mlp import SwiGLU
+from kimi_k3.ops.grouped_matmul import grouped_matmul
 
 # Logical axes of the routed experts' weights (kimi_k3/sharding.py maps them to mesh axes).
 WI_NAMES = ("expert", "embed", None, "mlp")  # [E, D, (gate, up), F]
@@ -149,13 +152,13 @@ def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _swiglu_grouped(rows_AxD, sizes_E, wi_ExDx2xF, wo_ExFxD):
+def _swiglu_grouped(rows_AxD, sizes_E, wi_ExDx2xF, wo_ExFxD, impl: str = "xla"):
     """Expert SwiGLUs on rows sorted by expert (``sizes_E`` rows each, the rest of the rows
-    belong to none): two grouped matmuls."""
+    belong to none and give zeros): two grouped matmuls (``impl`` of ``grouped_matmul``)."""
     E, D, _, F = wi_ExDx2xF.shape
-    h_Ax2F = jax.lax.ragged_dot(rows_AxD, wi_ExDx2xF.reshape(E, D, 2 * F), sizes_E)
+    h_Ax2F = grouped_matmul(rows_AxD, wi_ExDx2xF.reshape(E, D, 2 * F), sizes_E, impl)
     h_Ax2xF = h_Ax2F.reshape(-1, 2, F)
-    return jax.lax.ragged_dot(jax.nn.silu(h_Ax2xF[:, 0]) * h_Ax2xF[:, 1], wo_ExFxD, sizes_E)
+    return grouped_matmul(jax.nn.silu(h_Ax2xF[:, 0]) * h_Ax2xF[:, 1], wo_ExFxD, sizes_E, impl)
 
 
 def _swiglu_batched(x_ExCxD, wi_ExDx2xF, wo_ExFxD):
@@ -185,7 +188,7 @@ def _inverse(perm_A: jax.Array) -> jax.Array:
     return jnp.zeros_like(perm_A).at[perm_A].set(jnp.arange(perm_A.shape[0], dtype=perm_A.dtype))
 
 
-def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes):
+def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, impl: str = "xla"):
     """Every assignment kept. wi, wo hold this device's E_l experts; with P > 1 devices on the
     expert ``axes``, tokens travel by all-to-all; with P = 1, ``idx`` holds local expert ids,
     or E_l for a choice this device does not serve. Returns the routed output [N, D] float32."""
@@ -212,7 +215,7 @@ def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes):
     perm_A = jnp.argsort(e_A, stable=True)
     e_sorted_A = e_A[perm_A]
     sizes_E = jnp.zeros((E_l,), jnp.int32).at[e_A].add(1, mode="drop")
-    y_AxD = _swiglu_grouped(x_RxD[perm_A // Kl], sizes_E, wi, wo)
+    y_AxD = _swiglu_grouped(x_RxD[perm_A // Kl], sizes_E, wi, wo, impl)
     y_AxD = jnp.where((e_sorted_A < E_l)[:, None], y_AxD, 0)  # rows of no expert
     y_RxKxD = y_AxD[_inverse(perm_A)].reshape(x_RxD.shape[0], Kl, -1)
     out_RxD = jnp.einsum("rk,rkd->rd", w_RxK, y_RxKxD.astype(jnp.float32))
@@ -278,11 +281,13 @@ def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes,
         out_NxD, dropped_N = _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes,
                                             capacity=capacity)
     else:
-        matmul = choose_expert_matmul(spec.expert_matmul, tokens_move=P > 1)
+        matmul = choose_expert_matmul(spec.expert_matmul, tokens_move=P > 1,
+                                      dims=(D, wo.shape[1]), dtype=wi.dtype)
         if matmul == "dense":
             out_NxD = _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo)
         else:
-            out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes)
+            out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes,
+                                impl="xla" if matmul == "ragged" else "mosaic_gpu")
         dropped_N = jnp.zeros((B * T,), jnp.float32)
     if sums:
         out_NxD = jax.lax.psum(out_NxD, sums)
