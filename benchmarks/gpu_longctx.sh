@@ -22,9 +22,10 @@
 #          second run finds its programs in the persistent compilation cache.
 # moe3:    the grouped-matmul tests on the GPU, the grouped matmul at 32K rows, then moe_1b
 #          ("auto": the Hopper kernels) against 1b in one moe_bench.py run.
+# mla1m:   all-MLA prefill at 1,048,576 tokens (the Kimi Linear report's 1M prefill ratio).
 # Tables go to $OUT; logs to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of check, check2, series, decode, moe, moe2, gmm, eval1m, moe3}
+PHASE=${1:?one of check, check2, series, decode, moe, moe2, gmm, eval1m, moe3, mla1m}
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
 mkdir -p "$OUT" "$W"
@@ -149,6 +150,11 @@ if [ "$PHASE" = moe3 ]; then
         --train_timeout_s=$(( ${MOE_LIMIT:-330} - 20 )) --steps=3 > "$W/moe.log" 2>&1
     cp "$W/moe/moe_bench.md" "$OUT/moe_train.md" 2>/dev/null
     quiet < "$W/moe.log" | grep -v "^RESULT" | tail -n 25
+fi
+
+if [ "$PHASE" = mla1m ]; then
+    lcm mla1m 270 --variants=all-MLA --modes=prefill --seq_lens=1048576 --piece_len=65536 \
+        --repeats=1 --max_seconds=260
 fi
 
 if [ "$PHASE" = series ]; then series; fi
