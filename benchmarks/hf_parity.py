@@ -70,7 +70,7 @@ CASES = {
         layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "dense"]), 3, 65),
 }
-FIXTURES = ("qlora_shared1_grouped", "noqlora_shared0_norenorm")
+FIXTURES = ("qlora_shared1_grouped", "noqlora_shared0_norenorm", "all_dense_noqlora")
 
 
 # ---------------------------------------------------------------------------------------------
