@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3.generate import generate
 from kimi_k3.hf import (
     SafetensorsFolder,
     export_from_workdir,
@@ -160,6 +161,35 @@ def test_import_command_gives_a_run_that_exports_back(tmp_path):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     with pytest.raises(ValueError, match="already holds checkpoints"):
         import_to_workdir(src, run)
+
+
+def test_greedy_decoding_matches_transformers_generate():
+    """kimi_k3.generate (prefill, then cached steps: KDA state and conv tails, MLA latents)
+    continues the first row as transformers' generate() did (greedy, 8 tokens)."""
+    ref = np.load(BASE / "logits.npz")
+    _, model = load_hf_checkpoint(BASE)
+    out = generate(model, [ref["tokens"][0].tolist()], len(ref["greedy"]))
+    np.testing.assert_array_equal(np.asarray(out.tokens[0]), ref["greedy"])
+
+
+def test_bfloat16_import_and_export(tmp_path):
+    """dtype="bfloat16": parameters rounded once from the file's float32 (those the model keeps
+    in float32 whatever param_dtype says, A_log, dt_bias and the routing biases, stay exact);
+    the export writes them in their dtypes and they read back unchanged."""
+    _, f32 = load_hf_checkpoint(BASE)
+    model_config, bf16 = load_hf_checkpoint(BASE, dtype="bfloat16")
+    assert model_config.dtype == model_config.param_dtype == "bfloat16"
+    a, b = weights(f32), weights(bf16)
+    for k in a:
+        assert b[k].dtype in (jnp.bfloat16, np.float32), k
+        np.testing.assert_array_equal(b[k], a[k].astype(b[k].dtype), err_msg=k)
+    save_hf_checkpoint(bf16, model_config, tmp_path)
+    folder = SafetensorsFolder(tmp_path)
+    assert folder.entries["lm_head.weight"][1] == "BF16"
+    _, again = load_hf_checkpoint(tmp_path, dtype="bfloat16")
+    c = weights(again)
+    for k in b:
+        np.testing.assert_array_equal(c[k], b[k], err_msg=k)
 
 
 def _broken(tmp_path, edit_tensors=None, edit_config=None) -> pathlib.Path:
