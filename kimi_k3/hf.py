@@ -409,11 +409,14 @@ class SafetensorsFolder:
 @dataclasses.dataclass(frozen=True)
 class Link:
     """Our parameter ``ours`` (relative to its layer) from HF tensors ``hf`` (full names, each
-    with its expected shape) by ``build(*arrays) -> ours``."""
+    with its expected shape) by ``build(*arrays) -> ours``; or, for routed experts (our array's
+    leading axis), by ``experts(range of experts, read(name)) -> those experts' rows``, so a
+    device holding some experts reads only theirs."""
 
     ours: str
     hf: tuple[tuple[str, tuple[int, ...]], ...]
-    build: Callable[..., np.ndarray]
+    build: Callable[..., np.ndarray] | None
+    experts: Callable[[range, Callable[[str], np.ndarray]], np.ndarray] | None = None
 
 
 def _t(x):
@@ -505,22 +508,24 @@ def _layer_links(spec: ModelSpec, layer: int, layout: str) -> list[Link]:
         Link("mlp/router/kernel", ((f + "gate.weight", (E, D)),), _t),
         Link("mlp/bias", ((f + "gate.e_score_correction_bias", (E,)),), np.asarray),
     ]
-    if layout == "transformers":
+    # Ours: wi [E, D, (gate, up), F], wo [E, F, D].
+    if layout == "transformers":  # gate_up_proj [E, 2F, D] (gate rows first), down_proj [E, D, F]
+        gu, dp = f + "experts.gate_up_proj", f + "experts.down_proj"
         links += [
-            Link("mlp/experts/wi", ((f + "experts.gate_up_proj", (E, 2 * F, D)),),
-                 lambda w: np.asarray(w).reshape(E, 2, F, D).transpose(0, 3, 1, 2)),
-            Link("mlp/experts/wo", ((f + "experts.down_proj", (E, D, F)),),
-                 lambda w: np.asarray(w).transpose(0, 2, 1)),
+            Link("mlp/experts/wi", ((gu, (E, 2 * F, D)),), None, lambda es, read: np.asarray(
+                read(gu)[es.start:es.stop]).reshape(len(es), 2, F, D).transpose(0, 3, 1, 2)),
+            Link("mlp/experts/wo", ((dp, (E, D, F)),), None, lambda es, read: np.asarray(
+                read(dp)[es.start:es.stop]).transpose(0, 2, 1)),
         ]
-    else:
-        w1 = tuple((f + f"experts.{e}.w1.weight", (F, D)) for e in range(E))
-        w3 = tuple((f + f"experts.{e}.w3.weight", (F, D)) for e in range(E))
-        w2 = tuple((f + f"experts.{e}.w2.weight", (D, F)) for e in range(E))
+    else:  # per expert: w1 (gate) [F, D], w3 (up) [F, D], w2 (down) [D, F]
+        w = {n: [f + f"experts.{e}.{n}.weight" for e in range(E)] for n in ("w1", "w2", "w3")}
         links += [
-            Link("mlp/experts/wi", w1 + w3, lambda *w: np.stack(
-                [np.stack([np.asarray(g).T, np.asarray(u).T], axis=1)
-                 for g, u in zip(w[:E], w[E:], strict=True)])),
-            Link("mlp/experts/wo", w2, lambda *w: np.stack([np.asarray(x).T for x in w])),
+            Link("mlp/experts/wi", tuple((n, (F, D)) for n in w["w1"] + w["w3"]), None,
+                 lambda es, read: np.stack([np.stack([np.asarray(read(w["w1"][e])).T,
+                                                      np.asarray(read(w["w3"][e])).T], axis=1)
+                                            for e in es])),
+            Link("mlp/experts/wo", tuple((n, (D, F)) for n in w["w2"]), None,
+                 lambda es, read: np.stack([np.asarray(read(w["w2"][e])).T for e in es])),
         ]
     S = moe.shared_dim
     s = f + "shared_experts."
@@ -633,17 +638,22 @@ def check_tensors(folder: SafetensorsFolder, plans: list[dict], spec: ModelSpec,
 
 
 def _read_array(folder: SafetensorsFolder, stacked: bool, links: list[Link], abstract, sharding):
-    """One parameter on ``sharding``, each device's block built from the mapped tensors."""
+    """One parameter on ``sharding``, each device's block built from the mapped tensors: one
+    layer of one tensor at a time (of routed experts, only the device's experts)."""
     dtype = abstract.dtype
 
-    def layer_array(link):
-        return np.asarray(link.build(*(folder[name] for name, _ in link.hf)))
+    def layer_block(link, index):
+        if link.experts is None:
+            return np.asarray(link.build(*(folder[name] for name, _ in link.hf)))[index]
+        num = abstract.shape[1 if stacked else 0]
+        es = range(*index[0].indices(num))
+        return np.asarray(link.experts(es, folder.__getitem__))[(slice(None), *index[1:])]
 
     def block(index):
         if not stacked:
-            return np.asarray(layer_array(links[0])[index], dtype=dtype)
+            return np.asarray(layer_block(links[0], index), dtype=dtype)
         rows = range(*index[0].indices(len(links)))
-        return np.stack([np.asarray(layer_array(links[r])[index[1:]], dtype=dtype) for r in rows])
+        return np.stack([np.asarray(layer_block(links[r], index[1:]), dtype=dtype) for r in rows])
 
     return jax.make_array_from_callback(abstract.shape, sharding, block)
 
