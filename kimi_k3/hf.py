@@ -33,7 +33,25 @@ the one ``save_pretrained`` writes (``self_attn.q_conv1d`` / ``f_a_proj`` / ``A_
 ``block_sparse_moe.experts.<e>.w1 / w2 / w3``), and "transformers", the module layout
 ``KimiLinearForCausalLM.state_dict()`` has after its conversion mapping (``self_attn.conv1d``
 stacking q, k, v; ``self_attn.forget_gate.*``; ``mlp.experts.gate_up_proj`` / ``down_proj``).
-Export writes "released", as ``save_pretrained`` does.
+Export writes "released", as ``save_pretrained`` does. The tensors (torch Linear weights are
+[out, in], our Dense kernels [in, *out]; ``_layer_links``):
+
+    KDA   {q,k,v}_proj [H K, D] -> mixer/{q,k,v}_proj [D, H, K];  {q,k,v}_conv1d [H K, 1, W]
+          -> mixer/{q,k,v}_conv [W, H, K];  f_a_proj [K, D], f_b_proj [H K, K] -> f_down [D, K],
+          f_up [K, H, K] (g_a_proj, g_b_proj -> g_down, g_up alike);  A_log [1, 1, H, 1] ->
+          [H];  dt_bias [H K] -> [H, K];  b_proj [H, D] -> [D, H];  o_norm [K];
+          o_proj [D, H K] -> [H, K, D]
+    MLA   q_proj [H (dn + ds), D] -> [D, H, dn + ds] (or q_a_proj, q_a_layernorm, q_b_proj ->
+          q_down, q_norm, q_up);  kv_a_proj_with_mqa [R + ds, D] -> kv_down [D, R] and
+          k_shared [D, ds];  kv_b_proj [H (dn + dv), R], per head [k_nope ; v] -> k_up [R, H, dn]
+          and v_up [R, H, dv];  o_proj [D, H dv] -> [H, dv, D]
+    FFN   {gate,up}_proj [F, D], down_proj [D, F] -> mlp/wi [D, (gate, up), F], mlp/wo [F, D];
+          experts.<e>.w1 / w3 / w2 -> experts/wi [E, D, 2, F], experts/wo [E, F, D];
+          gate.weight [E, D] -> router [D, E];  gate.e_score_correction_bias [E] -> the routing
+          bias (model state, not a parameter)
+
+With ``dtype="bfloat16"`` the router's weights are stored in bfloat16 like every other matrix
+(transformers keeps them in float32); A_log, dt_bias and the routing bias stay float32.
 
 Memory: the safetensors files are memory-mapped and every parameter is built by
 ``jax.make_array_from_callback`` with its target sharding: each device's shard is sliced out of
@@ -118,7 +136,7 @@ NO_EFFECT = frozenset({
     "qk_head_dim", "output_attentions", "output_hidden_states", "return_dict",
     "use_return_dict", "_name_or_path", "id2label", "label2id", "problem_type",
     "tokenizer_class", "chunk_size_feed_forward", "is_encoder_decoder", "tie_encoder_decoder",
-    "_attn_implementation_autoset", "num_nextn_predict_layers_ignored",
+    "_attn_implementation_autoset",
 })
 # Fields checked to hold the one value this model computes: field -> (allowed values, why).
 HF_FIXED = {
@@ -131,7 +149,7 @@ HF_FIXED = {
     "moe_router_activation_func": (("sigmoid",), "the router's scores are sigmoids"),
     "num_nextn_predict_layers": ((0,), "no multi-token-prediction layers here"),
     "moe_layer_freq": ((1,), "every layer after first_k_dense_replace is a mixture of experts "
-                             "(transformers ignores this field too)"),
+                             "(transformers reads only first_k_dense_replace)"),
     "quantization_config": ((None,), "weights are read as floating point"),
 }
 DENSE_UNDER_MOE = r"^(model\.layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$"
@@ -694,6 +712,15 @@ def load_hf_params(path, model_config, shardings=None) -> tuple[dict, dict]:
     from the safetensors in ``path`` (either layout). ``shardings``: {"params": tree,
     "model_state": tree} of shardings (the trainer's ``state_shardings``); default: the first
     device. Every tensor is checked (names, shapes) before any is read."""
+    folder, trees, plans = open_checked(path, model_config)
+    out = {k: _fill(folder, plans[k], t, shardings.get(k) if shardings else None)
+           for k, t in trees.items()}
+    return out["params"], out["model_state"]
+
+
+def open_checked(path, model_config):
+    """(the folder, our abstract {"params", "model_state"} trees, their plans) after checking
+    every tensor's name and shape against ``model_config`` (headers only; nothing is read)."""
     spec = model_spec(model_config)
     folder = SafetensorsFolder(path)
     layout = detect_layout(folder.names())
@@ -706,9 +733,7 @@ def load_hf_params(path, model_config, shardings=None) -> tuple[dict, dict]:
     trees = {"params": nnx.to_pure_dict(abs_params), "model_state": nnx.to_pure_dict(abs_biases)}
     plans = {k: _plan(spec, t, layout) for k, t in trees.items()}
     check_tensors(folder, list(plans.values()), spec, layout)
-    out = {k: _fill(folder, plans[k], t, shardings.get(k) if shardings else None)
-           for k, t in trees.items()}
-    return out["params"], out["model_state"]
+    return folder, trees, plans
 
 
 def model_from_params(model_config, params: dict, biases: dict) -> HybridLM:
@@ -949,7 +974,8 @@ def import_to_workdir(hf_dir, workdir, dtype: str = "float32") -> str:
     folder."""
     hf_dir = pathlib.Path(hf_dir)
     hf = read_hf_config(hf_dir)
-    model_config_from_hf(hf, dtype)  # every field checked before anything is written
+    # Every field and tensor checked before anything is written.
+    open_checked(hf_dir, model_config_from_hf(hf, dtype))
     workdir = pathlib.Path(train_lib.check_workdir(os.fspath(workdir)))
     ckpt_dir = workdir / "checkpoints"
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
