@@ -232,6 +232,18 @@ def test_bad_checkpoints_name_the_field_or_tensor(tmp_path, edit_tensors, edit_c
         load_hf_checkpoint(_broken(tmp_path, edit_tensors, edit_config))
 
 
+def test_published_dense_names(tmp_path):
+    """The published checkpoints name a dense FFN "mlp." beside "block_sparse_moe." experts
+    (save_pretrained writes "block_sparse_moe." for both): the same weights."""
+    dst = _broken(tmp_path, edit_tensors=lambda t: t.update(
+        {k.replace(".block_sparse_moe.", ".mlp."): t.pop(k) for k in list(t)
+         if re.search(r"block_sparse_moe\.(gate|up|down)_proj", k)}))
+    assert any(".mlp.gate_proj" in k for k in tensors(dst))
+    before, after = weights(load_hf_checkpoint(BASE)[1]), weights(load_hf_checkpoint(dst)[1])
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
 def test_released_config_form():
     """The published config.json's form: linear_attn_config's 1-based layer lists,
     first_k_dense_replace, the aliased MoE names and the fields only it has."""
