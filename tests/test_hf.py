@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3.config import model_spec
 from kimi_k3.generate import generate
 from kimi_k3.hf import (
     SafetensorsFolder,
@@ -242,6 +243,20 @@ def test_published_dense_names(tmp_path):
     before, after = weights(load_hf_checkpoint(BASE)[1]), weights(load_hf_checkpoint(dst)[1])
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+def test_defaults_are_configs_kimi_linear_48b():
+    """KimiLinearConfig's defaults with the published layer lists give configs/kimi_linear_48b.py
+    (but for the numerics that config chooses: float32 parameters, remat)."""
+    from configs import load_config
+
+    hf = {"model_type": "kimi_linear", "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [n for n in range(1, 28) if n not in (4, 8, 12, 16, 20, 24, 27)]}}
+    ours = model_config_from_hf(hf, dtype="bfloat16")
+    want = load_config("kimi_linear_48b.py").model
+    ours.param_dtype, ours.remat = want.param_dtype, want.remat
+    assert model_spec(ours) == model_spec(want)
 
 
 def test_released_config_form():
