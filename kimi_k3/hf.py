@@ -776,7 +776,7 @@ def load_hf_checkpoint(path, dtype: str = "float32") -> tuple[ml_collections.Con
 def _hf_tensors(spec: ModelSpec, get: Callable[[str, int | None], np.ndarray]):
     """Yields (HF name, array) in the released layout, one at a time; ``get(rel, layer)`` returns
     our parameter ``rel`` of HF layer ``layer`` (None: top level) as a NumPy array."""
-    D, V = spec.d_model, spec.vocab_size
+    D = spec.d_model
     yield "model.embed_tokens.weight", get("embed/embedding", None)
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
@@ -845,7 +845,6 @@ def _hf_tensors(spec: ModelSpec, get: Callable[[str, int | None], np.ndarray]):
             yield s + "up_proj.weight", np.zeros((0, D), dt)
     yield "model.norm.weight", get("final_norm/scale", None)
     yield "lm_head.weight", get("head/proj/kernel", None).T
-    del V
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], file: pathlib.Path) -> None:
