@@ -19,6 +19,12 @@ off, grouped routing, dense first layers, odd sizes):
        whether greedy decoding of the first row (``kimi_k3.generate``: prefill, then cached
        steps) gives transformers' ``generate()`` tokens
 
+``--memory`` instead measures the importer's host memory (no torch): a random ~290M-parameter
+bfloat16 checkpoint written by ``save_hf_checkpoint`` in 3 files with an index, then, in a fresh
+process, ``load_hf_checkpoint`` of it while a thread samples the process's anonymous memory
+(RssAnon; the memory-mapped files' pages are page cache, not counted): its peak above the
+baseline against the bytes of the loaded arrays.
+
 ``--write_fixtures`` copies the cases named in ``FIXTURES`` (config.json, model.safetensors,
 tokens and logits in logits.npz) for tests/test_hf.py, which checks them without torch.
 """
@@ -192,13 +198,75 @@ def jax_side(out_dir: pathlib.Path, names) -> dict:
     return rows
 
 
+MEMORY_CONFIG = {
+    "model_type": "kimi_linear", "vocab_size": 32000, "hidden_size": 1024,
+    "intermediate_size": 2048, "moe_intermediate_size": 512, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "kv_lora_rank": 256, "q_lora_rank": None,
+    "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64, "num_experts": 16,
+    "num_experts_per_token": 2, "num_shared_experts": 1, "linear_num_heads": 8,
+    "linear_head_dim": 128, "first_k_dense_replace": 1,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+}
+
+
+def memory_make(out_dir: pathlib.Path) -> None:
+    from flax import nnx
+
+    from kimi_k3.hf import model_config_from_hf, save_hf_checkpoint
+    from kimi_k3.model import HybridLM
+
+    m = model_config_from_hf(MEMORY_CONFIG, "bfloat16")
+    model = nnx.jit(lambda: HybridLM(m, rngs=nnx.Rngs(0)))()
+    if (out_dir / "hf").exists():
+        shutil.rmtree(out_dir / "hf")
+    save_hf_checkpoint(model, m, out_dir / "hf", max_shard_bytes=200 * 2**20)
+
+
+def memory_load(out_dir: pathlib.Path) -> None:
+    import threading
+
+    import jax
+    from flax import nnx
+
+    from kimi_k3.hf import load_hf_checkpoint
+
+    def anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("RssAnon"))
+
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
+
+    base = anon()
+    thread = threading.Thread(target=watch)
+    thread.start()
+    t0 = time.perf_counter()
+    _, model = load_hf_checkpoint(out_dir / "hf", dtype="bfloat16")
+    arrays = jax.tree.leaves(nnx.state(model))
+    jax.block_until_ready(arrays)
+    seconds = time.perf_counter() - t0
+    done.set()
+    thread.join()
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    mib = lambda b: b / 2**20
+    file_mib = mib(sum(f.stat().st_size for f in (out_dir / "hf").glob("*.safetensors")))
+    print(f"| {n_params / 1e6:.0f}M bfloat16, {file_mib:.0f} MiB in "
+          f"{len(list((out_dir / 'hf').glob('*.safetensors')))} files | {seconds:.1f} s | "
+          f"{mib(sum(x.nbytes for x in arrays)):.0f} MiB | {mib(peak[0] - base):.0f} MiB |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--torch_python", help="an interpreter with torch and transformers")
     parser.add_argument("--out_dir", required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--write_fixtures", default="", help="folder for tests' fixtures")
-    parser.add_argument("--side", choices=("driver", "torch_make", "torch_check"),
+    parser.add_argument("--memory", action="store_true", help="measure the importer's memory")
+    parser.add_argument("--side", choices=("driver", "torch_make", "torch_check", "memory_load"),
                         default="driver", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out_dir)
@@ -211,6 +279,15 @@ def main() -> None:
         return torch_make(out_dir, names)
     if args.side == "torch_check":
         return torch_check(out_dir, names)
+    if args.side == "memory_load":
+        return memory_load(out_dir)
+    if args.memory:
+        memory_make(out_dir)
+        print("| checkpoint | load_hf_checkpoint | loaded arrays | peak anonymous memory |\n"
+              "|---|---|---|---|", flush=True)
+        subprocess.run([sys.executable, __file__, "--side=memory_load", f"--out_dir={out_dir}"],
+                       check=True)
+        return None
     if not args.torch_python:
         parser.error("--torch_python is required (an interpreter with torch and transformers)")
 
