@@ -309,26 +309,34 @@ def model_config_from_hf(hf: dict, dtype: str = "float32") -> ml_collections.Con
 def hf_config_from_model(model_config, extra: dict | None = None) -> dict:
     """``config.model`` -> the config.json that ``KimiLinearForCausalLM`` reads, in the form
     ``save_pretrained`` writes (``layer_types``, ``mlp_layer_types``, the aliased MoE names).
-    ``extra``: fields copied as given (token ids). Raises ValueError naming the field of
-    ``config.model`` that Kimi Linear cannot express."""
+    ``extra``: fields that change nothing, copied as given (token ids). Raises ValueError naming
+    the field of ``config.model`` that Kimi Linear cannot express."""
     spec = model_spec(model_config)
     k, m, e = spec.kda, spec.mla, spec.moe
 
-    def need(field, ok, allowed):
+    def need(field, got, ok, allowed):
         if not ok:
-            raise ValueError(f"config.model.{field}: {allowed} for a Kimi Linear checkpoint")
+            raise ValueError(f"config.model.{field}: {got!r} {allowed} for a Kimi Linear "
+                             f"checkpoint")
 
-    need("attn_res", spec.attn_res == "none", "must be 'none' (plain residuals)")
-    need("tie_embeddings", not spec.tie_embeddings, "must be False (transformers' tied head "
-                                                    "has no 1/sqrt(D) scale)")
-    need("kda.gate", k.gate == "softplus", "must be 'softplus'")
-    need("kda.num_v_heads", k.num_v_heads == k.num_heads, "must equal num_heads")
-    need("mla.output_gate", not m.output_gate, "must be False")
+    need("attn_res", spec.attn_res, spec.attn_res == "none", "must be 'none' (plain residuals)")
+    need("tie_embeddings", spec.tie_embeddings, not spec.tie_embeddings,
+         "must be False (transformers' tied head has no 1/sqrt(D) scale)")
+    need("kda.gate", k.gate, k.gate == "softplus", "must be 'softplus'")
+    need("kda.num_v_heads", k.num_v_heads, k.num_v_heads == k.num_heads,
+         f"must equal num_heads={k.num_heads} (or be 0)")
+    need("mla.output_gate", m.output_gate, not m.output_gate, "must be False")
     if e is not None:
-        need("moe.shared_dim", e.shared_dim == e.expert_dim * e.num_shared,
+        need("moe.shared_dim", e.shared_dim, e.shared_dim == e.expert_dim * e.num_shared,
              "must be 0 or expert_dim * num_shared")
-        need("moe.capacity_factor", e.capacity_factor == 0, "must be 0 (dropless)")
-        need("moe.router_float32", e.router_float32, "must be True (the router runs in float32)")
+        need("moe.capacity_factor", e.capacity_factor, e.capacity_factor == 0,
+             "must be 0 (dropless)")
+        need("moe.router_float32", e.router_float32, e.router_float32,
+             "must be True (transformers routes in float32)")
+    bad = sorted(set(extra or {}) - NO_EFFECT)
+    if bad:
+        raise ValueError(f"extra_config: {bad} are fields that change the computation; only "
+                         f"fields of kimi_k3.hf.NO_EFFECT (token ids, ...) may be added")
     out = {
         "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
         "vocab_size": spec.vocab_size, "hidden_size": spec.d_model,
@@ -1030,6 +1038,7 @@ def export_from_workdir(workdir, hf_dir, checkpoint: str | None = None,
         raise FileNotFoundError(f"--config: {str(path)!r} does not exist (import writes "
                                 f"workdir/config.py; give --config for another run)")
     config = _load_config_file(path)
+    hf_config_from_model(config.model)  # a model transformers cannot run fails before reading
     model, _ = ckpt_lib.restore_model_for_eval(config, checkpoint or os.fspath(workdir),
                                                config_name=os.fspath(path))
     extra = {}

@@ -26,6 +26,7 @@ from kimi_k3.generate import generate
 from kimi_k3.hf import (
     SafetensorsFolder,
     export_from_workdir,
+    hf_config_from_model,
     import_to_workdir,
     load_hf_checkpoint,
     model_config_from_hf,
@@ -257,6 +258,24 @@ def test_defaults_are_configs_kimi_linear_48b():
     want = load_config("kimi_linear_48b.py").model
     ours.param_dtype, ours.remat = want.param_dtype, want.remat
     assert model_spec(ours) == model_spec(want)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("attn_res", "block", "attn_res: 'block' must be 'none'"),
+    ("tie_embeddings", True, "tie_embeddings: True must be False"),
+    ("kda.gate", "bounded", "kda.gate: 'bounded' must be 'softplus'"),
+    ("mla.output_gate", True, "mla.output_gate: True must be False"),
+    ("moe.capacity_factor", 1.25, "moe.capacity_factor: 1.25 must be 0"),
+])
+def test_export_refuses_what_transformers_cannot_run(field, value, match):
+    model_config = model_config_from_hf(json.loads((BASE / "config.json").read_text()))
+    section, _, name = field.rpartition(".")
+    setattr(model_config[section] if section else model_config, name, value)
+    with pytest.raises(ValueError, match=match):
+        hf_config_from_model(model_config)
+    with pytest.raises(ValueError, match=r"extra_config: \['hidden_size'\]"):
+        hf_config_from_model(model_config_from_hf(json.loads((BASE / "config.json").read_text())),
+                             {"hidden_size": 8})
 
 
 def test_released_config_form():
