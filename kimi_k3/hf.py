@@ -952,17 +952,22 @@ def get_config(arg=None):
     if arg:
         raise ValueError(f"this config takes no argument, got {{arg!r}}")
     hf = json.loads((pathlib.Path(__file__).parent / "hf_config.json").read_text())
-    return run_config_from_hf(hf, dtype={dtype!r}, tokenizer={tokenizer!r})
+    return run_config_from_hf(hf, dtype={dtype!r}, tokenizer={tokenizer!r},
+                              param_dtype={param_dtype!r})
 '''
 
 
-def run_config_from_hf(hf: dict, dtype: str = "float32", tokenizer: str = "") -> ml_collections.ConfigDict:
-    """A whole run's config for a Kimi Linear checkpoint: ``model`` from config.json, the
-    trainer's defaults around it, its end-of-text id as ``data.eos_id`` (when inside the
-    vocabulary), ``tokenizer`` (a tokenizers JSON) as ``data.tokenizer``, ``opt.lr`` a
-    fine-tuning rate (FINETUNE_LR)."""
+def run_config_from_hf(hf: dict, dtype: str = "float32", tokenizer: str = "",
+                       param_dtype: str = "float32") -> ml_collections.ConfigDict:
+    """A whole run's config for a Kimi Linear checkpoint: ``model`` from config.json (computing
+    in ``dtype``, parameters kept in ``param_dtype``), the trainer's defaults around it, its
+    end-of-text id as ``data.eos_id`` (when inside the vocabulary), ``tokenizer`` (a tokenizers
+    JSON) as ``data.tokenizer``, ``opt.lr`` a fine-tuning rate (FINETUNE_LR)."""
     config = ml_collections.ConfigDict()
     config.model = model_config_from_hf(hf, dtype)
+    if param_dtype not in DTYPES:
+        raise ValueError(f"param_dtype: {param_dtype!r} is not one of {tuple(DTYPES)}")
+    config.model.param_dtype = param_dtype
     add_training_defaults(config)
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
@@ -973,16 +978,17 @@ def run_config_from_hf(hf: dict, dtype: str = "float32", tokenizer: str = "") ->
     return config
 
 
-def import_to_workdir(hf_dir, workdir, dtype: str = "float32") -> str:
+def import_to_workdir(hf_dir, workdir, dtype: str = "float32",
+                      param_dtype: str = "float32") -> str:
     """``hf_dir`` (a Kimi Linear folder) -> ``workdir``: ``config.py`` (with ``hf_config.json``
     and, when the folder has one, ``tokenizer.json``) and an Orbax checkpoint at step 0 in the
-    trainer's layout (parameters, routing biases, a fresh optimizer state, on the trainer's
-    mesh and shardings). Refuses a workdir that already holds checkpoints. Returns the step
-    folder."""
+    trainer's layout (parameters in ``param_dtype``, routing biases, a fresh optimizer state,
+    on the trainer's mesh and shardings); the run computes in ``dtype``. Refuses a workdir that
+    already holds checkpoints. Returns the step folder."""
     hf_dir = pathlib.Path(hf_dir)
     hf = read_hf_config(hf_dir)
     # Every field and tensor checked before anything is written.
-    open_checked(hf_dir, model_config_from_hf(hf, dtype))
+    open_checked(hf_dir, run_config_from_hf(hf, dtype, "", param_dtype).model)
     workdir = pathlib.Path(train_lib.check_workdir(os.fspath(workdir)))
     ckpt_dir = workdir / "checkpoints"
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
@@ -992,7 +998,7 @@ def import_to_workdir(hf_dir, workdir, dtype: str = "float32") -> str:
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copy(hf_dir / "tokenizer.json", workdir / "tokenizer.json")
         tokenizer = os.fspath(workdir / "tokenizer.json")
-    config = run_config_from_hf(hf, dtype, tokenizer)
+    config = run_config_from_hf(hf, dtype, tokenizer, param_dtype)
     spec = run_spec(config)
     mesh = mesh_lib.make_mesh(spec.mesh)
     # The whole batch as the micro-batch: nothing is compiled to size one at import.
@@ -1015,7 +1021,8 @@ def import_to_workdir(hf_dir, workdir, dtype: str = "float32") -> str:
         ckpt.close()
     shutil.copy(hf_dir / "config.json", workdir / "hf_config.json")
     (workdir / "config.py").write_text(_RUN_CONFIG.format(
-        hf_dir=os.fspath(hf_dir), workdir=os.fspath(workdir), dtype=dtype, tokenizer=tokenizer))
+        hf_dir=os.fspath(hf_dir), workdir=os.fspath(workdir), dtype=dtype, tokenizer=tokenizer,
+        param_dtype=param_dtype))
     return os.fspath(ckpt_dir / "0")
 
 
@@ -1064,7 +1071,9 @@ def main(argv=None) -> None:
     imp.add_argument("--hf_dir", required=True, help="config.json + *.safetensors")
     imp.add_argument("--workdir", required=True, help="the run folder to create")
     imp.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
-                     help="parameters and compute")
+                     help="the run's compute dtype (model.dtype)")
+    imp.add_argument("--param_dtype", default="float32", choices=tuple(DTYPES),
+                     help="the parameters' dtype in the checkpoint and in training")
     exp = sub.add_parser("export", help="a workdir's checkpoint -> a transformers folder")
     exp.add_argument("--workdir", required=True)
     exp.add_argument("--hf_dir", required=True, help="the folder to write")
@@ -1073,7 +1082,7 @@ def main(argv=None) -> None:
                                                     "WORKDIR/config.py)")
     args = parser.parse_args(argv)
     if args.command == "import":
-        step = import_to_workdir(args.hf_dir, args.workdir, args.dtype)
+        step = import_to_workdir(args.hf_dir, args.workdir, args.dtype, args.param_dtype)
         print(f"imported {args.hf_dir} -> {step}; config: {args.workdir}/config.py")
     else:
         files = export_from_workdir(args.workdir, args.hf_dir, args.checkpoint, args.config)
