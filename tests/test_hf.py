@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3.config import model_spec
+from kimi_k3.data import TextTokenizer
 from kimi_k3.generate import generate
 from kimi_k3.hf import (
     SafetensorsFolder,
@@ -141,9 +142,14 @@ def test_sharded_export_reads_back(tmp_path):
 
 
 def test_import_command_gives_a_run_that_exports_back(tmp_path):
-    """``python -m kimi_k3.hf import``'s step 0 holds the weights (as eval and generate restore
-    them); ``export`` of that run writes the original tensors again."""
-    src = FIXTURES / CASES[0]
+    """``python -m kimi_k3.hf import``'s step 0 holds the weights and routing biases (as eval
+    and generate restore them); ``export`` of that run writes the original tensors again. A
+    tokenizers JSON in the folder becomes the run's ``data.tokenizer`` (text prompts)."""
+    from tokenizers import Tokenizer, models
+
+    src = tmp_path / "hf"
+    shutil.copytree(BASE, src)
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(src / "tokenizer.json"))
     _, model = load_hf_checkpoint(src)
     run = tmp_path / "run"
     step_dir = import_to_workdir(src, run)
@@ -151,6 +157,8 @@ def test_import_command_gives_a_run_that_exports_back(tmp_path):
     from configs import load_config
 
     config = load_config(str(run / "config.py"))
+    assert config.data.tokenizer == str(run / "tokenizer.json")
+    assert TextTokenizer(config.data.tokenizer).vocab_size == 2
     restored, step = ckpt_lib.restore_model_for_eval(config, str(run))
     assert step == 0 and step_dir.endswith("0")
     before, after = weights(model), weights(restored)
@@ -161,6 +169,7 @@ def test_import_command_gives_a_run_that_exports_back(tmp_path):
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
     with pytest.raises(ValueError, match="already holds checkpoints"):
         import_to_workdir(src, run)
 
