@@ -11,8 +11,9 @@ Text goes through the config's tokenizer (``config.data.tokenizer``; bytes witho
 the continuation is printed as text; ``--prompt_ids`` takes token ids and prints ids. Repeat
 ``--prompt`` / ``--prompt_ids`` for a batch (prompts of different lengths decode exactly as
 they would alone). The weights: ``--checkpoint`` (a step, checkpoints or run folder, or
-``init``), else the newest step under ``--workdir/checkpoints``. All logic lives in
-``kimi_k3.generate``.
+``init``), else the newest step under ``--workdir/checkpoints``. A Kimi Linear checkpoint of
+transformers runs after ``python -m kimi_k3.hf import --hf_dir=DIR --workdir=RUN`` with
+``--config=RUN/config.py --workdir=RUN``. All logic lives in ``kimi_k3.generate``.
 """
 
 from absl import app, flags, logging

@@ -50,6 +50,7 @@ def get_config(arg: str | None = None):
     m.moe.first_k_dense = 1
     m.attn_res = "none"
     m.tie_embeddings = False
+    m.norm_eps = 1e-5  # rms_norm_eps
     m.dtype = "bfloat16"
     m.remat = "full"
     config = ml_collections.ConfigDict()

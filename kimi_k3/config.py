@@ -274,6 +274,8 @@ class KdaSpec:
     lower_bound: float | None  # the bounded gate's g_min; None for the softplus form
     chunk_size: int  # tokens per chunk of the chunked forms
     impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
+    norm_eps: float = 1e-6  # the output RMSNorm's epsilon: model.norm_eps (Kimi Linear's
+    # rms_norm_eps reaches this norm too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,7 +538,7 @@ def scan_plan(pattern: str, scan_layers: bool = True) -> tuple[str, int, str]:
     return best
 
 
-def _kda_spec(cfg, d_model: int, backend: str | None) -> KdaSpec:
+def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) -> KdaSpec:
     f, k = _Fields(cfg.kda, "config.model.kda."), cfg.kda
     H = _Fields(cfg, "config.model.").int("num_heads", 1)
     head_dim = f.int("head_dim", 0, "must be an integer >= 0 (0 = d_model // num_heads)")
@@ -556,7 +558,7 @@ def _kda_spec(cfg, d_model: int, backend: str | None) -> KdaSpec:
     return KdaSpec(num_heads=H, head_dim=head_dim or d_model // H, num_v_heads=HV,
                    conv_width=f.int("conv_width", 1), gate=gate,
                    lower_bound=bound if gate == "bounded" else None, chunk_size=chunk,
-                   impl=dispatch.choose_kda_impl(impl, backend))
+                   impl=dispatch.choose_kda_impl(impl, backend), norm_eps=norm_eps)
 
 
 def _mla_spec(cfg, d_model: int) -> MlaSpec:
@@ -648,7 +650,7 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
     return ModelSpec(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
         pattern=pattern, scan_prefix=prefix, scan_unit=unit, scan_repeats=repeats,
-        scan_tail=tail, kda=_kda_spec(cfg, cfg.d_model, backend), mla=_mla_spec(cfg, cfg.d_model),
+        scan_tail=tail, kda=_kda_spec(cfg, cfg.d_model, backend, norm_eps), mla=_mla_spec(cfg, cfg.d_model),
         mlp_dim=cfg.mlp_dim, moe=moe, attn_res=f.choice("attn_res", ATTN_RES_MODES),
         attn_res_block_size=f.int("attn_res_block_size", 1,
                                   "must be a positive integer (sublayers per block)"),

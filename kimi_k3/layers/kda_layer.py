@@ -67,7 +67,8 @@ class KDALayer(nnx.Module):
         self.dt_bias = param(init_dt_bias(rngs.params(), (HV, K)), ("heads", "kv"))
         self.b_proj = Dense(d_model, HV, names=("embed", "heads"), **kw)
         # Output: per-head RMSNorm times a low-rank sigmoid gate.
-        self.o_norm = RMSNorm(V, name="kv", dtype=jnp.float32, param_dtype=param_dtype)
+        self.o_norm = RMSNorm(V, name="kv", eps=spec.norm_eps, dtype=jnp.float32,
+                             param_dtype=param_dtype)
         self.g_down = Dense(d_model, V, names=("embed", "rank"), **kw)
         self.g_up = Dense(V, (HV, V), names=("rank", "heads", "kv"), **kw)
         self.o_proj = Dense((HV, V), d_model, names=("heads", "kv", "embed"), **kw)
