@@ -64,3 +64,13 @@ def test_attention_bench_checks_and_times_on_cpu(capsys):
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert float(rows["reference"].split("|")[4]) < 1e-5  # the definition agrees with xla
     assert "one document per row" in rows["xla:rows"]
+
+
+def test_step_fingerprint_is_stable_and_sees_a_change():
+    step_hlo = load("step_hlo")
+    config = load_config("tiny.py")
+    first = step_hlo.step_text(config)
+    assert "func.func public @main" in first and "loc(" not in first
+    assert step_hlo.fingerprint(step_hlo.step_text(config)) == step_hlo.fingerprint(first)
+    config.model.num_layers = 2
+    assert step_hlo.fingerprint(step_hlo.step_text(config)) != step_hlo.fingerprint(first)
