@@ -7,9 +7,11 @@
    gradients of q, k, v, g, beta and the initial state by central differences of the NumPy
    recurrence along directions confined to ONE shard's tokens, for every shard; and every
    gradient element against the one-device op.
-2. The whole model through train_lib: one training step on one device and on meshes with
-   context = 2, 4, 8 and data x context = 2 x 4 (packed documents crossing shard boundaries):
-   the loss, and every parameter's gradient (from the first AdamW step's update) elementwise.
+2. The whole model ("KM": a KDA and an MLA layer) as train_lib builds it, on one device and on
+   meshes with context = 2, 8 and data x context = 2 x 4, batches placed by the trainer's batch
+   sharding (tokens split over context), packed documents crossing shard boundaries: the loss
+   and the gradient of every parameter (every shard of it: the arrays are gathered whole);
+   the lowered program must contain the all-gather and the collective permute.
 3. Bad combinations: errors that name the field.
 
 Prints one line "RESULT {json}".
@@ -24,12 +26,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import load_config
+from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import train_lib
+from kimi_k3.config import run_spec
 from kimi_k3.ops.kda import kda
 from kimi_k3.ops.kda_context import kda_context_parallel
+from kimi_k3.optim import path_str
 from tests.kda_numpy import kda_numpy, rel_err
 
 B, T, H, HV, K, V = 2, 32, 1, 2, 4, 3
 CHUNK = 4
+# (context size, impl) of the op checks: each implementation once, each size once or more.
+CASES = [(2, "recurrent"), (4, "xla"), (8, "recurrent"), (2, "pallas")]
 
 
 def context_mesh(n: int, data: int = 1):
@@ -80,7 +89,7 @@ def op_errors() -> dict:
         return jnp.sum(o * w_o_j) + jnp.sum(S * w_S_j)
 
     ref_grads = jax.grad(one_device_loss, argnums=tuple(range(6)))(*f32)
-    cases = [(2, "xla"), (4, "xla"), (8, "xla"), (4, "recurrent"), (2, "pallas")]
+    cases = CASES
     for n, impl in cases:
         mesh = context_mesh(n)
 
@@ -123,9 +132,113 @@ def op_errors() -> dict:
     return out
 
 
+def small_model_config(context: int, data: int):
+    """A two-layer "KM" model (one KDA, one MLA layer) at test size."""
+    c = load_config("tiny.py")
+    m = c.model
+    m.num_layers, m.kda_per_mla = 2, 1
+    m.d_model, m.num_heads, m.kda.head_dim, m.kda.num_v_heads = 32, 2, 8, 4
+    m.kda.impl, m.kda.chunk_size = "recurrent", CHUNK  # the op checks cover "xla" and "pallas"
+    m.mla.num_heads, m.mla.kv_lora_rank, m.mla.qk_nope_head_dim = 2, 16, 8
+    m.mla.shared_head_dim, m.mla.v_head_dim = 4, 8
+    m.mlp_dim, m.attn_res_block_size = 64, 2
+    c.data.seq_len, c.data.global_batch_size = MODEL_T, MODEL_B
+    c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.context, c.mesh.tensor = data, 1, 1, context, 1
+    c.train.microbatch_size = MODEL_B
+    return c
+
+
+MODEL_B, MODEL_T = 4, 64
+
+
+def model_batch():
+    """Packed documents: they cross the shard boundaries of context 2, 4 and 8 (8 tokens per
+    shard at 8), one starts exactly at token 32 (a boundary of every context size)."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 256, size=(MODEL_B, MODEL_T)).astype(np.int32)
+    lengths = [[5, 14, 13, 19, 13], [64], [31, 1, 32], [3, 20, 9, 30, 2]]
+    seg = np.stack([np.repeat(np.arange(1, len(ls) + 1), ls) for ls in lengths]).astype(np.int32)
+    return {"tokens": tokens, "segment_ids": seg}
+
+
+def model_gradients(context: int, data: int, batch):
+    """(loss, gradients as NumPy, the tokens' sharding spec, the collectives in the lowered
+    program) of the mean next-token loss. The parameters are random draws (the same on every
+    mesh), not the initialiser's: compiling the initialiser would cost more than the check."""
+    config = small_model_config(context, data)
+    devices = jax.devices()[: context * data]
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    setup = train_lib.build(config, mesh)
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(
+        lambda a, sh: jax.device_put(np.float32(rng.normal(size=a.shape) * 0.3), sh),
+        setup.abstract_state["params"], setup.state_shardings["params"])
+
+    def loss(params, tokens, segs):
+        model = train_lib.merge_model(setup.graphdef, params, setup.rest)
+        s, n = train_lib.next_token_loss(model, tokens, segs)
+        return s / n
+
+    gb = train_lib.global_batch(batch, setup.batch_sharding, MODEL_B)
+    with setup.context():
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(params, gb["tokens"],
+                                                          gb["segment_ids"])
+        value, grads = lowered.compile()(params, gb["tokens"], gb["segment_ids"])
+    text = lowered.as_text()
+    ops = [op for op in ("all_gather", "collective_permute") if f"stablehlo.{op}" in text]
+    return float(value), jax.device_get(grads), str(gb["tokens"].sharding.spec), ops
+
+
+def model_errors() -> dict:
+    batch = model_batch()
+    loss_ref, grads_ref, _, _ = model_gradients(1, 1, batch)
+    out = {"single_loss": loss_ref}
+    # Context 4 runs beside data 2 (the op checks also run it alone): one compile less.
+    for name, (context, data) in {"context2": (2, 1), "context8": (8, 1),
+                                  "data2_context4": (4, 2)}.items():
+        loss, grads, spec, ops = model_gradients(context, data, batch)
+        # Relative per parameter; one whose true gradient is zero (the first layer's Attention
+        # Residual read has a single source, so its pseudo-query gets none: rounding noise of
+        # 1e-14) is measured against a millionth of the largest gradient instead.
+        floor = 1e-6 * max(float(np.linalg.norm(r)) for r in jax.tree.leaves(grads_ref))
+        errs = {path_str(p): float(np.linalg.norm(g - r) / max(np.linalg.norm(r), floor))
+                for (p, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                     jax.tree.leaves(grads_ref), strict=True)}
+        worst = max(errs, key=errs.get)
+        out[name] = {"loss_rel": abs(loss - loss_ref) / abs(loss_ref), "grad_rel": errs[worst],
+                     "worst_param": worst, "num_params": len(errs), "tokens_spec": spec,
+                     "collectives": ops}
+    return out
+
+
+def bad_combinations() -> dict:
+    """The errors of combinations that cannot work: they name the field."""
+    out = {}
+    config = small_model_config(8, 1)
+    config.data.seq_len = 48  # not a multiple of 8 x 4
+    try:
+        run_spec(config)
+    except ValueError as e:
+        out["seq_len"] = str(e)
+    config = small_model_config(16, 1)
+    try:
+        mesh_lib.make_mesh(config.mesh)
+    except ValueError as e:
+        out["context_too_large"] = str(e)
+    config = small_model_config(-1, 1)  # context = all 8 devices, resolved in build
+    config.data.seq_len = 16
+    try:
+        train_lib.build(config, mesh_lib.make_mesh(config.mesh))
+    except ValueError as e:
+        out["seq_len_resolved"] = str(e)
+    return out
+
+
 def main():
     assert jax.device_count() == 8, jax.devices()
-    out = {"op": op_errors()}
+    which = sys.argv[1:] or ["op", "model", "bad"]
+    parts = {"op": op_errors, "model": model_errors, "bad": bad_combinations}
+    out = {name: parts[name]() for name in which}
     print("RESULT " + json.dumps(out))
     sys.stdout.flush()
 

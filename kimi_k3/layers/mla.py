@@ -29,6 +29,14 @@ the cache in one of two forms, whichever costs fewer FLOPs for a piece of T quer
   blocks are merged by log-sum-exp (``attention.cache_attention``). Per piece this costs
   2 S R H (dn + dv) FLOPs of decompression against 2 T S H (R + ds + R) of absorbed attention
   over (dn + ds + dv) of expanded, so it wins from T of about R (dn + dv) / (2R - dn - dv).
+
+Context parallelism (tokens split over a "context" mesh axis, ``sharding.context_layout``):
+every device all-gathers the latents [c ; k_s] of the whole sequence (R + ds numbers per token,
+the smallest thing to move), decompresses the keys and values, and attends with its own
+queries at their global positions (shard i's queries sit at i T/n .. (i+1) T/n - 1) under the
+causal and segment masks, with the blockwise attention, which skips the key blocks past a
+query block. The causal work is not balanced across shards (the last shard does n times the
+first one's work; a zig-zag token order would even it out): left for later.
 """
 
 from __future__ import annotations
@@ -36,13 +44,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec
 
 from kimi_k3.config import MlaSpec
 from kimi_k3.dispatch import choose_cache_attention_impl
 from kimi_k3.layers.attention import attention, blockwise_attention, cache_attention
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm
-from kimi_k3.sharding import BTHK, constrain
+from kimi_k3.sharding import BTHK, ContextLayout, constrain, context_layout
 
 
 class GatedMLA(nnx.Module):
@@ -90,14 +100,15 @@ class GatedMLA(nnx.Module):
         absorbed = T * (2 * R + ds)
         return "expanded" if expanded < absorbed else "absorbed"
 
-    def _keys_values(self, c_BxNxR, ks_BxNxS):
-        """Per-head keys [B, N, H, dn + ds] = [c W_uk,h ; k_s] and values [B, N, H, dv]."""
+    def _keys_values(self, c_BxNxR, ks_BxNxS, names=BTHK):
+        """Per-head keys [B, N, H, dn + ds] = [c W_uk,h ; k_s] and values [B, N, H, dv],
+        constrained to the logical ``names``."""
         H = self.spec.num_heads
         k_nope = self.k_up(c_BxNxR)  # [B, N, H, dn]
         ks_b = jnp.broadcast_to(ks_BxNxS[:, :, None, :], (*ks_BxNxS.shape[:2], H,
                                                           ks_BxNxS.shape[-1]))
         k_BxNxHxQ = jnp.concatenate([k_nope, ks_b.astype(k_nope.dtype)], -1)
-        return constrain(k_BxNxHxQ, BTHK), constrain(self.v_up(c_BxNxR), BTHK)
+        return constrain(k_BxNxHxQ, names), constrain(self.v_up(c_BxNxR), names)
 
     def _expand(self, latent_BxNxL):
         """Cache entries [c ; k_s] -> (keys, values) as the whole-sequence path builds them."""
@@ -129,6 +140,37 @@ class GatedMLA(nnx.Module):
         return jnp.einsum("bthr,rhv->bthv", o_lat, W_uv,
                           preferred_element_type=jnp.float32).astype(self.dtype)
 
+    def _attend_context_parallel(self, q_BxTxHxQ, c_BxTxR, ks_BxTxS, segment_ids_BxT,
+                                 layout: ContextLayout):
+        """Attention with the tokens split over ``layout.axes`` (module docstring): the
+        latents gathered, each shard's queries at their global positions."""
+        B, T = c_BxTxR.shape[:2]
+        whole = ("activation_batch", None, None)  # not split along the tokens: all-gathered
+        with jax.named_scope("mla_gather"):
+            c_all, ks_all = constrain(c_BxTxR, whole), constrain(ks_BxTxS, whole)
+        with jax.named_scope("mla_proj"):
+            k_BxTxHxQ, v_BxTxHxV = self._keys_values(
+                c_all, ks_all, names=("activation_batch", None, "activation_heads", "activation_kv"))
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.zeros((B, T), jnp.int32)
+        mine = PartitionSpec(layout.batch, layout.axes, layout.heads, None)
+        every = PartitionSpec(layout.batch, None, layout.heads, None)
+        axes, scale, block = layout.axes, self.scale, self.spec.attn_block_size
+
+        def shard(q, k, v, seg_mine, seg_all):
+            offset = lax.axis_index(axes) * q.shape[1]
+            return blockwise_attention(q, k, v, scale=scale, q_segment_ids=seg_mine,
+                                       kv_segment_ids=seg_all, q_offset=offset,
+                                       block_q=block, block_k=block)
+
+        seg = segment_ids_BxT.astype(jnp.int32)
+        with jax.named_scope("mla_attention"):
+            o = jax.shard_map(shard, mesh=layout.mesh,
+                              in_specs=(mine, every, every, layout.tokens,
+                                        PartitionSpec(layout.batch, None)),
+                              out_specs=mine)(q_BxTxHxQ, k_BxTxHxQ, v_BxTxHxV, seg, seg)
+        return o.astype(self.dtype)
+
     def _queries(self, x_BxTxD):
         if self.spec.q_lora_rank > 0:
             return self.q_up(self.q_norm(self.q_down(x_BxTxD)))
@@ -152,7 +194,12 @@ class GatedMLA(nnx.Module):
             q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
             c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
             ks_BxTxS = self.k_shared(x_BxTxD)
-        if cache is None:
+        layout = context_layout() if cache is None else None
+        if layout is not None:
+            o_BxTxHxV = self._attend_context_parallel(q_BxTxHxQ, c_BxTxR, ks_BxTxS,
+                                                      segment_ids_BxT, layout)
+            new_cache = None
+        elif cache is None:
             with jax.named_scope("mla_proj"):
                 k_BxTxHxQ, v_BxTxHxV = self._keys_values(c_BxTxR, ks_BxTxS)
             with jax.named_scope("mla_attention"):

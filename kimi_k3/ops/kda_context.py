@@ -58,13 +58,22 @@ from kimi_k3.ops.kda import kda
 _HI = lax.Precision.HIGHEST
 
 
-def to_varying(x: jax.Array, axes) -> jax.Array:
-    """Marks a value every device of ``axes`` holds alike as varying over them (shard_map's
-    type system), so it can meet per-device values in a loop carry. ``lax.pcast`` where it
-    exists, else the older ``lax.pvary``."""
+def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """``x`` marked as varying over every mesh axis any of ``refs`` varies over (shard_map's
+    type system), so a value all devices hold alike (a constant, a replicated input) can be a
+    loop carry that meets per-device values. ``lax.pcast`` where it exists, else the older
+    ``lax.pvary``; nothing to do without the type check (``check_vma=False``)."""
+    def vma(a) -> frozenset:
+        aval = jax.typeof(a)
+        manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 spells it this way
+        return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+    missing = tuple(sorted(set().union(*map(vma, refs)) - vma(x)))
+    if not missing:
+        return x
     if hasattr(lax, "pcast"):
-        return lax.pcast(x, axes, to="varying")
-    return lax.pvary(x, axes)
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)
 
 
 def kda_shard(q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV, state_BxHVxKxV,
@@ -83,7 +92,8 @@ def kda_shard(q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV, state_B
     v_ext = jnp.concatenate([v_BxTxHVxV, jnp.zeros((B, T, HV, K), v_BxTxHVxV.dtype)], -1)
     eye_BxHVxKxK = jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, HV, K, K))
     # A constant, but per device as far as shard_map's types go (the op's loops carry it).
-    S0_ext = to_varying(jnp.concatenate([jnp.zeros((B, HV, K, V), f32), eye_BxHVxKxK], -1), axis)
+    S0_ext = vary_like(jnp.concatenate([jnp.zeros((B, HV, K, V), f32), eye_BxHVxKxK], -1),
+                       q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV, seg_BxT)
     o_ext, S_ext = kda(q_BxTxHxK, k_BxTxHxK, v_ext, g_BxTxHVxK, beta_BxTxHV,
                        initial_state=S0_ext, output_final_state=True, segment_ids=seg_BxT,
                        isolate_documents=False, **kda_kwargs)
@@ -104,7 +114,7 @@ def kda_shard(q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV, state_B
         S_next = jnp.einsum("bhkj,bhjv->bhkv", AB[..., :K], S_BxHVxKxV, precision=_HI) + AB[..., K:]
         return jnp.where(keep_B[:, None, None, None], S_next, 0.0), S_BxHVxKxV
 
-    S_init = to_varying(state_BxHVxKxV.astype(f32), axis)
+    S_init = vary_like(state_BxHVxKxV.astype(f32), AB_NxBxHVxKxKV, keep_NxB)
     S_final, S_starts_NxBxHVxKxV = lax.scan(step, S_init, (AB_NxBxHVxKxKV, keep_NxB),
                                             length=num_shards)
     S_start_BxHVxKxV = S_starts_NxBxHVxKxV[lax.axis_index(axis)]
