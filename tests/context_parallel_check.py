@@ -142,6 +142,7 @@ def small_model_config(context: int, data: int):
     m.mla.num_heads, m.mla.kv_lora_rank, m.mla.qk_nope_head_dim = 2, 16, 8
     m.mla.shared_head_dim, m.mla.v_head_dim = 4, 8
     m.mlp_dim, m.attn_res_block_size = 64, 2
+    m.mla.attn_block_size = 16  # blocks of the flash loop, not one direct block
     c.data.seq_len, c.data.global_batch_size = MODEL_T, MODEL_B
     c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.context, c.mesh.tensor = data, 1, 1, context, 1
     c.train.microbatch_size = MODEL_B
