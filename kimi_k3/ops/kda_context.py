@@ -63,11 +63,17 @@ def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
     type system), so a value all devices hold alike (a constant, a replicated input) can be a
     loop carry that meets per-device values. ``lax.pcast`` where it exists, else the older
     ``lax.pvary``; nothing to do without the type check (``check_vma=False``)."""
-    def vma(a) -> frozenset:
+    def vma(a) -> frozenset | None:
         aval = jax.typeof(a)
         manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 spells it this way
-        return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+        if manual is not None:
+            return frozenset(manual.varying)
+        return frozenset(aval.vma) if hasattr(aval, "vma") else None
 
+    if vma(x) is None:  # a JAX that spells it neither way: take the types from the refs
+        for r in refs:  # select(False, ...) keeps x's value; its type joins r's
+            x = jnp.where(False, jnp.ravel(r)[0].astype(x.dtype), x)
+        return x
     missing = tuple(sorted(set().union(*map(vma, refs)) - vma(x)))
     if not missing:
         return x
