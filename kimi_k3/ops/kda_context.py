@@ -39,6 +39,10 @@ dbeta. Every shard's gradient is tested against the float64 recurrence
 Communication per call: (K + V) K floats per row and value head, gathered from n devices;
 the composition costs n K^2 V multiply-adds per row and head on every device.
 
+Precision: A, B, the composition and the correction are float32; u comes out of the op in v's
+dtype (bf16 in a bf16 model), rounded like the outputs themselves. The causal load is even
+(every shard does the same work), unlike attention's.
+
 Shapes as in ``kimi_k3.ops.kda``: q, k [B, T, H, K], v [B, T, HV, V], g [B, T, HV, K],
 beta [B, T, HV], state [B, HV, K, V] float32, segment_ids [B, T] int.
 """
