@@ -8,7 +8,7 @@
    recurrence along directions confined to ONE shard's tokens, for every shard; and every
    gradient element against the one-device op.
 2. The whole model ("KM": a KDA and an MLA layer) as train_lib builds it, on one device and on
-   meshes with context = 2, 8 and data x context = 2 x 4, batches placed by the trainer's batch
+   meshes with context = 2, 4, 8 and data x context = 2 x 4, batches placed by the trainer's batch
    sharding (tokens split over context), packed documents crossing shard boundaries: the loss
    and the gradient of every parameter (every shard of it: the arrays are gathered whole);
    the lowered program must contain the all-gather and the collective permute.
@@ -194,8 +194,7 @@ def model_errors() -> dict:
     batch = model_batch()
     loss_ref, grads_ref, _, _ = model_gradients(1, 1, batch)
     out = {"single_loss": loss_ref}
-    # Context 4 runs beside data 2 (the op checks also run it alone): one compile less.
-    for name, (context, data) in {"context2": (2, 1), "context8": (8, 1),
+    for name, (context, data) in {"context2": (2, 1), "context4": (4, 1), "context8": (8, 1),
                                   "data2_context4": (4, 2)}.items():
         loss, grads, spec, ops = model_gradients(context, data, batch)
         # Relative per parameter; one whose true gradient is zero (the first layer's Attention
