@@ -212,6 +212,11 @@ class ContextLayout:
     heads: str | tuple[str, ...] | None
     rules: tuple
 
+    def splits(self, T: int, min_shard: int = 1) -> bool:
+        """Whether T tokens split into ``num_shards`` equal shards of at least ``min_shard``
+        tokens (a decoding step of one token does not: it runs unsplit)."""
+        return T % self.num_shards == 0 and T // self.num_shards >= min_shard
+
     @property
     def tokens(self) -> PartitionSpec:
         """The spec of a [B, T] array: rows over ``batch``, tokens over ``axes``."""

@@ -13,6 +13,8 @@
    and the gradient of every parameter (every shard of it: the arrays are gathered whole);
    the lowered program must contain the all-gather and the collective permute.
 3. Bad combinations: errors that name the field.
+4. Reading with the cache (prefill in 2 pieces, as eval.py reads long windows), each piece split
+   over context = 4: the next-token NLLs against one device's.
 
 Prints one line "RESULT {json}".
 """
@@ -234,10 +236,51 @@ def bad_combinations() -> dict:
     return out
 
 
+def prefill_nll(context: int, batch, pieces: int = 2):
+    """Next-token NLL [B, T] of the model reading ``batch`` in ``pieces`` pieces with its cache
+    carried (prefill, as eval.py reads long windows), the pieces split over ``context``."""
+    config = small_model_config(context, 1)
+    mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:context])
+    setup = train_lib.build(config, mesh)
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(
+        lambda a, sh: jax.device_put(np.float32(rng.normal(size=a.shape) * 0.3), sh),
+        setup.abstract_state["params"], setup.state_shardings["params"])
+    tokens = batch["tokens"][:1]
+    targets = np.roll(tokens, -1, axis=1)
+    P = MODEL_T // pieces
+
+    def nll(params, tokens, targets):
+        model = train_lib.merge_model(setup.graphdef, params, setup.rest)
+        cache = model.init_cache(1, MODEL_T)
+        out = []
+        for i in range(pieces):
+            sl = slice(i * P, (i + 1) * P)
+            n, cache = model.token_nll(tokens[:, sl], targets[:, sl], cache=cache)
+            out.append(n)
+        return jnp.concatenate(out, axis=1)
+
+    sharding = jax.sharding.NamedSharding(mesh, mesh_lib.batch_sharding(mesh).spec)
+    args = (params, jax.device_put(tokens, sharding), jax.device_put(targets, sharding))
+    with setup.context():
+        lowered = jax.jit(nll).lower(*args)
+        out = np.asarray(lowered.compile()(*args))
+    text = lowered.as_text()
+    return out, [op for op in ("all_gather", "collective_permute") if f"stablehlo.{op}" in text]
+
+
+def prefill_errors() -> dict:
+    batch = model_batch()
+    ref, _ = prefill_nll(1, batch)
+    nll, ops = prefill_nll(4, batch)
+    return {"context4": rel_err(nll, ref), "collectives": ops}
+
+
 def main():
     assert jax.device_count() == 8, jax.devices()
-    which = sys.argv[1:] or ["op", "model", "bad"]
-    parts = {"op": op_errors, "model": model_errors, "bad": bad_combinations}
+    which = sys.argv[1:] or ["op", "model", "bad", "prefill"]
+    parts = {"op": op_errors, "model": model_errors, "bad": bad_combinations,
+             "prefill": prefill_errors}
     out = {name: parts[name]() for name in which}
     print("RESULT " + json.dumps(out))
     sys.stdout.flush()

@@ -57,3 +57,11 @@ def test_bad_context_combinations_name_the_field(result):
     assert "allowed: a divisor of 8 (1, 2, 4, 8)" in bad["context_too_large"], bad
     assert bad["seq_len_resolved"].startswith("data.seq_len: 16 must be a multiple of "
                                               "mesh.context x model.kda.chunk_size = 8 x 4"), bad
+
+
+def test_prefill_in_pieces_across_context_axis_matches_one_device(result):
+    """The cached path (KDA state and conv tails carried, MLA latent cache) with each piece
+    split over 4 devices: what eval.py runs at long context."""
+    r = result["prefill"]
+    assert r["context4"] < 1e-5, r
+    assert r["collectives"] == ["all_gather", "collective_permute"], r

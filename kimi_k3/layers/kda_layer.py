@@ -126,13 +126,16 @@ class KDALayer(nnx.Module):
             g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...],
                                   self.spec.lower_bound)
             beta_BxTxHV = jax.nn.sigmoid(b_BxTxHV.astype(jnp.float32))
-        layout = context_layout() if cache is None else None
+        layout = context_layout()
+        if layout is not None and not layout.splits(x_BxTxD.shape[1]):
+            layout = None
         with jax.named_scope("kda_core"):
-            if layout is not None:
+            if layout is not None:  # continuing from the cache's state, when there is one
                 o_BxTxHVxV, state = kda_context_parallel(
                     q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
                     mesh=layout.mesh, context_axes=layout.axes, batch_axes=layout.batch,
                     head_axes=layout.heads, segment_ids=segment_ids_BxT,
+                    initial_state=c.get("state"), output_final_state=cache is not None,
                     chunk_size=self.spec.chunk_size, lower_bound=self.spec.lower_bound,
                     impl=self.spec.impl)
             else:

@@ -102,27 +102,32 @@ class GatedMLA(nnx.Module):
 
     def _keys_values(self, c_BxNxR, ks_BxNxS, names=BTHK):
         """Per-head keys [B, N, H, dn + ds] = [c W_uk,h ; k_s] and values [B, N, H, dv],
-        constrained to the logical ``names``."""
+        constrained to the logical ``names`` (None: not constrained)."""
         H = self.spec.num_heads
         k_nope = self.k_up(c_BxNxR)  # [B, N, H, dn]
         ks_b = jnp.broadcast_to(ks_BxNxS[:, :, None, :], (*ks_BxNxS.shape[:2], H,
                                                           ks_BxNxS.shape[-1]))
         k_BxNxHxQ = jnp.concatenate([k_nope, ks_b.astype(k_nope.dtype)], -1)
-        return constrain(k_BxNxHxQ, names), constrain(self.v_up(c_BxNxR), names)
+        v_BxNxHxV = self.v_up(c_BxNxR)
+        if names is None:  # inside shard_map: nothing to constrain
+            return k_BxNxHxQ, v_BxNxHxV
+        return constrain(k_BxNxHxQ, names), constrain(v_BxNxHxV, names)
 
-    def _expand(self, latent_BxNxL):
+    def _expand(self, latent_BxNxL, names=BTHK):
         """Cache entries [c ; k_s] -> (keys, values) as the whole-sequence path builds them."""
         R = self.spec.kv_lora_rank
         latent_BxNxL = latent_BxNxL.astype(self.dtype)
-        return self._keys_values(latent_BxNxL[..., :R], latent_BxNxL[..., R:])
+        return self._keys_values(latent_BxNxL[..., :R], latent_BxNxL[..., R:], names)
 
-    def _attend_expanded(self, q_BxTxHxQ, kv_BxSxL, pos):
+    def _attend_expanded(self, q_BxTxHxQ, kv_BxSxL, pos, names=BTHK):
         impl = choose_cache_attention_impl(self.spec.attn_impl, dtype=jnp.dtype(self.dtype).name,
                                            T=q_BxTxHxQ.shape[1])
-        o = cache_attention(q_BxTxHxQ, kv_BxSxL, pos, self._expand, scale=self.scale, impl=impl)
+        expand = lambda e: self._expand(e, names)
+        o = cache_attention(q_BxTxHxQ, kv_BxSxL, pos, expand, scale=self.scale, impl=impl)
         return o.astype(self.dtype)
 
-    def _attend_absorbed(self, q_BxTxHxQ, kv_BxSxL, pos):
+    def _attend_absorbed(self, q_BxTxHxQ, kv_BxSxL, pos, names=BTHK):
+        del names  # nothing is constrained here
         R, dn = self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
         # Absorb W_uk into the query: q'_h = q_nope,h W_uk,h^T  (latent space, [B, T, H, R]).
         W_uk = self.k_up.kernel[...].astype(self.dtype)  # [R, H, dn]
@@ -175,6 +180,28 @@ class GatedMLA(nnx.Module):
                               out_specs=mine)(q_BxTxHxQ, k_BxTxHxQ, v_BxTxHxV, seg, seg)
         return o.astype(self.dtype)
 
+    def _attend_cache_context_parallel(self, q_BxTxHxQ, kv_BxSxL, pos, layout: ContextLayout):
+        """A piece split over ``layout.axes`` against the cache (prefill in pieces, evaluation):
+        every device holds the whole cache, each shard's queries read it at their positions
+        pos + i T/n .., in the cheaper of the two forms for a shard."""
+        kv_all = constrain(kv_BxSxL, ("activation_batch", None, None))
+        n = layout.num_shards
+        form = self.cache_form(q_BxTxHxQ.shape[1] // n)
+        attend = self._attend_expanded if form == "expanded" else self._attend_absorbed
+        axes = layout.axes
+
+        def shard(q, kv, pos):
+            return attend(q, kv, pos + lax.axis_index(axes) * q.shape[1], names=None)
+
+        # Heads whole on every device: the decompression inside reads the whole weights.
+        mine = PartitionSpec(layout.batch, layout.axes, None, None)
+        # check_vma=False: as in _attend_context_parallel (loops starting from constants).
+        o = jax.shard_map(shard, mesh=layout.mesh, check_vma=False,
+                          in_specs=(mine, PartitionSpec(layout.batch, None, None),
+                                    PartitionSpec()),
+                          out_specs=mine)(q_BxTxHxQ, kv_all, jnp.asarray(pos, jnp.int32))
+        return o.astype(self.dtype)
+
     def _queries(self, x_BxTxD):
         if self.spec.q_lora_rank > 0:
             return self.q_up(self.q_norm(self.q_down(x_BxTxD)))
@@ -220,8 +247,12 @@ class GatedMLA(nnx.Module):
             kv_BxSxL = jax.lax.dynamic_update_slice_in_dim(
                 cache["latent_kv"], new_kv.astype(cache["latent_kv"].dtype), pos, axis=1
             )
+            layout = context_layout()
             with jax.named_scope("mla_attention"):
-                if self.cache_form(x_BxTxD.shape[1]) == "expanded":
+                if layout is not None and layout.splits(x_BxTxD.shape[1]):
+                    o_BxTxHxV = self._attend_cache_context_parallel(q_BxTxHxQ, kv_BxSxL, pos,
+                                                                    layout)
+                elif self.cache_form(x_BxTxD.shape[1]) == "expanded":
                     o_BxTxHxV = self._attend_expanded(q_BxTxHxQ, kv_BxSxL, pos)
                 else:
                     o_BxTxHxV = self._attend_absorbed(q_BxTxHxQ, kv_BxSxL, pos)

@@ -57,9 +57,9 @@ class ShortConv(nnx.Module):
         """Returns (y [B, T, *channels] in x's dtype, new tail [B, W-1, *channels])."""
         B, T = x_BxTxC.shape[:2]
         Wm1 = self.width - 1
-        layout = context_layout() if tail_BxWm1xC is None else None
-        if layout is not None and Wm1 > 0:
-            y = self._context_parallel(x_BxTxC, segment_ids_BxT, layout)
+        layout = context_layout()
+        if layout is not None and Wm1 > 0 and layout.splits(T, Wm1):
+            y = self._context_parallel(x_BxTxC, segment_ids_BxT, tail_BxWm1xC, layout)
             return y, x_BxTxC[:, T - Wm1:]
         if tail_BxWm1xC is None:
             tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
@@ -79,33 +79,40 @@ class ShortConv(nnx.Module):
         new_tail = x_ext[:, x_ext.shape[1] - Wm1:] if Wm1 > 0 else x_ext[:, :0]
         return y.astype(x_BxTxC.dtype), new_tail
 
-    def _context_parallel(self, x_BxTxC, segment_ids_BxT, layout: ContextLayout):
+    def _context_parallel(self, x_BxTxC, segment_ids_BxT, tail_BxWm1xC, layout: ContextLayout):
         """The convolution with the tokens split over ``layout.axes``: the same taps, the W-1
-        inputs before a shard's first token come from the previous shard."""
+        inputs before a shard's first token come from the previous shard (the first shard's
+        from ``tail``, or zeros)."""
         B, T = x_BxTxC.shape[:2]
         if segment_ids_BxT is None:
             segment_ids_BxT = jnp.zeros((B, T), jnp.int32)
+        if tail_BxWm1xC is None:
+            tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
         # Channels split as the weight's are (its logical names under the rules in force).
         w_spec = logical_to_spec(("conv", *self.names), layout.rules)
         w_spec = PartitionSpec(*w_spec, *[None] * (1 + len(self.channels) - len(w_spec)))
         x_spec = PartitionSpec(layout.batch, layout.axes, *w_spec[1:])
+        tail_spec = PartitionSpec(layout.batch, None, *w_spec[1:])  # every shard, the first's
         body = functools.partial(_shard_conv, Wm1=self.width - 1, axes=layout.axes,
                                  n=layout.num_shards)
-        return jax.shard_map(body, mesh=layout.mesh, in_specs=(x_spec, layout.tokens, w_spec),
-                             out_specs=x_spec)(x_BxTxC, segment_ids_BxT.astype(jnp.int32),
-                                               self.weight[...])
+        return jax.shard_map(
+            body, mesh=layout.mesh, in_specs=(x_spec, layout.tokens, tail_spec, w_spec),
+            out_specs=x_spec)(x_BxTxC, segment_ids_BxT.astype(jnp.int32),
+                              tail_BxWm1xC.astype(x_BxTxC.dtype), self.weight[...])
 
 
-def _shard_conv(x_BxTxC, seg_BxT, w_WxC, *, Wm1: int, axes, n: int):
+def _shard_conv(x_BxTxC, seg_BxT, tail_BxWm1xC, w_WxC, *, Wm1: int, axes, n: int):
     """One shard's convolution (inside shard_map): x [B, T, *channels] with this shard's
-    segment ids; the previous shard's last W-1 inputs arrive by ppermute (zeros on shard 0)."""
+    segment ids; the previous shard's last W-1 inputs arrive by ppermute, shard 0 takes
+    ``tail`` (the inputs before the sequence: a cache's, or zeros) with its own first id."""
     B, T = x_BxTxC.shape[:2]
     if T < Wm1:
         raise ValueError(f"ShortConv: a shard of {T} tokens is shorter than the W-1 = {Wm1} "
                          f"tokens the next shard needs; use fewer context devices")
     shift = [(i, i + 1) for i in range(n - 1)]
-    tail = lax.ppermute(x_BxTxC[:, T - Wm1:], axes, shift)
-    tail_seg = lax.ppermute(seg_BxT[:, T - Wm1:], axes, shift)
+    first = lax.axis_index(axes) == 0
+    tail = jnp.where(first, tail_BxWm1xC, lax.ppermute(x_BxTxC[:, T - Wm1:], axes, shift))
+    tail_seg = jnp.where(first, seg_BxT[:, :1], lax.ppermute(seg_BxT[:, T - Wm1:], axes, shift))
     x_ext = jnp.concatenate([tail, x_BxTxC], axis=1)
     seg_ext = jnp.concatenate([tail_seg, seg_BxT], axis=1)
     w = w_WxC.astype(jnp.float32)
