@@ -13,8 +13,9 @@
    and the gradient of every parameter (every shard of it: the arrays are gathered whole);
    the lowered program must contain the all-gather and the collective permute.
 3. Bad combinations: errors that name the field.
-4. Reading with the cache (prefill in 2 pieces, as eval.py reads long windows), each piece split
-   over context = 4: the next-token NLLs against one device's.
+4. eval.py's scorer reading a window in 2 pieces with the cache carried, each piece split over
+   context = 4 (``--config.mesh.context=4``): the next-token NLLs against one device's; a
+   --piece_len that does not split is named.
 
 Prints one line "RESULT {json}".
 """
@@ -29,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import load_config
+from kimi_k3 import evaluation, train_lib
 from kimi_k3 import mesh as mesh_lib
-from kimi_k3 import train_lib
 from kimi_k3.config import run_spec
+from kimi_k3.eval_scoring import EvalOptions, Scorer
 from kimi_k3.ops.kda import kda
 from kimi_k3.ops.kda_context import kda_context_parallel
 from kimi_k3.optim import path_str
@@ -237,43 +239,38 @@ def bad_combinations() -> dict:
 
 
 def prefill_nll(context: int, batch, pieces: int = 2):
-    """Next-token NLL [B, T] of the model reading ``batch`` in ``pieces`` pieces with its cache
-    carried (prefill, as eval.py reads long windows), the pieces split over ``context``."""
-    config = small_model_config(context, 1)
-    mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:context])
-    setup = train_lib.build(config, mesh)
+    """(next-token NLL [B, T], collectives in the compiled piece) of the model reading one row
+    of ``batch`` in ``pieces`` pieces with its cache carried, through eval.py's scorer
+    (``eval_scoring.Scorer``), each piece split over ``context`` devices."""
+    config = small_model_config(1, 1)
+    config.mesh.context = context
+    setup = train_lib.build(small_model_config(1, 1), mesh_lib.make_mesh(
+        small_model_config(1, 1).mesh, jax.devices()[:1]))
     rng = np.random.default_rng(4)
-    params = jax.tree.map(
-        lambda a, sh: jax.device_put(np.float32(rng.normal(size=a.shape) * 0.3), sh),
-        setup.abstract_state["params"], setup.state_shardings["params"])
-    tokens = batch["tokens"][:1]
-    targets = np.roll(tokens, -1, axis=1)
-    P = MODEL_T // pieces
-
-    def nll(params, tokens, targets):
-        model = train_lib.merge_model(setup.graphdef, params, setup.rest)
-        cache = model.init_cache(1, MODEL_T)
-        out = []
-        for i in range(pieces):
-            sl = slice(i * P, (i + 1) * P)
-            n, cache = model.token_nll(tokens[:, sl], targets[:, sl], cache=cache)
-            out.append(n)
-        return jnp.concatenate(out, axis=1)
-
-    sharding = jax.sharding.NamedSharding(mesh, mesh_lib.batch_sharding(mesh).spec)
-    args = (params, jax.device_put(tokens, sharding), jax.device_put(targets, sharding))
-    with setup.context():
-        lowered = jax.jit(nll).lower(*args)
-        out = np.asarray(lowered.compile()(*args))
-    text = lowered.as_text()
-    return out, [op for op in ("all_gather", "collective_permute") if f"stablehlo.{op}" in text]
+    params = jax.tree.map(lambda a: jnp.asarray(np.float32(rng.normal(size=a.shape) * 0.3)),
+                          setup.abstract_state["params"])
+    model = train_lib.merge_model(setup.graphdef, params, setup.rest)
+    opts = EvalOptions(context_lengths=(MODEL_T,), piece_len=MODEL_T // pieces)
+    mesh, rules = evaluation.context_mesh(config, opts, [config])
+    scorer = Scorer(model, mesh=mesh, rules=rules)
+    window = np.concatenate([batch["tokens"][:1], batch["tokens"][:1, :1]], axis=1)  # L + 1
+    nll = scorer.piecewise_nll(window, piece_len=MODEL_T // pieces)
+    text = next(iter(scorer._compiled.values())).as_text()
+    return nll, [op for op in ("all-gather", "collective-permute") if op in text]
 
 
 def prefill_errors() -> dict:
     batch = model_batch()
     ref, _ = prefill_nll(1, batch)
     nll, ops = prefill_nll(4, batch)
-    return {"context4": rel_err(nll, ref), "collectives": ops}
+    out = {"context4": rel_err(nll, ref), "collectives": ops}
+    config = small_model_config(1, 1)
+    config.mesh.context = 4
+    try:  # pieces of 24 tokens do not split into 4 shards of whole chunks of 4
+        evaluation.context_mesh(config, EvalOptions(context_lengths=(MODEL_T,), piece_len=24), [config])
+    except ValueError as e:
+        out["piece_len_error"] = str(e)
+    return out
 
 
 def main():

@@ -60,8 +60,10 @@ def test_bad_context_combinations_name_the_field(result):
 
 
 def test_prefill_in_pieces_across_context_axis_matches_one_device(result):
-    """The cached path (KDA state and conv tails carried, MLA latent cache) with each piece
-    split over 4 devices: what eval.py runs at long context."""
+    """eval.py's scorer on the cached path (KDA state and conv tails carried, MLA latent
+    cache) with each piece split over 4 devices (``--config.mesh.context=4``)."""
     r = result["prefill"]
     assert r["context4"] < 1e-5, r
-    assert r["collectives"] == ["all_gather", "collective_permute"], r
+    assert r["collectives"] == ["all-gather", "collective-permute"], r
+    assert r["piece_len_error"].startswith("--piece_len (a piece of L=64): 24 must be a multiple "
+                                           "of mesh.context x model.kda.chunk_size = 4 x 4"), r
