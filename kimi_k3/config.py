@@ -65,7 +65,7 @@ TOKEN_DTYPES = ("uint16", "uint32")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 NAN_POLICIES = ("stop", "skip")
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 # Weight decay is off for every vector (also when stacked over layers) and for parameters whose
 # path matches one of these (case-insensitive regex): norm scales, biases, KDA's A_log and
@@ -75,11 +75,12 @@ NO_DECAY = ("norm", "bias", "A_log", "dt_bias", "query")
 # Data parallel over ("data", "fsdp", "expert"), parameters sharded over "fsdp" (ZeRO-3 style)
 # along the model width, over "tensor" along heads / MLP / vocabulary (Megatron style), and the
 # routed experts over "expert" (expert parallelism: the batch is split over that axis too, and
-# tokens travel to their experts by all-to-all). The model's logical names are listed in
-# kimi_k3/sharding.py.
+# tokens travel to their experts by all-to-all), and one sequence's tokens over "context"
+# (context parallelism: KDA passes states between the shards, MLA gathers the latents; see
+# kimi_k3/ops/kda_context.py). The model's logical names are listed in kimi_k3/sharding.py.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_batch", ("data", "fsdp", "expert")),
-    ("activation_length", None),
+    ("activation_length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_kv", None),
@@ -218,6 +219,7 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "data": -1,  # data-parallel size; -1 = all devices not used by the others
             "fsdp": 1,  # parameter-sharded data parallelism
             "expert": 1,  # expert parallelism: routed experts split over it (the batch too)
+            "context": 1,  # context parallelism: each sequence's tokens split over it
             "tensor": 1,  # tensor parallelism
             "axis_rules": DEFAULT_RULES,  # (logical name, mesh axes | None)
         },
@@ -398,6 +400,7 @@ class MeshSpec:
     data: int  # -1 = the devices the other axes leave
     fsdp: int
     expert: int
+    context: int  # devices one sequence's tokens are split over
     tensor: int
     axis_rules: tuple  # ((logical name, mesh axis | (mesh axes) | None), ...), normalised
 
@@ -733,13 +736,13 @@ def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ..
     return tuple(out)
 
 
-def mesh_sizes(cfg) -> tuple[int, int, int, int]:
-    """The (data, fsdp, expert, tensor) sizes of ``config.mesh`` (or a MeshSpec), checked; at
-    most one is -1 ("the rest of the devices", resolved in kimi_k3/mesh.py). A mesh section
-    without ``expert`` (written before expert parallelism existed) has expert = 1."""
+def mesh_sizes(cfg) -> tuple[int, int, int, int, int]:
+    """The (data, fsdp, expert, context, tensor) sizes of ``config.mesh`` (or a MeshSpec),
+    checked; at most one is -1 ("the rest of the devices", resolved in kimi_k3/mesh.py). A mesh
+    section without ``expert`` or ``context`` (written before those existed) has them = 1."""
     f = _Fields(cfg, "mesh.")
     ok = lambda v: _is_int(v) and (v >= 1 or v == -1)
-    sizes = tuple(1 if a == "expert" and not hasattr(cfg, a) else
+    sizes = tuple(1 if a in ("expert", "context") and not hasattr(cfg, a) else
                   f.get(a, ok, "must be a positive integer or -1 (the rest)") for a in MESH_AXES)
     rest = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     if len(rest) > 1:
@@ -752,6 +755,22 @@ def mesh_spec(cfg) -> MeshSpec:
     if isinstance(cfg, MeshSpec):
         return cfg
     return MeshSpec(*mesh_sizes(cfg), axis_rules=normalize_rules(cfg.axis_rules))
+
+
+def check_context(seq_len: int, context: int, chunk_size: int | None,
+                  field: str = "data.seq_len") -> None:
+    """A sequence split over ``context`` devices: each shard must hold whole KDA chunks
+    (``chunk_size``; None for a model without KDA layers: whole tokens). Raises ValueError
+    naming ``field``."""
+    if context <= 1:
+        return
+    unit = context * (chunk_size or 1)
+    if seq_len % unit:
+        what = (f"mesh.context x model.kda.chunk_size = {context} x {chunk_size}"
+                if chunk_size else f"mesh.context = {context}")
+        raise ValueError(f"{field}: {seq_len} must be a multiple of {what} = {unit} (each "
+                         f"device of the context axis holds whole chunks); allowed: multiples "
+                         f"of {unit}, or a smaller mesh.context")
 
 
 def ckpt_spec(cfg) -> CkptSpec:
@@ -778,6 +797,12 @@ def train_spec(cfg) -> TrainSpec:
         peak_tflops_per_device=f.number("peak_tflops_per_device", 0.0))
 
 
+def kda_chunk(model: ModelSpec | None) -> int | None:
+    """The KDA chunk size a context-parallel sequence must be cut in whole multiples of (None
+    for a model without KDA layers, or without a model)."""
+    return model.kda.chunk_size if model is not None and "K" in model.pattern else None
+
+
 def run_spec(config, backend: str | None = None, with_model: bool = True) -> RunSpec:
     """The whole config checked once and resolved: raises ValueError naming the first bad
     field (a RunSpec passes through). ``backend`` decides ``model.kda.impl="auto"`` (default:
@@ -796,6 +821,8 @@ def run_spec(config, backend: str | None = None, with_model: bool = True) -> Run
         raise ValueError(f"mesh.expert: {ep} does not divide config.model.moe.num_experts="
                          f"{moe.num_experts} (each device of the expert axis holds "
                          f"num_experts / mesh.expert experts)")
+    if spec.mesh.context > 1:
+        check_context(spec.data.seq_len, spec.mesh.context, kda_chunk(model))
     micro, batch = spec.train.microbatch_size, spec.data.global_batch_size
     if micro and batch % micro:
         raise ValueError(f"train.microbatch_size: {micro} does not divide "

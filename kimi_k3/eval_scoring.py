@@ -33,6 +33,7 @@ piecewise form is tested against.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -43,9 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_k3.data import load_split_streams
+from kimi_k3.mesh import batch_sharding
 from kimi_k3.model import MAX_POSITIONS
+from kimi_k3.sharding import axis_rules
 
 SHORT_DOC_RULES = ("skip", "concat")
 
@@ -246,18 +250,39 @@ class Scorer:
     An ``nnx.Module`` is split once into (graphdef, state) so the jitted functions take the
     weights as arguments (and are shared by every model of that graphdef); any other object
     with those methods is traced as it is.
+
+    ``mesh`` (with a "context" axis) and ``rules``: each piece's tokens are split over the
+    context axis (context parallelism: the layers pass KDA states and read the MLA cache across
+    the shards), the weights and the cache sit whole on every device. None: one device.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, mesh=None, rules=()):
         self._model = model
+        self._mesh, self._rules = mesh, tuple(rules)
         if isinstance(model, nnx.Module):
             graphdef, self._state = nnx.split(model)
             self._piece, self._whole = _nnx_scoring_fns(graphdef)
         else:
             self._state = None
             self._piece, self._whole = _scoring_fns(lambda state: model)
+        if mesh is not None:
+            self._state = jax.device_put(self._state, NamedSharding(mesh, PartitionSpec()))
         self._compiled = {}  # (B, P, Lpad) -> the piece function compiled for those shapes
         self.compile_seconds = 0.0  # spent compiling the piece function, so far
+
+    def _context(self):
+        """The mesh and rules in force while tracing and running (nothing without a mesh)."""
+        stack = contextlib.ExitStack()
+        if self._mesh is not None:
+            stack.enter_context(jax.set_mesh(self._mesh))
+            stack.enter_context(axis_rules(self._rules))
+        return stack
+
+    def _tokens(self, x):
+        """A [B, P] piece as a device array: its tokens over the context axis under a mesh."""
+        if self._mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(np.asarray(x), batch_sharding(self._mesh))
 
     def _piece_fn(self, x0, cache, y0):
         """The piece function compiled ahead of time for these shapes, its compile time added
@@ -265,7 +290,8 @@ class Scorer:
         key = (x0.shape, str(jax.tree.map(lambda a: (a.shape, a.dtype), cache)))
         if key not in self._compiled:
             t0 = time.perf_counter()
-            self._compiled[key] = self._piece.lower(self._state, x0, cache, y0).compile()
+            with self._context():
+                self._compiled[key] = self._piece.lower(self._state, x0, cache, y0).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[key]
 
@@ -290,13 +316,19 @@ class Scorer:
         y = np.zeros((B, Lpad), np.int32)
         x[:, :L], y[:, :L] = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
         cache = self.init_cache(B, Lpad)
-        x0, y0 = jnp.asarray(x[:, :P]), jnp.asarray(y[:, :P])
-        cache = align_cache(cache, jax.eval_shape(self._piece, self._state, x0, cache, y0)[1])
+        if self._mesh is not None:
+            cache = jax.device_put(cache, NamedSharding(self._mesh, PartitionSpec()))
+        x0, y0 = self._tokens(x[:, :P]), self._tokens(y[:, :P])
+        with self._context():
+            like = jax.eval_shape(self._piece, self._state, x0, cache, y0)[1]
+        cache = align_cache(cache, like)
         piece = self._piece_fn(x0, cache, y0)
         out = []
         for i in range(n_pieces):
             sl = slice(i * P, (i + 1) * P)
-            nll, cache = piece(self._state, jnp.asarray(x[:, sl]), cache, jnp.asarray(y[:, sl]))
+            with self._context():
+                nll, cache = piece(self._state, self._tokens(x[:, sl]), cache,
+                                   self._tokens(y[:, sl]))
             out.append(np.asarray(nll))
             if on_piece is not None:
                 on_piece()
@@ -304,8 +336,10 @@ class Scorer:
 
     def whole_sequence_nll(self, tokens_BxL1: np.ndarray) -> np.ndarray:
         """NLL [B, L] of windows [B, L + 1] in one ``model(tokens)`` pass (the reference)."""
-        t = jnp.asarray(np.asarray(tokens_BxL1, np.int32))
-        return np.asarray(self._whole(self._state, t[:, :-1], t[:, 1:]))
+        t = np.asarray(tokens_BxL1, np.int32)
+        with self._context():
+            return np.asarray(self._whole(self._state, self._tokens(t[:, :-1]),
+                                          self._tokens(t[:, 1:])))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,12 +20,15 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from configs import load_config
+from kimi_k3 import mesh as mesh_lib
 from kimi_k3.checkpoint import resolve_step_dir, restore_model_for_eval
+from kimi_k3.config import check_context, kda_chunk, model_spec, normalize_rules
 from kimi_k3.data import first_bad_id
 from kimi_k3.eval_report import format_table, write_outputs
 from kimi_k3.eval_scoring import EvalOptions, Scorer, evaluate_windows, heldout_documents, make_windows
@@ -156,6 +159,7 @@ def run(
                     f"checkpoint {spec.label!r}: held-out token id {tok} (window {window} of "
                     f"L={L}, position {position}) is outside [0, {vocab}) = its "
                     f"model.vocab_size")
+    mesh, rules = context_mesh(config, opts, list(configs.values()))
     for spec in checkpoints:
         cfg = configs[spec.label]
         if models is not None and spec.label in models:
@@ -164,7 +168,7 @@ def run(
             model, step = build_model(cfg, spec.path, config_name=spec.config or config_name)
             if step is not None:
                 print(f"{spec.label}: restored step {step} from {spec.path}")
-        scorer = Scorer(model)
+        scorer = Scorer(model, mesh=mesh, rules=rules)
         entry = {
             "label": spec.label,
             "checkpoint": spec.path,
@@ -187,6 +191,26 @@ def run(
     write_outputs(report, workdir)
     print(format_table(report))
     return report
+
+
+def context_mesh(config, opts: EvalOptions, model_configs: Sequence) -> tuple:
+    """(mesh, rules) for ``config.mesh.context`` = n > 1: each piece of a window is split over
+    the first n devices (context parallelism; nothing else is split), else (None, ()). Every
+    piece, min(piece_len, L) tokens, must divide into n shards of whole KDA chunks of every
+    model; the error names --piece_len."""
+    mesh_cfg = config.get("mesh")
+    n = int(mesh_cfg.get("context", 1)) if mesh_cfg is not None else 1
+    if n <= 1:
+        return None, ()
+    sizes = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "context": n,
+                                       "tensor": 1})
+    mesh = mesh_lib.make_mesh(sizes, jax.devices()[:n])
+    for cfg in model_configs:
+        chunk = kda_chunk(model_spec(cfg.model))
+        for L in opts.context_lengths:
+            check_context(min(opts.piece_len, L), n, chunk,
+                          field=f"--piece_len (a piece of L={L})")
+    return mesh, normalize_rules(mesh_cfg.axis_rules)
 
 
 def check_labels(checkpoints: Sequence[CheckpointSpec]) -> None:
@@ -253,5 +277,6 @@ def main(
         if s.path != INIT_CHECKPOINT and not os.path.exists(s.path):
             raise FileNotFoundError(f"--checkpoint: {s.path!r} does not exist")
         spec_config(s, config)  # a @CONFIG that does not load fails now, not after the others
+    context_mesh(config, opts, [spec_config(s, config) for s in specs])  # --piece_len splits
     workdir = check_workdir(workdir)
     return run(config, specs, opts, workdir, progress=progress, config_name=config_name)

@@ -1,15 +1,19 @@
 """The device mesh, the batch layout over it, and multi-host start-up.
 
-The mesh has four axes, sized by ``config.mesh`` (checked in kimi_k3/config.py):
+The mesh has five axes, sized by ``config.mesh`` (checked in kimi_k3/config.py):
 
     data    pure data parallelism (replicated parameters)
     fsdp    data parallelism with parameters and optimizer state sharded (ZeRO-3 style)
     expert  expert parallelism: a mixture of experts' routed experts are split over it, and
             tokens travel to their experts by all-to-all (layers/moe.py); for everything
             else it is one more data-parallel axis
+    context context parallelism: each sequence's tokens are split over it (KDA passes states
+            between the shards, MLA gathers the latents: kimi_k3/ops/kda_context.py,
+            layers/mla.py); size 1 is exactly the code without it
     tensor  tensor (model) parallelism inside layers
 
-One size may be -1: "all remaining devices". The batch is sharded over data x fsdp x expert.
+One size may be -1: "all remaining devices". The batch's rows are sharded over
+data x fsdp x expert, its tokens over context.
 How the model's logical axis names map onto these axes is kimi_k3/sharding.py's job.
 """
 
@@ -27,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kimi_k3.config import MESH_AXES, mesh_sizes
 
 BATCH_AXES = ("data", "fsdp", "expert")
+CONTEXT_AXIS = "context"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,9 +78,15 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
-    """The (data, fsdp, expert, tensor) sizes of ``config.mesh`` (or a MeshSpec), with a -1
-    resolved against ``num_devices``."""
+    """The (data, fsdp, expert, context, tensor) sizes of ``config.mesh`` (or a MeshSpec), with
+    a -1 resolved against ``num_devices``."""
     sizes = list(mesh_sizes(mesh_cfg))
+    context = sizes[MESH_AXES.index(CONTEXT_AXIS)]
+    if context > 1 and num_devices % context:
+        divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+        too = "is larger than" if context > num_devices else "does not divide"
+        raise ValueError(f"mesh.context: {context} {too} the {num_devices} devices present; "
+                         f"allowed: a divisor of {num_devices} ({', '.join(map(str, divisors))})")
     rest = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     known = math.prod(s for s in sizes if s != -1)
     if rest:
@@ -87,15 +98,16 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
         sizes[MESH_AXES.index(rest[0])] = num_devices // known
     if math.prod(sizes) != num_devices:
         raise ValueError(
-            f"mesh: data x fsdp x expert x tensor = {sizes} uses {math.prod(sizes)} devices, but "
+            f"mesh: data x fsdp x expert x context x tensor = {sizes} uses {math.prod(sizes)} devices, but "
             f"{num_devices} are present; make the product {num_devices} or set one axis to -1"
         )
     return tuple(sizes)
 
 
 def make_mesh(mesh_cfg, devices: Sequence | None = None) -> Mesh:
-    """A (data, fsdp, expert, tensor) mesh over all devices (or ``devices``), laid out by JAX
-    so that the innermost axes (tensor, then expert) stay within a host / fast interconnect."""
+    """A (data, fsdp, expert, context, tensor) mesh over all devices (or ``devices``), laid
+    out by JAX so that the innermost axes (tensor, then context, then expert) stay within a
+    host / fast interconnect."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(mesh_cfg, len(devices))
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
@@ -110,8 +122,12 @@ def make_mesh(mesh_cfg, devices: Sequence | None = None) -> Mesh:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over data x fsdp x expert, everything else replicated."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+    """Rows over data x fsdp x expert, tokens (dim 1) over context when it has more than one
+    device (so context = 1 gives exactly the layout without the axis), the rest replicated."""
+    rest = [None] * (ndim - 1)
+    if ndim > 1 and mesh.shape.get(CONTEXT_AXIS, 1) > 1:
+        rest[0] = CONTEXT_AXIS
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *rest))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

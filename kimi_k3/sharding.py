@@ -27,6 +27,10 @@ Typical use in a trainer::
 Without a mesh or without rules in context, :func:`constrain` is the identity, so the model runs
 unchanged on one device and in tests.
 
+Context parallelism (the "context" mesh axis under "activation_length"): the sequence-mixing
+cores (KDA's recurrence and short convolutions, MLA's attention) run inside ``shard_map`` and
+exchange what crosses shard boundaries themselves; :func:`context_layout` tells them the axes.
+
 The mixture of experts leaves the compiler's automatic partitioning for its dispatch: it sorts
 tokens per device and sends them to their experts' devices by all-to-all inside ``shard_map``.
 :func:`expert_layout` tells it, from the same rules, which mesh axes split its tokens, its
@@ -182,6 +186,58 @@ def expert_layout(expert_weight_names: Sequence[str | None]) -> ExpertLayout | N
     return ExpertLayout(mesh=mesh, tokens=PartitionSpec(batch, length), experts=experts,
                         num_shards=math.prod(mesh.shape[a] for a in experts), dispatch=dispatch,
                         ffn=ffn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: where the sequence-mixing layers' manual communication meets the mesh
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextLayout:
+    """The mesh axes a sequence's tokens are split over, from the rules in force.
+
+    axes        mesh axes (of more than one device) of the "activation_length" logical axis:
+                shard i holds tokens i T/n .. (i+1) T/n - 1 (contiguous, in mesh order)
+    num_shards  n, the devices along ``axes``
+    batch       mesh axes of "activation_batch" (rows), for the shard_map specs
+    heads       mesh axes of "activation_heads"
+    rules       the logical axis rules in force (for the specs of the weights a layer passes in)
+    """
+
+    mesh: jax.sharding.AbstractMesh
+    axes: tuple[str, ...]
+    num_shards: int
+    batch: str | tuple[str, ...] | None
+    heads: str | tuple[str, ...] | None
+    rules: tuple
+
+    def splits(self, T: int, min_shard: int = 1) -> bool:
+        """Whether T tokens split into ``num_shards`` equal shards of at least ``min_shard``
+        tokens (a decoding step of one token does not: it runs unsplit)."""
+        return T % self.num_shards == 0 and T // self.num_shards >= min_shard
+
+    @property
+    def tokens(self) -> PartitionSpec:
+        """The spec of a [B, T] array: rows over ``batch``, tokens over ``axes``."""
+        return PartitionSpec(self.batch, self.axes)
+
+
+def context_layout() -> ContextLayout | None:
+    """The context-parallel layout under the mesh and rules in context; None without them or
+    when the tokens are not split (a context axis of one device): the layers then run exactly
+    their one-device code."""
+    if not _rules_in_context():
+        return None
+    rules = core_spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    batch, length, heads = nn.logical_to_mesh_axes(
+        ("activation_batch", "activation_length", "activation_heads"), rules)
+    axes = tuple(a for a in _mesh_axes(length) if mesh.shape[a] > 1)
+    if not axes:
+        return None
+    return ContextLayout(mesh=mesh, axes=axes, num_shards=math.prod(mesh.shape[a] for a in axes),
+                         batch=batch, heads=heads, rules=tuple(rules))
 
 
 # ---------------------------------------------------------------------------------------------

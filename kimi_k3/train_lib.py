@@ -53,7 +53,7 @@ from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
-from kimi_k3.config import RunSpec, run_spec
+from kimi_k3.config import RunSpec, check_context, kda_chunk, run_spec
 from kimi_k3.layers.moe import ExpertBias, MoeStat, update_bias
 from kimi_k3.model import HybridLM, flops_per_token, layer_numbers, unused_expert_params
 
@@ -132,7 +132,7 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
     (None for a stand-in model: nothing of a mixture of experts); ``moe_layers``: where each MoE
     layer's measurements lie (``moe_layer_paths``).
     """
-    micro_spec = NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES, None))
+    micro_spec = NamedSharding(mesh, PartitionSpec(None, *mesh_lib.batch_sharding(mesh).spec))
     moe = model_spec.moe if model_spec is not None else None
     bias_rate = moe.bias_update_rate if moe is not None else 0.0
 
@@ -341,6 +341,8 @@ def build(config, mesh, model_fn=None) -> Setup:
     B, T = spec.data.global_batch_size, spec.data.seq_len
     if spec.train.microbatch_size:
         mesh_lib.check_batch(B, spec.train.microbatch_size, mesh)
+    # mesh.context = -1 is resolved only now, against the devices.
+    check_context(T, dict(mesh.shape).get(mesh_lib.CONTEXT_AXIS, 1), kda_chunk(spec.model))
     if model_fn is None:
         model_fn = lambda s: make_model(spec.model, s)
 

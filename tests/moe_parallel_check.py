@@ -38,7 +38,8 @@ MESHES = {"expert8": (1, 1, 8, 1), "fsdp2_expert2_tensor2": (1, 2, 2, 2)}
 
 
 def mesh_of(sizes, devices=None):
-    cfg = ml_collections.ConfigDict(dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)))
+    cfg = ml_collections.ConfigDict(dict(zip(("data", "fsdp", "expert", "tensor"), sizes,
+                                             strict=True)))
     return mesh_lib.make_mesh(cfg, devices)
 
 

@@ -133,6 +133,7 @@ FIELD_CASES = [
     ("train.microbatch_size", -2, "train.microbatch_size"),
     ("checkpoint.enabled", "yes", "checkpoint.enabled"),
     ("mesh.axis_rules", (("embed", "pipeline"),), "mesh.axis_rules"),
+    ("mesh.context", 0, "mesh.context"),
 ]
 
 

@@ -357,17 +357,17 @@ def test_shapes_that_do_not_divide_the_mesh_are_refused():
     _, state, _ = nnx.split(abstract, nnx.Param, ...)
     params, names = nnx.to_pure_dict(state), sharding.variable_axes(state)
     rules = normalize_rules(cfg.mesh.axis_rules)
-    mesh = AbstractMesh((1, 1, 1, 3), mesh_lib.MESH_AXES)  # 4 heads over tensor = 3
+    mesh = AbstractMesh((1, 1, 1, 1, 3), mesh_lib.MESH_AXES)  # 4 heads over tensor = 3
     with pytest.raises(ValueError, match=r"params/.*: dimension \d \(logical '(heads|vocab)'\)"
                                          r" of shape .* does not divide by mesh axes tensor"):
         sharding.tree_shardings(params, names, mesh, rules, root="params/")
     with pytest.raises(ValueError, match=r"train.microbatch_size: 6 rows per micro-batch \(of "
                                          r"data.global_batch_size=6\) do not divide by "
                                          r"data x fsdp x expert = 2 x 2 x 1 = 4"):
-        mesh_lib.check_batch(6, 6, AbstractMesh((2, 2, 1, 1), mesh_lib.MESH_AXES))
+        mesh_lib.check_batch(6, 6, AbstractMesh((2, 2, 1, 1, 1), mesh_lib.MESH_AXES))
     with pytest.raises(ValueError, match=r"train.microbatch_size: 4 does not divide "
                                          r"data.global_batch_size=6"):
-        mesh_lib.check_batch(6, 4, AbstractMesh((2, 2, 1, 1), mesh_lib.MESH_AXES))
+        mesh_lib.check_batch(6, 4, AbstractMesh((2, 2, 1, 1, 1), mesh_lib.MESH_AXES))
 
 
 @pytest.mark.parametrize("sizes,devices,want", [
@@ -378,9 +378,11 @@ def test_shapes_that_do_not_divide_the_mesh_are_refused():
     ((1, 1, 0, 8), 8, "mesh.expert: 0"),
 ])
 def test_mesh_shape_from_config(sizes, devices, want):
-    cfg = ml_collections.ConfigDict(dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)))
+    # Sizes of (data, fsdp, expert, tensor); a section without "context" has context = 1.
+    cfg = ml_collections.ConfigDict(dict(zip(("data", "fsdp", "expert", "tensor"), sizes,
+                                             strict=True)))
     if isinstance(want, tuple):
-        assert mesh_lib.mesh_shape(cfg, devices) == want
+        assert mesh_lib.mesh_shape(cfg, devices) == (*want[:3], 1, want[3])
     else:
         with pytest.raises(ValueError, match=want):
             mesh_lib.mesh_shape(cfg, devices)

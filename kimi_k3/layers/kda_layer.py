@@ -17,6 +17,11 @@ The recurrence carries order, so the layer needs no positional encoding. Packed 
 (``segment_ids``) restart the state and mask the convolutions at each new document. For prefill
 in pieces and decoding, the layer carries a cache: the state S [B, HV, K, V] (float32) and the
 last W-1 pre-convolution inputs of q, k and v.
+
+Context parallelism (a "context" mesh axis splitting the tokens, ``sharding.context_layout``):
+the recurrence passes states between the shards (``kimi_k3.ops.kda_context``) and each short
+convolution receives the previous shard's last W-1 inputs; everything else is per token.
+Without that axis (or with one device on it) the layer runs the one-device code unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm, l2_normalize
 from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
-from kimi_k3.sharding import BTHK, constrain, param
+from kimi_k3.ops.kda_context import kda_context_parallel
+from kimi_k3.sharding import BTHK, constrain, context_layout, param
 
 
 class KDALayer(nnx.Module):
@@ -121,19 +127,31 @@ class KDALayer(nnx.Module):
             g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...],
                                   self.spec.lower_bound)
             beta_BxTxHV = jax.nn.sigmoid(b_BxTxHV.astype(jnp.float32))
+        layout = context_layout()
+        if layout is not None and not layout.splits(x_BxTxD.shape[1]):
+            layout = None
         with jax.named_scope("kda_core"):
-            o_BxTxHVxV, state = kda(
-                q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
-                initial_state=c.get("state"),
-                output_final_state=cache is not None,
-                segment_ids=segment_ids_BxT,
-                chunk_size=self.spec.chunk_size,
-                lower_bound=self.spec.lower_bound,
-                impl=self.spec.impl,
-                # A non-finite value anywhere makes the loss non-finite, and the trainer then
-                # drops the whole step: keeping it inside its document would buy nothing here.
-                isolate_documents=False,
-            )
+            if layout is not None:  # continuing from the cache's state, when there is one
+                o_BxTxHVxV, state = kda_context_parallel(
+                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
+                    mesh=layout.mesh, context_axes=layout.axes, batch_axes=layout.batch,
+                    head_axes=layout.heads, segment_ids=segment_ids_BxT,
+                    initial_state=c.get("state"), output_final_state=cache is not None,
+                    chunk_size=self.spec.chunk_size, lower_bound=self.spec.lower_bound,
+                    impl=self.spec.impl)
+            else:
+                o_BxTxHVxV, state = kda(
+                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
+                    initial_state=c.get("state"),
+                    output_final_state=cache is not None,
+                    segment_ids=segment_ids_BxT,
+                    chunk_size=self.spec.chunk_size,
+                    lower_bound=self.spec.lower_bound,
+                    impl=self.spec.impl,
+                    # A non-finite value anywhere makes the loss non-finite, and the trainer then
+                    # drops the whole step: keeping it inside its document would buy nothing.
+                    isolate_documents=False,
+                )
         with jax.named_scope("kda_out"):
             gate_BxTxHVxV = jax.nn.sigmoid(o_gate_BxTxHVxV.astype(jnp.float32))
             o_BxTxHVxV = (self.o_norm(o_BxTxHVxV) * gate_BxTxHVxV).astype(self.dtype)

@@ -29,6 +29,14 @@ the cache in one of two forms, whichever costs fewer FLOPs for a piece of T quer
   blocks are merged by log-sum-exp (``attention.cache_attention``). Per piece this costs
   2 S R H (dn + dv) FLOPs of decompression against 2 T S H (R + ds + R) of absorbed attention
   over (dn + ds + dv) of expanded, so it wins from T of about R (dn + dv) / (2R - dn - dv).
+
+Context parallelism (tokens split over a "context" mesh axis, ``sharding.context_layout``):
+every device all-gathers the latents [c ; k_s] of the whole sequence (R + ds numbers per token,
+the smallest thing to move), decompresses the keys and values, and attends with its own
+queries at their global positions (shard i's queries sit at i T/n .. (i+1) T/n - 1) under the
+causal and segment masks, with the blockwise attention, which skips the key blocks past a
+query block. The causal work is not balanced across shards (the last shard does n times the
+first one's work; a zig-zag token order would even it out): left for later.
 """
 
 from __future__ import annotations
@@ -36,13 +44,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec
 
 from kimi_k3.config import MlaSpec
 from kimi_k3.dispatch import choose_cache_attention_impl
 from kimi_k3.layers.attention import attention, blockwise_attention, cache_attention
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm
-from kimi_k3.sharding import BTHK, constrain
+from kimi_k3.sharding import BTHK, ContextLayout, constrain, context_layout
 
 
 class GatedMLA(nnx.Module):
@@ -90,28 +100,34 @@ class GatedMLA(nnx.Module):
         absorbed = T * (2 * R + ds)
         return "expanded" if expanded < absorbed else "absorbed"
 
-    def _keys_values(self, c_BxNxR, ks_BxNxS):
-        """Per-head keys [B, N, H, dn + ds] = [c W_uk,h ; k_s] and values [B, N, H, dv]."""
+    def _keys_values(self, c_BxNxR, ks_BxNxS, names=BTHK):
+        """Per-head keys [B, N, H, dn + ds] = [c W_uk,h ; k_s] and values [B, N, H, dv],
+        constrained to the logical ``names`` (None: not constrained)."""
         H = self.spec.num_heads
         k_nope = self.k_up(c_BxNxR)  # [B, N, H, dn]
         ks_b = jnp.broadcast_to(ks_BxNxS[:, :, None, :], (*ks_BxNxS.shape[:2], H,
                                                           ks_BxNxS.shape[-1]))
         k_BxNxHxQ = jnp.concatenate([k_nope, ks_b.astype(k_nope.dtype)], -1)
-        return constrain(k_BxNxHxQ, BTHK), constrain(self.v_up(c_BxNxR), BTHK)
+        v_BxNxHxV = self.v_up(c_BxNxR)
+        if names is None:  # inside shard_map: nothing to constrain
+            return k_BxNxHxQ, v_BxNxHxV
+        return constrain(k_BxNxHxQ, names), constrain(v_BxNxHxV, names)
 
-    def _expand(self, latent_BxNxL):
+    def _expand(self, latent_BxNxL, names=BTHK):
         """Cache entries [c ; k_s] -> (keys, values) as the whole-sequence path builds them."""
         R = self.spec.kv_lora_rank
         latent_BxNxL = latent_BxNxL.astype(self.dtype)
-        return self._keys_values(latent_BxNxL[..., :R], latent_BxNxL[..., R:])
+        return self._keys_values(latent_BxNxL[..., :R], latent_BxNxL[..., R:], names)
 
-    def _attend_expanded(self, q_BxTxHxQ, kv_BxSxL, pos):
+    def _attend_expanded(self, q_BxTxHxQ, kv_BxSxL, pos, names=BTHK):
         impl = choose_cache_attention_impl(self.spec.attn_impl, dtype=jnp.dtype(self.dtype).name,
                                            T=q_BxTxHxQ.shape[1])
-        o = cache_attention(q_BxTxHxQ, kv_BxSxL, pos, self._expand, scale=self.scale, impl=impl)
+        expand = lambda e: self._expand(e, names)
+        o = cache_attention(q_BxTxHxQ, kv_BxSxL, pos, expand, scale=self.scale, impl=impl)
         return o.astype(self.dtype)
 
-    def _attend_absorbed(self, q_BxTxHxQ, kv_BxSxL, pos):
+    def _attend_absorbed(self, q_BxTxHxQ, kv_BxSxL, pos, names=BTHK):
+        del names  # nothing is constrained here
         R, dn = self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
         # Absorb W_uk into the query: q'_h = q_nope,h W_uk,h^T  (latent space, [B, T, H, R]).
         W_uk = self.k_up.kernel[...].astype(self.dtype)  # [R, H, dn]
@@ -128,6 +144,63 @@ class GatedMLA(nnx.Module):
         W_uv = self.v_up.kernel[...].astype(self.dtype)  # [R, H, dv]
         return jnp.einsum("bthr,rhv->bthv", o_lat, W_uv,
                           preferred_element_type=jnp.float32).astype(self.dtype)
+
+    def _attend_context_parallel(self, q_BxTxHxQ, c_BxTxR, ks_BxTxS, segment_ids_BxT,
+                                 layout: ContextLayout):
+        """Attention with the tokens split over ``layout.axes`` (module docstring): the
+        latents gathered, each shard's queries at their global positions."""
+        B, T = c_BxTxR.shape[:2]
+        whole = ("activation_batch", None, None)  # not split along the tokens: all-gathered
+        with jax.named_scope("mla_gather"):
+            c_all, ks_all = constrain(c_BxTxR, whole), constrain(ks_BxTxS, whole)
+        with jax.named_scope("mla_proj"):
+            k_BxTxHxQ, v_BxTxHxV = self._keys_values(
+                c_all, ks_all, names=("activation_batch", None, "activation_heads", "activation_kv"))
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.zeros((B, T), jnp.int32)
+        mine = PartitionSpec(layout.batch, layout.axes, layout.heads, None)
+        every = PartitionSpec(layout.batch, None, layout.heads, None)
+        axes, scale, block = layout.axes, self.scale, self.spec.attn_block_size
+
+        def shard(q, k, v, seg_mine, seg_all):
+            offset = lax.axis_index(axes) * q.shape[1]
+            return blockwise_attention(q, k, v, scale=scale, q_segment_ids=seg_mine,
+                                       kv_segment_ids=seg_all, q_offset=offset,
+                                       block_q=block, block_k=block)
+
+        seg = segment_ids_BxT.astype(jnp.int32)
+        with jax.named_scope("mla_attention"):
+            # check_vma=False: the blockwise attention's loops start from constants, which
+            # shard_map's type check would want marked per device; the transposes are the
+            # same (the keys' and values' cotangents are summed over the context axis), and
+            # tests/context_parallel_check.py holds the gradients to one device's.
+            o = jax.shard_map(shard, mesh=layout.mesh, check_vma=False,
+                              in_specs=(mine, every, every, layout.tokens,
+                                        PartitionSpec(layout.batch, None)),
+                              out_specs=mine)(q_BxTxHxQ, k_BxTxHxQ, v_BxTxHxV, seg, seg)
+        return o.astype(self.dtype)
+
+    def _attend_cache_context_parallel(self, q_BxTxHxQ, kv_BxSxL, pos, layout: ContextLayout):
+        """A piece split over ``layout.axes`` against the cache (prefill in pieces, evaluation):
+        every device holds the whole cache, each shard's queries read it at their positions
+        pos + i T/n .., in the cheaper of the two forms for a shard."""
+        kv_all = constrain(kv_BxSxL, ("activation_batch", None, None))
+        n = layout.num_shards
+        form = self.cache_form(q_BxTxHxQ.shape[1] // n)
+        attend = self._attend_expanded if form == "expanded" else self._attend_absorbed
+        axes = layout.axes
+
+        def shard(q, kv, pos):
+            return attend(q, kv, pos + lax.axis_index(axes) * q.shape[1], names=None)
+
+        # Heads whole on every device: the decompression inside reads the whole weights.
+        mine = PartitionSpec(layout.batch, layout.axes, None, None)
+        # check_vma=False: as in _attend_context_parallel (loops starting from constants).
+        o = jax.shard_map(shard, mesh=layout.mesh, check_vma=False,
+                          in_specs=(mine, PartitionSpec(layout.batch, None, None),
+                                    PartitionSpec()),
+                          out_specs=mine)(q_BxTxHxQ, kv_all, jnp.asarray(pos, jnp.int32))
+        return o.astype(self.dtype)
 
     def _queries(self, x_BxTxD):
         if self.spec.q_lora_rank > 0:
@@ -152,7 +225,12 @@ class GatedMLA(nnx.Module):
             q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
             c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
             ks_BxTxS = self.k_shared(x_BxTxD)
-        if cache is None:
+        layout = context_layout() if cache is None else None
+        if layout is not None:
+            o_BxTxHxV = self._attend_context_parallel(q_BxTxHxQ, c_BxTxR, ks_BxTxS,
+                                                      segment_ids_BxT, layout)
+            new_cache = None
+        elif cache is None:
             with jax.named_scope("mla_proj"):
                 k_BxTxHxQ, v_BxTxHxV = self._keys_values(c_BxTxR, ks_BxTxS)
             with jax.named_scope("mla_attention"):
@@ -169,8 +247,12 @@ class GatedMLA(nnx.Module):
             kv_BxSxL = jax.lax.dynamic_update_slice_in_dim(
                 cache["latent_kv"], new_kv.astype(cache["latent_kv"].dtype), pos, axis=1
             )
+            layout = context_layout()
             with jax.named_scope("mla_attention"):
-                if self.cache_form(x_BxTxD.shape[1]) == "expanded":
+                if layout is not None and layout.splits(x_BxTxD.shape[1]):
+                    o_BxTxHxV = self._attend_cache_context_parallel(q_BxTxHxQ, kv_BxSxL, pos,
+                                                                    layout)
+                elif self.cache_form(x_BxTxD.shape[1]) == "expanded":
                     o_BxTxHxV = self._attend_expanded(q_BxTxHxQ, kv_BxSxL, pos)
                 else:
                     o_BxTxHxV = self._attend_absorbed(q_BxTxHxQ, kv_BxSxL, pos)

@@ -6,18 +6,25 @@ Only taps inside the token's own document count: with packed documents a tap who
 another segment id reads zero, so no document sees its neighbour's tail. Tokens before the start
 of the sequence come from ``tail`` (the last W-1 inputs of the previous piece, for prefill in
 pieces and decoding) or are zero.
+
+Context parallelism (tokens split over a "context" mesh axis, ``sharding.context_layout``):
+each shard receives the previous shard's last W-1 inputs and their segment ids by one
+``ppermute`` (the first shard receives zeros) and convolves its own tokens with them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec
 
-from kimi_k3.sharding import param
+from kimi_k3.sharding import ContextLayout, context_layout, logical_to_spec, param
 
 
 class ShortConv(nnx.Module):
@@ -32,6 +39,7 @@ class ShortConv(nnx.Module):
             raise ValueError(f"ShortConv: width must be >= 1, got {width}")
         self.channels = tuple(channels)
         self.width = width
+        self.names = tuple(names)
         bound = 1.0 / math.sqrt(width)
         w = jax.random.uniform(rngs.params(), (width, *self.channels), jnp.float32, -bound, bound)
         self.weight = param(w.astype(param_dtype), ("conv", *names))
@@ -49,6 +57,10 @@ class ShortConv(nnx.Module):
         """Returns (y [B, T, *channels] in x's dtype, new tail [B, W-1, *channels])."""
         B, T = x_BxTxC.shape[:2]
         Wm1 = self.width - 1
+        layout = context_layout()
+        if layout is not None and Wm1 > 0 and layout.splits(T, Wm1):
+            y = self._context_parallel(x_BxTxC, segment_ids_BxT, tail_BxWm1xC, layout)
+            return y, x_BxTxC[:, T - Wm1:]
         if tail_BxWm1xC is None:
             tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
         x_ext = jnp.concatenate([tail_BxWm1xC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
@@ -66,3 +78,52 @@ class ShortConv(nnx.Module):
             y = y + term
         new_tail = x_ext[:, x_ext.shape[1] - Wm1:] if Wm1 > 0 else x_ext[:, :0]
         return y.astype(x_BxTxC.dtype), new_tail
+
+    def _context_parallel(self, x_BxTxC, segment_ids_BxT, tail_BxWm1xC, layout: ContextLayout):
+        """The convolution with the tokens split over ``layout.axes``: the same taps, the W-1
+        inputs before a shard's first token come from the previous shard (the first shard's
+        from ``tail``, or zeros)."""
+        B, T = x_BxTxC.shape[:2]
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.zeros((B, T), jnp.int32)
+        if tail_BxWm1xC is None:
+            tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
+        # Channels split as the weight's are (its logical names under the rules in force).
+        w_spec = logical_to_spec(("conv", *self.names), layout.rules)
+        w_spec = PartitionSpec(*w_spec, *[None] * (1 + len(self.channels) - len(w_spec)))
+        x_spec = PartitionSpec(layout.batch, layout.axes, *w_spec[1:])
+        tail_spec = PartitionSpec(layout.batch, None, *w_spec[1:])  # every shard, the first's
+        body = functools.partial(_shard_conv, Wm1=self.width - 1, axes=layout.axes,
+                                 n=layout.num_shards)
+        return jax.shard_map(
+            body, mesh=layout.mesh, in_specs=(x_spec, layout.tokens, tail_spec, w_spec),
+            out_specs=x_spec)(x_BxTxC, segment_ids_BxT.astype(jnp.int32),
+                              tail_BxWm1xC.astype(x_BxTxC.dtype), self.weight[...])
+
+
+def _shard_conv(x_BxTxC, seg_BxT, tail_BxWm1xC, w_WxC, *, Wm1: int, axes, n: int):
+    """One shard's convolution (inside shard_map): x [B, T, *channels] with this shard's
+    segment ids; the previous shard's last W-1 inputs arrive by ppermute, shard 0 takes
+    ``tail`` (the inputs before the sequence: a cache's, or zeros) with its own first id."""
+    B, T = x_BxTxC.shape[:2]
+    if T < Wm1:
+        raise ValueError(f"ShortConv: a shard of {T} tokens is shorter than the W-1 = {Wm1} "
+                         f"tokens the next shard needs; use fewer context devices")
+    shift = [(i, i + 1) for i in range(n - 1)]
+    first = lax.axis_index(axes) == 0
+    tail = jnp.where(first, tail_BxWm1xC, lax.ppermute(x_BxTxC[:, T - Wm1:], axes, shift))
+    tail_seg = jnp.where(first, seg_BxT[:, :1], lax.ppermute(seg_BxT[:, T - Wm1:], axes, shift))
+    x_ext = jnp.concatenate([tail, x_BxTxC], axis=1)
+    seg_ext = jnp.concatenate([tail_seg, seg_BxT], axis=1)
+    w = w_WxC.astype(jnp.float32)
+    feat = (1,) * (x_BxTxC.ndim - 2)
+    y = jnp.zeros(x_BxTxC.shape, jnp.float32)
+    for lag in range(Wm1 + 1):
+        # Tap w = W-1-lag multiplies x_{t-lag}; only taps in the token's own document count.
+        x_lag = lax.slice_in_dim(x_ext, Wm1 - lag, Wm1 - lag + T, axis=1)
+        term = x_lag.astype(jnp.float32) * w[Wm1 - lag]
+        if lag > 0:
+            prev = lax.slice_in_dim(seg_ext, Wm1 - lag, Wm1 - lag + T, axis=1)
+            term = jnp.where((prev == seg_BxT).reshape(B, T, *feat), term, 0.0)
+        y = y + term
+    return y.astype(x_BxTxC.dtype)

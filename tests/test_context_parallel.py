@@ -1,0 +1,69 @@
+"""Context parallelism (one sequence split over a "context" mesh axis): the KDA op by state
+passing against the float64 recurrence, the whole model against one device, and the errors of
+bad combinations. All multi-device checks run in one subprocess with 8 CPU devices
+(tests/context_parallel_check.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train import REPO, env
+
+
+@pytest.fixture(scope="module")
+def result(jax_cache) -> dict:
+    e = env(jax_cache, devices=8)
+    # Tiny shapes, a dozen programs: XLA's CPU backend optimisations cost more time than they
+    # save here (the check takes half as long without them; the tolerances do not move).
+    e["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    p = subprocess.run([sys.executable, "-m", "tests.context_parallel_check"], cwd=REPO,
+                       env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.split("RESULT ", 1)[1])
+
+
+def test_kda_op_across_shards_matches_float64_recurrence(result):
+    """Outputs, final state and the gradients of q, k, v, g, beta and the initial state, shard
+    by shard, with documents crossing shard boundaries; every implementation."""
+    op = result["op"]
+    assert set(op) == {"recurrent_context2", "xla_context4", "recurrent_context8",
+                       "pallas_context2"}, op
+    for case, err in op.items():
+        assert err["o"] < 1e-6 and err["S"] < 1e-6, (case, err)
+        assert err["grad_vs_one_device"] < 1e-5, (case, err)
+        assert err["grad_vs_float64"] < 1e-4, (case, err)  # float32 gradients, central differences
+
+
+def test_model_across_context_axis_matches_one_device(result):
+    m = result["model"]
+    for mesh in ("context2", "context4", "context8", "data2_context4"):
+        r = m[mesh]
+        assert r["loss_rel"] < 1e-5, (mesh, r)
+        assert r["grad_rel"] < 1e-5, (mesh, r)
+        assert r["num_params"] == 38, (mesh, r)
+        assert r["tokens_spec"] == "P(('data', 'fsdp', 'expert'), 'context')", (mesh, r)
+        assert r["collectives"] == ["all_gather", "collective_permute"], (mesh, r)
+
+
+def test_bad_context_combinations_name_the_field(result):
+    bad = result["bad"]
+    assert bad["seq_len"].startswith("data.seq_len: 48 must be a multiple of mesh.context x "
+                                     "model.kda.chunk_size = 8 x 4 = 32"), bad
+    assert bad["context_too_large"].startswith("mesh.context: 16 is larger than the 8 devices"), bad
+    assert "allowed: a divisor of 8 (1, 2, 4, 8)" in bad["context_too_large"], bad
+    assert bad["seq_len_resolved"].startswith("data.seq_len: 16 must be a multiple of "
+                                              "mesh.context x model.kda.chunk_size = 8 x 4"), bad
+
+
+def test_prefill_in_pieces_across_context_axis_matches_one_device(result):
+    """eval.py's scorer on the cached path (KDA state and conv tails carried, MLA latent
+    cache) with each piece split over 4 devices (``--config.mesh.context=4``)."""
+    r = result["prefill"]
+    assert r["context4"] < 1e-5, r
+    assert r["collectives"] == ["all-gather", "collective-permute"], r
+    assert r["piece_len_error"].startswith("--piece_len (a piece of L=64): 24 must be a multiple "
+                                           "of mesh.context x model.kda.chunk_size = 4 x 4"), r
