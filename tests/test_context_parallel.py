@@ -5,6 +5,7 @@ bad combinations. All multi-device checks run in one subprocess with 8 CPU devic
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
@@ -15,15 +16,21 @@ from tests.test_train import REPO, env
 
 
 @pytest.fixture(scope="module")
-def result(jax_cache) -> dict:
-    e = env(jax_cache, devices=8)
-    # Tiny shapes, a dozen programs: XLA's CPU backend optimisations cost more time than they
-    # save here (the check takes half as long without them; the tolerances do not move).
-    e["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-    p = subprocess.run([sys.executable, "-m", "tests.context_parallel_check"], cwd=REPO,
-                       env=e, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.split("RESULT ", 1)[1])
+def result(jax_cache, tmp_path_factory, testrun_uid) -> dict:
+    """The check's numbers, computed once per test run: xdist spreads this module's tests over
+    its workers, and the first to take the lock runs the check for all of them (into a file
+    named by this run's id, so no later run reads it)."""
+    shared = tmp_path_factory.getbasetemp().parent / f"context_parallel_{testrun_uid}.json"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not shared.exists():
+            # env(): XLA's CPU backend optimisations off (tiny shapes, a dozen programs).
+            p = subprocess.run([sys.executable, "-m", "tests.context_parallel_check"], cwd=REPO,
+                               env=env(jax_cache, devices=8), capture_output=True, text=True,
+                               timeout=600)
+            assert p.returncode == 0, p.stderr[-4000:]
+            shared.write_text(p.stdout.split("RESULT ", 1)[1])
+    return json.loads(shared.read_text())
 
 
 def test_kda_op_across_shards_matches_float64_recurrence(result):

@@ -26,6 +26,7 @@ from kimi_k3.config import MoeSpec, default_model_config, model_spec, run_spec
 from kimi_k3.layers.moe import MoE, expert_load, route, update_bias
 from kimi_k3.model import count_params, flops_per_token
 from tests import moe_numpy
+from tests.test_train import SUBPROCESS_XLA_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 B, T, D, E, F = 2, 12, 16, 8, 12
@@ -334,7 +335,7 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
     train_lib: loss falling on one device (2 micro-batches), the same steps on 8 devices; the
     routing biases move and round-trip through a checkpoint."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", PYTHONPATH=str(REPO),
+               XLA_FLAGS=SUBPROCESS_XLA_FLAGS, PYTHONPATH=str(REPO),
                JAX_COMPILATION_CACHE_DIR=jax_cache,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
