@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 
 from kimi_k3.plots import is_png
+from tests.test_train import SUBPROCESS_XLA_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_scaling(out_dir, *extra, timeout=600):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    # The runs' own XLA flags ride on these (tests.test_train: backend optimisations off).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, str(REPO / "benchmarks" / "scaling.py"), "--config=configs/tiny.py",
            "--platform=cpu", "--steps=4", "--log_every=2", "--per_device_batch=1",
