@@ -12,9 +12,12 @@
 #           with remat="dots_kernels" at 8 and 4 rows.
 # mfu:      step_profile.py and train_throughput.py for the table in BENCHMARKS.md (1b 3:1,
 #           all-MLA, all-KDA, small), with the settings under test (EXTRA overrides).
+# step2:    the packed-document cuDNN attention checked (tests) and timed against the mask,
+#           short_conv_bench.py, then step_profile.py on configs/1b.py at 4 rows, layers
+#           unrolled (SourceList Attention Residuals) and scanned.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of profile, fixes, remat, mfu}
+PHASE=${1:?one of profile, fixes, remat, mfu, step2}
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
 mkdir -p "$OUT" "$W"
@@ -81,6 +84,18 @@ if [ "$PHASE" = mfu ]; then
         --workdir="$W/run_small_old" --config.train.steps=50 --config.train.log_every=1 \
         --out="$W/throughput_small_old.md" > "$W/throughput_small_old.log" 2>&1)
     cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+fi
+
+if [ "$PHASE" = step2 ]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py \
+        -k "packed or attn_res" 2>&1 | tail -n 15 | tee "$OUT/tests.txt"
+    timeout 60 python3 benchmarks/attention_bench.py --batch=4 --impls=xla,cudnn,cudnn:mask \
+        2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/attention.md"
+    timeout 45 python3 benchmarks/short_conv_bench.py 2>&1 | grep -v "^[IW][0-9]" \
+        | tee "$OUT/short_conv.md"
+    profile 1b_b4_unrolled 200 --config=configs/1b.py --config.data.global_batch_size=4 \
+        --config.model.scan_layers=False $EXTRA
+    profile 1b_b4_scanned 120 --config=configs/1b.py --config.data.global_batch_size=4 $EXTRA
 fi
 
 if [ "$PHASE" = profile ]; then

@@ -38,8 +38,9 @@ ATTN_RES_MODES = ("none", "full", "block")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Values the layers name with ``jax.ad_checkpoint.checkpoint_name`` for "dots_kernels" to keep:
 # KDA's q, k, v after their short convolutions (recomputing the convolutions and norms inside
-# the backward pass costs more than it saves).
-SAVED_NAMES = frozenset({"kda_qkv"})
+# the backward pass costs more than it saves), and the Attention Residual reads' outputs and
+# mixing weights (each read walks all its sources).
+SAVED_NAMES = frozenset({"kda_qkv", "attn_res_read", "attn_res_weights"})
 
 
 def _save_dots_and_kernels(prim, *avals, **params) -> bool:

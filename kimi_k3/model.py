@@ -303,7 +303,9 @@ class HybridLM(nnx.Module):
         training = cache is None
         pos = 0 if training else cache["pos"]
         depth = self.depth
-        state = depth.init(constrain(x_BxTxD, BTD))
+        # Without a scan every layer is traced on its own, so the Attention Residual state can
+        # be a list of separate sources whose block structure is known while tracing.
+        state = depth.init(constrain(x_BxTxD, BTD), unrolled=self.groups is None)
         part = lambda key: None if training else cache[key]
 
         state, prefix_caches = self._unrolled(self.prefix, state, depth, segment_ids_BxT,

@@ -13,10 +13,12 @@ from flax import nnx
 from kimi_k3.config import KdaSpec, MlaSpec
 from kimi_k3.layers import GatedMLA, KDALayer, ShortConv
 from kimi_k3.layers.attention import (
+    PACKED_RUNS_PER_ROW,
     _splash_attention,
     _triton_attention,
     attention,
     cache_attention,
+    packed_layout,
     reference_attention,
 )
 from kimi_k3.layers.attn_res import DepthResidual
@@ -103,6 +105,80 @@ def test_blockwise_attention_equals_plain_softmax(B, T, S, H, KH, Dq, Dv, q_offs
     np.testing.assert_allclose(o_blk, o_ref, atol=2e-6)
     for a, b in zip(g_blk, g_ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_packed_layout_lists_each_rows_documents():
+    """cuDNN's packed layout from segment ids, against the runs counted in NumPy: rows with one
+    document, with exactly M, with ids that come back (runs, not ids), -1 past the runs."""
+    B, T, M = 5, 40, 6
+    rng = np.random.default_rng()
+    seg = np.cumsum(rng.random((B, T)) < 0.1, axis=1) + 1
+    seg[1] = 3  # one document
+    seg[2] = np.repeat(np.arange(M), -(-T // M))[:T] + 1  # exactly M
+    seg[3, :] = np.where(np.arange(T) % 10 < 5, 1, 2)  # ids 1 2 1 2: four runs
+    seg[4] = np.repeat(np.arange(2 * M), -(-T // (2 * M)))[:T]  # more runs than M
+    lengths, offsets, runs = (np.asarray(x) for x in packed_layout(jnp.asarray(seg, jnp.int32), M))
+    for b in range(B):
+        starts = [0] + [t for t in range(1, T) if seg[b, t] != seg[b, t - 1]]
+        assert runs[b] == len(starts)
+        if len(starts) > M:
+            continue  # the caller takes the mask
+        ends = starts[1:] + [T]
+        n = len(starts)
+        np.testing.assert_array_equal(offsets[b], starts + [-1] * (M + 1 - n))
+        np.testing.assert_array_equal(lengths[b], [e - a for a, e in zip(starts, ends, strict=True)]
+                                      + [-1] * (M - n))
+    assert lengths.shape == (B, M) and offsets.shape == (B, M + 1)
+
+
+@pytest.mark.parametrize("impl", ["xla", *(["cudnn"] if jax.default_backend() == "gpu" else [])])
+@pytest.mark.parametrize("docs", ["few", "over_limit", "ids_come_back"])
+def test_attention_over_packed_documents_equals_float64(impl, docs):
+    """Causal attention over packed documents in the shapes of MLA (head dims 192 / 128) against
+    float64 NumPy, forward and gradients; on a GPU also cuDNN, whose packed layout takes the
+    first case and whose mask takes the other two (a row with more documents than
+    PACKED_RUNS_PER_ROW; ids that come back, which runs would split)."""
+    B, T, H, D, Dv = 2, 256, 2, 192, 128
+    dtype, tol = (jnp.bfloat16, 3e-2) if impl == "cudnn" else (jnp.float32, 1e-5)
+    rng = np.random.default_rng()
+    if docs == "few":
+        seg = np.cumsum(rng.random((B, T)) < 0.02, axis=1) + 1
+    elif docs == "over_limit":
+        seg = np.cumsum(rng.random((B, T)) < 0.02, axis=1) + 1
+        seg[1] = np.arange(T) // (T // (2 * PACKED_RUNS_PER_ROW)) + 1
+    else:
+        seg = np.where((np.arange(T) // 40) % 2 == 0, 1, 2)[None].repeat(B, 0)
+    q, k = (rng.normal(size=(B, T, H, D)) for _ in range(2))
+    v, w = rng.normal(size=(B, T, H, Dv)), rng.normal(size=(B, T, H, Dv))
+    seg_j = jnp.asarray(seg, jnp.int32)
+
+    def loss(q, k, v):
+        o = attention(q, k, v, scale=D ** -0.5, segment_ids=seg_j, impl=impl)
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    with jax.default_matmul_precision("highest"):
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            *(jnp.asarray(x, dtype) for x in (q, k, v)))
+    # float64 reference on the inputs as the kernel saw them (rounded to its dtype).
+    q64, k64, v64 = (np.asarray(jnp.asarray(x, dtype), np.float64) for x in (q, k, v))
+    s = np.einsum("bthd,bshd->bhts", q64, k64) * D ** -0.5
+    t = np.arange(T)
+    allowed = (t[None, :, None] >= t[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+    s = np.where(allowed[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o64 = np.einsum("bhts,bshv->bthv", p, v64)
+    scale = np.abs(o64).max()
+    np.testing.assert_allclose(np.asarray(o, np.float64), o64, atol=tol * scale)
+    # Gradients: dv = P^T w; dP = w v^T; dS = P (dP - rowsum(P dP)); dq = dS k s; dk = dS^T q s.
+    dv = np.einsum("bhts,bthv->bshv", p, w)
+    dp = np.einsum("bthv,bshv->bhts", w, v64)
+    ds = p * (dp - np.sum(p * dp, -1, keepdims=True))
+    dq = np.einsum("bhts,bshd->bthd", ds, k64) * D ** -0.5
+    dk = np.einsum("bhts,bthd->bshd", ds, q64) * D ** -0.5
+    for got, want in zip(grads, (dq, dk, dv), strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want,
+                                   atol=tol * np.abs(want).max())
 
 
 def test_splash_and_triton_kernels_in_interpret_mode_equal_plain_softmax():
@@ -196,6 +272,41 @@ def test_short_conv_matches_direct_convolution_and_masks_documents():
     y_seg, _ = conv(x, seg)
     y_doc2, _ = conv(x[:, 5:])
     np.testing.assert_allclose(y_seg[:, 5:], y_doc2, atol=1e-6)
+
+
+def test_short_conv_gradients_equal_float64():
+    """The convolution's own backward pass (input, weight, tail) against float64 NumPy, with
+    channels [H, K], packed documents and a tail: y_t = sum_lag [same doc] w[W-1-lag] x_{t-lag}."""
+    B, T, H, K, W = 2, 11, 2, 3, 4
+    rng = np.random.default_rng()
+    conv = ShortConv((H, K), W, names=(None, None), rngs=rngs(int(rng.integers(1 << 20))))
+    w = np.asarray(conv.weight[...], np.float64)
+    x, tail = rng.normal(size=(B, T, H, K)), rng.normal(size=(B, W - 1, H, K))
+    dy = rng.normal(size=(B, T, H, K))
+    seg = np.cumsum(rng.random((B, T)) < 0.3, axis=1)
+    graphdef, state = nnx.split(conv)
+
+    def loss(x, tail, wt):
+        m = nnx.merge(graphdef, jax.tree.map(lambda _: wt, state))
+        y, _ = m(x, jnp.asarray(seg, jnp.int32), tail)
+        return jnp.sum(y * dy)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+        *(jnp.asarray(a, jnp.float32) for a in (x, tail, w)))
+    # NumPy: x_ext = [tail, x]; tap W-1-lag reads x_ext[t + W-1-lag] when in the document
+    # (the tail belongs to each row's first document).
+    x_ext = np.concatenate([tail, x], axis=1)
+    seg_ext = np.concatenate([np.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
+    dx_ext, dw = np.zeros_like(x_ext), np.zeros_like(w)
+    for b in range(B):
+        for t in range(T):
+            for lag in range(W):
+                s = t + W - 1 - lag
+                if seg_ext[b, s] == seg[b, t]:
+                    dx_ext[b, s] += w[W - 1 - lag] * dy[b, t]
+                    dw[W - 1 - lag] += x_ext[b, s] * dy[b, t]
+    for g, want in zip(got, (dx_ext[:, W - 1:], dx_ext[:, :W - 1], dw), strict=True):
+        np.testing.assert_allclose(g, want, atol=1e-5 * np.abs(want).max())
 
 
 def test_cache_attention_without_the_float32_lse_entry_point_takes_xla_or_says_why(monkeypatch):
@@ -340,12 +451,12 @@ def naive_depth_mix(ws, outs, embed, block, eps=1e-6):
     return inputs
 
 
-def run_depth(depth, ws, outs, embed):
+def run_depth(depth, ws, outs, embed, unrolled=False):
     """Sublayer inputs from DepthResidual, fed the given outputs (float32 throughout)."""
 
     @jax.jit
     def run(ws, outs, embed):
-        state, inputs = depth.init(embed), []
+        state, inputs = depth.init(embed, unrolled=unrolled), []
         for w, out in zip(ws, outs, strict=False):
             inputs.append(depth.read(state, w))
             state = depth.write(state, out)
@@ -368,20 +479,53 @@ def test_attn_res_zero_queries_give_the_uniform_average_of_sources():
     np.testing.assert_allclose(got[3], np.mean([embed, outs[0] + outs[1], outs[2]], 0), atol=1e-5)
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["stacked", "source_list"])
 @pytest.mark.parametrize("block", [1, 2, 3, 10])
-def test_attn_res_matches_explicit_source_lists(block):
+def test_attn_res_matches_explicit_source_lists(block, unrolled):
     L, shape = 7, (2, 3, 8)
-    rng = np.random.default_rng(block)
+    rng = np.random.default_rng()
     embed, outs = rng.normal(size=shape), [rng.normal(size=shape) for _ in range(L)]
     ws = [rng.normal(size=8) for _ in range(L + 1)]
     want = naive_depth_mix(ws, outs, embed, block)
-    got = run_depth(DepthResidual("block", L, block_size=block), ws, outs, embed)
+    got = run_depth(DepthResidual("block", L, block_size=block), ws, outs, embed, unrolled)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     if block == 1:  # one block per sublayer is the full variant
-        full = run_depth(DepthResidual("full", L), ws, outs, embed)
+        full = run_depth(DepthResidual("full", L), ws, outs, embed, unrolled)
         for a, b in zip(full, want, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,block", [("block", 3), ("full", 1)])
+def test_attn_res_source_list_gradients_equal_the_stacked_form(mode, block):
+    """The unrolled (SourceList) form and the scanned (stacked) form are one function: equal
+    gradients with respect to the queries, the sublayer outputs and the embedding."""
+    L, shape = 7, (2, 5, 16)
+    rng = np.random.default_rng()
+    embed, outs = rng.normal(size=shape), [rng.normal(size=shape) for _ in range(L)]
+    ws = [0.5 * rng.normal(size=16) for _ in range(L + 1)]
+    cots = [rng.normal(size=shape) for _ in range(L + 1)]
+    depth = DepthResidual(mode, L, block_size=block)
+
+    def grads(unrolled):
+        def loss(ws, outs, embed):
+            state, total = depth.init(embed, unrolled=unrolled), 0.0
+            for l in range(L + 1):
+                total = total + jnp.sum(depth.read(state, ws[l]) * cots[l])
+                if l < L:
+                    state = depth.write(state, outs[l])
+            return total
+
+        f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(f32(ws), f32(outs),
+                                                      jnp.asarray(embed, jnp.float32))
+        return jax.tree.leaves(g)
+
+    got, want = grads(True), grads(False)
+    # One scale for all: a query over a single source has a zero gradient (exactly, or 1e-7).
+    scale = max(float(np.abs(w).max()) for w in want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_attn_res_none_is_the_plain_residual_stream():

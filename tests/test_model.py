@@ -242,17 +242,26 @@ def test_remat_switch_rematerialises_each_scanned_unit_and_tail_layer(model, pol
 
 
 def test_scanned_stack_equals_the_unrolled_stack(model):
-    """Slice r of the stacked unit parameters is layer r of an unrolled model: same logits."""
-    unrolled = nnx.eval_shape(lambda: HybridLM(small_cfg(scan_layers=False), rngs=nnx.Rngs(0)))
+    """Slice r of the stacked unit parameters is layer r of an unrolled model: same logits, with
+    random depth queries (the unrolled model's Attention Residuals run on the SourceList form,
+    the scanned one's on the stacked carry; a block closes inside the scan). Their gradients:
+    test_layers.test_attn_res_source_list_gradients_equal_the_stacked_form."""
+    scanned = with_params_of(model)
+    rng = np.random.default_rng()
+    for path, var in nnx.to_flat_state(nnx.state(scanned, nnx.Param)):
+        if path[-1] == "w":  # the depth queries start at zero: make the mixtures non-uniform
+            var.set_value(jnp.asarray(0.5 * rng.normal(size=var.get_value().shape), jnp.float32))
+    unrolled = nnx.eval_shape(lambda: HybridLM(
+        small_cfg(scan_layers=False), rngs=nnx.Rngs(0)))
     assert (unrolled.repeats, len(unrolled.tail)) == (0, 3)
-    n_unit = len(model.unit)
+    n_unit = len(scanned.unit)
     values = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(scanned, nnx.Param)):
         if path[0] == "groups":  # ("groups", "layers", i, ...) stacked over the repeats
-            for r in range(model.repeats):
+            for r in range(scanned.repeats):
                 values[("tail", r * n_unit + path[2], *path[3:])] = var.get_value()[r]
         elif path[0] == "tail":
-            values[("tail", model.repeats * n_unit + path[1], *path[2:])] = var.get_value()
+            values[("tail", scanned.repeats * n_unit + path[1], *path[2:])] = var.get_value()
         else:
             values[path] = var.get_value()
     state = nnx.state(unrolled, nnx.Param)
@@ -265,8 +274,10 @@ def test_scanned_stack_equals_the_unrolled_stack(model):
     assert not values
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(unrolled, state)
-    toks = tokens(2, 12)
-    np.testing.assert_allclose(forward(unrolled, toks), forward(model, toks), atol=1e-5)
+    toks = tokens(2, 12, seed=int(rng.integers(1 << 30)))
+    seg = jnp.asarray(np.repeat([[1] * 5 + [2] * 7], 2, axis=0), jnp.int32)
+    np.testing.assert_allclose(forward(unrolled, toks, seg), forward(scanned, toks, seg),
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_compiled_program_does_not_grow_with_depth():

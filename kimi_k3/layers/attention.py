@@ -15,9 +15,12 @@ Implementations (``impl=``), one equation:
                  key blocks, only the key blocks a query block can see, O(T) memory for forward
                  and backward. Any backend, any shapes. (When T and S fit in one block each,
                  that block is computed directly.)
-    "cudnn"      ``jax.nn.dot_product_attention(implementation="cudnn")``: GPU, bf16/fp16,
-                 T == S; packed documents as a boolean [B, 1, T, T] mask (cuDNN's public entry
-                 point has no segment ids), which costs B T^2 bytes.
+    "cudnn"      cuDNN flash attention: GPU, bf16/fp16, T == S. Packed documents go through
+                 cuDNN's packed layout on Hopper (each row's documents as runs: their offsets
+                 and lengths, ``packed_layout``), so no mask exists and blocks across documents
+                 are skipped; a row with more than ``PACKED_RUNS_PER_ROW`` documents, or a GPU
+                 without the packed layout, takes a boolean [B, 1, T, T] mask instead (B T^2
+                 bytes).
     "pallas"     Pallas kernels with segment ids: splash attention on TPU, the Triton flash
                  attention (``jax.experimental.pallas.ops.gpu.attention``) on GPU; T == S.
                  On CPU, splash in interpret mode (checks the TPU path's semantics).
@@ -263,27 +266,41 @@ def _pad_last(x, size):
 
 
 def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None,
-                residual=False):
+                offsets=None, residual=False):
     """cuDNN flash attention: ``mask_type`` one of "causal", "none", "padding" (keys j <
-    kv_len [B] visible). Returns o [B, T, H, Dv] (and the log-sum-exp [B, T, H], float32, with
-    ``residual``). Uses the MLA-capable entry point where it takes these head dims, else pads
-    v to q's head dim."""
+    kv_len [B] visible), "packed" (causal inside each run of ``packed_layout``: q_len = kv_len
+    = its lengths, ``offsets`` its starts; Hopper). Returns o [B, T, H, Dv] (and the
+    log-sum-exp [B, T, H], float32, with ``residual``). Uses the MLA-capable entry point where
+    it takes these head dims, else pads v to q's head dim."""
     D, Dv = q.shape[-1], v.shape[-1]
     fa = cudnn_fused_attention()
+    if mask_type == "packed" and fa is None:
+        raise NotImplementedError("cuDNN's packed layout needs jax._src.cudnn's entry point")
     if fa is not None:
         kind = {"causal": fa.MaskType.CAUSAL, "none": fa.MaskType.NO_MASK,
-                "padding": fa.MaskType.PADDING}[mask_type]
-        for v_in in ((v, _pad_last(v, D)) if Dv != D else (v,)):
+                "padding": fa.MaskType.PADDING,
+                "packed": getattr(fa.MaskType, PACKED_MASK_TYPE)}[mask_type]
+        packed = {} if offsets is None else {"q_offsets": offsets, "kv_offsets": offsets}
+        last_err = None
+        v_ins = (v, _pad_last(v, D)) if Dv != D else (v,)
+        if mask_type == "packed":
+            # JAX's packed entry point scales the key offsets by q's per-token stride (heads x
+            # D) and uses them for v too, so narrower value heads would be read out of bounds.
+            v_ins = v_ins[-1:]
+        for v_in in v_ins:
             try:
                 out = fa.dot_product_attention(
                     q, k, v_in, mask=mask, q_seqlen=q_len, kv_seqlen=kv_len, scale=scale,
-                    mask_type=kind, return_residual=residual)
-            except NotImplementedError:
+                    mask_type=kind, return_residual=residual, **packed)
+            except NotImplementedError as err:
+                last_err = err
                 continue  # this cuDNN takes no narrower value heads: pad them
             if not residual:
                 return out[..., :Dv]
             o, lse_BxHxT = out
             return o[..., :Dv], jnp.swapaxes(lse_BxHxT.astype(jnp.float32), 1, 2)
+        if mask_type == "packed":
+            raise last_err
     out = jax.nn.dot_product_attention(
         q, k, _pad_last(v, D), mask=None if mask is None else mask.astype(bool), scale=scale,
         is_causal=mask_type == "causal", query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
@@ -295,14 +312,68 @@ def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None
                      "in float32 (jax.nn's casts it to the output dtype); use impl='xla'")
 
 
+# Documents per row that cuDNN's packed layout makes room for; a batch with a fuller row runs
+# through the mask (both programs are compiled, one runs). 0 turns the packed layout off.
+PACKED_RUNS_PER_ROW = 32
+
+
+# cuDNN's mask type for packed runs: causal inside each run, the run lengths read (padding).
+PACKED_MASK_TYPE = "PADDING_CAUSAL"
+
+
+def packed_layout(segment_ids_BxT: jax.Array, max_runs: int):
+    """Each row's documents as cuDNN's packed layout. A document is a run of equal ids.
+
+    Returns (lengths [B, M] int32, offsets [B, M + 1] int32, runs [B] int32) with M =
+    ``max_runs``: run r of row b starts at offsets[b, r] and has lengths[b, r] tokens; entries
+    past the row's runs are -1 (as cuDNN's entry point wants them). Valid while runs <= M.
+    """
+    B, T = segment_ids_BxT.shape
+    seg = segment_ids_BxT
+    start_BxT = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    run_BxT = jnp.cumsum(start_BxT, axis=1, dtype=jnp.int32) - 1
+    runs_B = run_BxT[:, -1] + 1
+    t_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    b_BxT = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+    # Run r's first token writes its position into column r; other tokens write nowhere.
+    offsets_BxM1 = jnp.full((B, max_runs + 1), -1, jnp.int32).at[
+        b_BxT, jnp.where(start_BxT, run_BxT, max_runs + 1)].set(t_BxT, mode="drop")
+    r_M = jnp.arange(max_runs, dtype=jnp.int32)
+    ends_BxM = jnp.where(r_M + 1 < runs_B[:, None], offsets_BxM1[:, 1:], T)
+    lengths_BxM = jnp.where(r_M < runs_B[:, None], ends_BxM - offsets_BxM1[:, :-1], -1)
+    return lengths_BxM, offsets_BxM1, runs_B
+
+
 def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
-    """cuDNN flash attention, causal; packed documents through a [B, 1, T, T] mask (cuDNN reads
-    it as an additive bias, one tile per block: memory B T^2, so dispatch keeps it to short
-    rows)."""
-    mask = None
-    if segment_ids is not None:
+    """cuDNN flash attention, causal. Packed documents: cuDNN's packed layout (Hopper), each
+    document attended on its own with no mask in memory; a batch whose fullest row has more
+    than PACKED_RUNS_PER_ROW documents, and GPUs without the layout, use a [B, 1, T, T] mask
+    (cuDNN reads it as an additive bias, one tile per block: memory B T^2, so dispatch keeps
+    it to short rows)."""
+    if segment_ids is None:
+        return _cudnn_call(q, k, v, scale=scale, mask_type="causal")
+
+    def masked(q, k, v):
         mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
+        return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
+
+    if PACKED_RUNS_PER_ROW <= 0:
+        return masked(q, k, v)
+
+    M = min(q.shape[1], PACKED_RUNS_PER_ROW)
+    lengths, offsets, runs = packed_layout(segment_ids, M)
+
+    def packed(q, k, v):
+        return _cudnn_call(q, k, v, scale=scale, mask_type="packed", q_len=lengths,
+                           kv_len=lengths, offsets=offsets)
+
+    # Runs are documents only when ids never come back (the data pipeline numbers them 1, 2, ..
+    # along a row); otherwise, or with too many documents in a row, the mask is the definition.
+    fits = jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1]) & (jnp.max(runs) <= M)
+    try:
+        return lax.cond(fits, packed, masked, q, k, v)
+    except NotImplementedError:  # no packed layout on this GPU / cuDNN: the mask
+        return masked(q, k, v)
 
 
 def _splash_inputs(q, k, v, scale):

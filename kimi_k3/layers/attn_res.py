@@ -21,22 +21,37 @@ Modes:
              ones also over the partial sum. Memory and work per token: O(N D) for N blocks.
     "full"   every sublayer output is its own source: "block" with S = 1, and computed as such.
 
-The state is a dict of arrays with a fixed structure, so it can be the carry of a scan over
-layers: ``sources`` [N, B, T, D] (slot 0 = b_0, then one slot per block, the current block's
-slot holding its partial sum), ``inv_rms`` [N, B, T], ``n`` (the current block's slot) and
-``count`` (sublayers already in it). A read mixes slots 0 .. n-1, and slot n when count > 0.
-Under the scan over layers, backpropagation keeps this carry once per scan step, so training
-memory grows by about (steps x N) copies of [B, T, D]: modest for "block", large for "full" in
-deep stacks.
+Two forms of the state, one equation:
+
+* Scanned stacks (``init(..., unrolled=False)``): a dict of arrays with a fixed structure, so it
+  can be the carry of a scan over layers: ``sources`` [N, B, T, D] (slot 0 = b_0, then one slot
+  per block, the current block's slot holding its partial sum), ``inv_rms`` [N, B, T], ``n``
+  (the current block's slot) and ``count`` (sublayers already in it). A read mixes slots
+  0 .. n-1, and slot n when count > 0; it walks all N slots, since n is only known at run time.
+  Under the scan over layers, backpropagation keeps this carry once per scan step, so training
+  memory grows by about (steps x N) copies of [B, T, D]: modest for "block", large for "full"
+  in deep stacks.
+* Unrolled stacks (``init(..., unrolled=True)``): a :class:`SourceList`, every finished source
+  its own array and the block structure known while tracing. A read touches only the sources
+  that exist, a write adds to the partial sum and never copies the others, and a source
+  shared by many reads is stored once. This is the form that makes a training step fast
+  (no [N, B, T, D] stack rewritten per sublayer, no stacked residuals); the price is a program
+  that grows with depth (``model.scan_layers = False``).
+
+In both forms a read's output and mixing weights are named (``attn_res_read``,
+``attn_res_weights``) so that ``remat="dots_kernels"`` keeps them instead of reading every
+source again in the backward pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import ATTN_RES_MODES
 from kimi_k3.sharding import BTD, constrain, param
@@ -55,6 +70,26 @@ class DepthQuery(nnx.Module):
 def _inv_rms(x_BxTxD: jax.Array, eps: float) -> jax.Array:
     x = x_BxTxD.astype(jnp.float32)
     return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("blocks", "partial"),
+                   meta_fields=("count",))
+@dataclasses.dataclass(frozen=True)
+class SourceList:
+    """The depth state of an unrolled stack (modes "block" and "full").
+
+    blocks: the finished sources, each [B, T, D]: b_0 = the embedding, then one per full block.
+    partial: the current block's partial sum [B, T, D] (None while the block is empty).
+    count: sublayers in the current block; a Python int, static under jit and remat.
+    """
+
+    blocks: tuple[jax.Array, ...]
+    partial: jax.Array | None
+    count: int
+
+    @property
+    def sources(self) -> tuple[jax.Array, ...]:
+        return self.blocks + ((self.partial,) if self.count else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +120,13 @@ class DepthResidual:
         return 1 + -(-self.num_sublayers // self.block)
 
     @jax.named_scope("attn_res")
-    def init(self, embed_BxTxD: jax.Array) -> dict[str, jax.Array]:
-        """The state before the first sublayer: the embedding is the only source."""
+    def init(self, embed_BxTxD: jax.Array, *, unrolled: bool = False):
+        """The state before the first sublayer: the embedding is the only source. ``unrolled``:
+        the :class:`SourceList` form, for stacks whose layers are not scanned."""
         if self.mode == "none":
             return {"x": embed_BxTxD}
+        if unrolled:
+            return SourceList(blocks=(constrain(embed_BxTxD, BTD),), partial=None, count=0)
         N = self.num_slots
         sources = jnp.zeros((N, *embed_BxTxD.shape), embed_BxTxD.dtype).at[0].set(embed_BxTxD)
         inv_rms = jnp.zeros((N, *embed_BxTxD.shape[:2]), jnp.float32)
@@ -108,6 +146,8 @@ class DepthResidual:
         """
         if self.mode == "none":
             return state["x"]
+        if isinstance(state, SourceList):
+            return self._read_list(state.sources, w_D)
         sources = state["sources"]
         slot = jnp.arange(sources.shape[0])
         valid = (slot < state["n"]) | ((slot == state["n"]) & (state["count"] > 0))
@@ -116,14 +156,38 @@ class DepthResidual:
         a_NxBxT = jax.nn.softmax(jnp.where(valid[:, None, None], logits_NxBxT, _NEG), axis=0)
         # A sum over the few sources, not a matmul: XLA fuses the float32 conversion into the
         # reduction, so the sources are read once in their own dtype, never copied to float32.
+        a_NxBxT = checkpoint_name(a_NxBxT, "attn_res_weights")
         h = jnp.sum(a_NxBxT[..., None] * sources.astype(jnp.float32), axis=0)
-        return constrain(h.astype(sources.dtype), BTD)
+        return checkpoint_name(constrain(h.astype(sources.dtype), BTD), "attn_res_read")
+
+    def _read_list(self, sources: tuple[jax.Array, ...], w_D: jax.Array) -> jax.Array:
+        """The read over sources that all exist: n = len(sources) arrays [B, T, D]."""
+        w = w_D.astype(jnp.float32)
+        # One pass over each source gives both its dot with w and its RMS (a multi-output
+        # reduction); the key norm is computed here rather than stored, which costs no extra
+        # read of the source.
+        logits_NxBxT = jnp.stack([
+            jnp.sum(s.astype(jnp.float32) * w, axis=-1) * _inv_rms(s, self.eps) for s in sources])
+        a_NxBxT = checkpoint_name(jax.nn.softmax(logits_NxBxT, axis=0), "attn_res_weights")
+        h = a_NxBxT[0][..., None] * sources[0].astype(jnp.float32)
+        for i in range(1, len(sources)):
+            h = h + a_NxBxT[i][..., None] * sources[i].astype(jnp.float32)
+        return checkpoint_name(constrain(h.astype(sources[0].dtype), BTD), "attn_res_read")
 
     @jax.named_scope("attn_res")
     def write(self, state: dict[str, jax.Array], out_BxTxD: jax.Array) -> dict[str, jax.Array]:
         """Adds a sublayer's output to the current block; a full block stays as a source."""
         if self.mode == "none":
             return {"x": constrain(state["x"] + out_BxTxD.astype(state["x"].dtype), BTD)}
+        if isinstance(state, SourceList):
+            dtype = state.blocks[0].dtype
+            partial = out_BxTxD.astype(dtype)
+            if state.count:
+                partial = state.partial + partial
+            partial = constrain(partial, BTD)
+            if state.count + 1 == self.block:  # the block is full: it becomes a source
+                return SourceList(blocks=state.blocks + (partial,), partial=None, count=0)
+            return SourceList(blocks=state.blocks, partial=partial, count=state.count + 1)
         sources, n = state["sources"], state["n"]
         block = jax.lax.dynamic_index_in_dim(sources, n, 0, keepdims=False)
         block = block + out_BxTxD.astype(block.dtype)

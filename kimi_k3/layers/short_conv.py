@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -64,20 +65,11 @@ class ShortConv(nnx.Module):
         if tail_BxWm1xC is None:
             tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
         x_ext = jnp.concatenate([tail_BxWm1xC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
-        w = self.weight[...].astype(jnp.float32)
-        feat = (1,) * (x_BxTxC.ndim - 2)
-        y = jnp.zeros(x_BxTxC.shape, jnp.float32)
-        for lag in range(self.width):
-            # Tap w = W-1-lag multiplies x_{t-lag}.
-            x_lag = jax.lax.slice_in_dim(x_ext, Wm1 - lag, Wm1 - lag + T, axis=1)
-            term = x_lag.astype(jnp.float32) * w[Wm1 - lag]
-            if segment_ids_BxT is not None and lag > 0:
-                prev = jnp.pad(segment_ids_BxT, ((0, 0), (lag, 0)), mode="edge")[:, :T]
-                same = (prev == segment_ids_BxT).reshape(B, T, *feat)
-                term = jnp.where(same, term, 0.0)
-            y = y + term
+        seg = (jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None
+               else segment_ids_BxT.astype(jnp.int32))
+        y = _depthwise_causal_conv(x_ext, self.weight[...], seg)
         new_tail = x_ext[:, x_ext.shape[1] - Wm1:] if Wm1 > 0 else x_ext[:, :0]
-        return y.astype(x_BxTxC.dtype), new_tail
+        return y, new_tail
 
     def _context_parallel(self, x_BxTxC, segment_ids_BxT, tail_BxWm1xC, layout: ContextLayout):
         """The convolution with the tokens split over ``layout.axes``: the same taps, the W-1
@@ -99,6 +91,65 @@ class ShortConv(nnx.Module):
             body, mesh=layout.mesh, in_specs=(x_spec, layout.tokens, tail_spec, w_spec),
             out_specs=x_spec)(x_BxTxC, segment_ids_BxT.astype(jnp.int32),
                               tail_BxWm1xC.astype(x_BxTxC.dtype), self.weight[...])
+
+
+def _same_doc_masks(seg_BxT, W: int, feat: tuple) -> list:
+    """[B, T, 1...] per lag: does x_{t-lag} belong to token t's document (None for lag 0)."""
+    B, T = seg_BxT.shape
+    masks = [None]
+    for lag in range(1, W):
+        prev = jnp.pad(seg_BxT, ((0, 0), (lag, 0)), mode="edge")[:, :T]
+        masks.append((prev == seg_BxT).reshape(B, T, *feat))
+    return masks
+
+
+@jax.custom_vjp
+def _depthwise_causal_conv(x_ext_BxTWxC, w_WxC, seg_BxT):
+    """y_t = sum_lag where(same document, w[W-1-lag] * x_{t-lag}, 0) in float32, returned in
+    x's dtype; x_ext [B, W-1+T, *channels] holds the W-1 inputs before the first token.
+
+    Written with its own backward pass because the weight gradient is a column sum over every
+    token (B T rows of C channels): taken as XLA derives it, it fused with the layer's other
+    backward work into a reduction several times slower than reading its inputs.
+    """
+    W, T = w_WxC.shape[0], seg_BxT.shape[1]
+    feat = (1,) * (x_ext_BxTWxC.ndim - 2)
+    w = w_WxC.astype(jnp.float32)
+    y = jnp.zeros((x_ext_BxTWxC.shape[0], T, *x_ext_BxTWxC.shape[2:]), jnp.float32)
+    for lag, same in enumerate(_same_doc_masks(seg_BxT, W, feat)):
+        # Tap W-1-lag multiplies x_{t-lag}.
+        term = lax.slice_in_dim(x_ext_BxTWxC, W - 1 - lag, W - 1 - lag + T, axis=1)
+        term = term.astype(jnp.float32) * w[W - 1 - lag]
+        y = y + (term if same is None else jnp.where(same, term, 0.0))
+    return y.astype(x_ext_BxTWxC.dtype)
+
+
+def _conv_fwd(x_ext, w, seg):
+    return _depthwise_causal_conv(x_ext, w, seg), (x_ext, w, seg)
+
+
+def _conv_bwd(res, dy_BxTxC):
+    x_ext, w_WxC, seg = res
+    W, (B, T) = w_WxC.shape[0], seg.shape
+    channels = x_ext.shape[2:]
+    w = w_WxC.astype(jnp.float32)
+    dy = dy_BxTxC.astype(jnp.float32)
+    dx = jnp.zeros(x_ext.shape, jnp.float32)
+    dw = []
+    for lag, same in enumerate(_same_doc_masks(seg, W, (1,) * len(channels))):
+        dy_lag = dy if same is None else jnp.where(same, dy, 0.0)
+        x_lag = lax.slice_in_dim(x_ext, W - 1 - lag, W - 1 - lag + T, axis=1)
+        # The weight gradient as one column sum over a [B T, C] view.
+        prod = (x_lag.astype(jnp.float32) * dy_lag).reshape(B * T, -1)
+        dw.append(jnp.sum(prod, axis=0).reshape(channels))
+        dx = dx + jnp.pad(dy_lag * w[W - 1 - lag],
+                          [(0, 0), (W - 1 - lag, lag)] + [(0, 0)] * len(channels))
+    dw_WxC = jnp.stack(dw[::-1]).astype(w_WxC.dtype)
+    seg_ct = np.zeros(seg.shape, jax.dtypes.float0)
+    return dx.astype(x_ext.dtype), dw_WxC, seg_ct
+
+
+_depthwise_causal_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def _shard_conv(x_BxTxC, seg_BxT, tail_BxWm1xC, w_WxC, *, Wm1: int, axes, n: int):
