@@ -28,7 +28,10 @@ Backends (``backend=``, default from ``interpret`` and ``jax.default_backend()``
 
 Gates: ``lower_bound`` in [-5, 0) promises g >= lower_bound and selects the factored
 tensor-core path for the diagonal sub-blocks of the intra-chunk scores; None (or a bound below
--5) selects the safe path, exact for arbitrarily negative gates.
+-5) selects the safe path, exact for arbitrarily negative gates. With ``A_log`` and ``dt_bias``
+the kernel takes the gate logits f for g and applies the gate itself (intra_fwd's prologue,
+``kda_body.gate_from_logits``); the backward recomputes the gate's derivative from the saved f
+and returns df, with dA_log and d dt_bias from per-chunk sums.
 
 Tests: ``poison=True`` starts every kernel output as NaN. ``python -m
 pallas_kernels.triton_report`` prints the GPU kernels' shared memory, registers and spills for

@@ -21,6 +21,9 @@ St = S^T of shape [BV, K]) entering the chunk:
 
     V' = U - W S,   O = QG S + Aqk V',   S <- Diag(gam) S + Kg^T V'
 
+With the gate in the kernel (``KdaConfig.gate``), g itself is computed per chunk from the gate
+logits (``gate_from_logits``) and the backward maps dg to df (``gate_logit_grads``).
+
 Scores with the pairwise decay are matmuls by factoring E_ijd = exp(G_id - G_ad) exp(G_ad - G_jd)
 around an anchor row a of each sub-chunk of ``sub`` rows (see ``decayed_scores``).
 """
