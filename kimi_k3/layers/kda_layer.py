@@ -36,7 +36,7 @@ from kimi_k3.config import KdaSpec
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm, l2_normalize
 from kimi_k3.layers.short_conv import ShortConv
-from kimi_k3.ops import init_dt_bias, kda, kda_gate
+from kimi_k3.ops import init_dt_bias, kda
 from kimi_k3.ops.kda_context import kda_context_parallel
 from kimi_k3.sharding import BTHK, constrain, context_layout, param
 
@@ -130,14 +130,13 @@ class KDALayer(nnx.Module):
         A_log_HV, dt_bias_HVxK = self.A_log[...], self.dt_bias[...]
         with jax.named_scope("kda_gate"):
             beta_BxTxHV = jax.nn.sigmoid(b_BxTxHV.astype(jnp.float32))
-            if layout is not None:  # the context-parallel op takes the log-decay itself
-                g_BxTxHVxK = kda_gate(f_BxTxHVxK, A_log_HV, dt_bias_HVxK, self.spec.lower_bound)
-        # Otherwise the decay gate runs inside the op (in the Pallas kernel's prologue, so g
-        # never reaches memory), and profiles count it in kda_core.
+        # The decay gate runs inside the op (in the Pallas kernel's prologue, so g never reaches
+        # memory): profiles count it in kda_core.
         with jax.named_scope("kda_core"):
             if layout is not None:  # continuing from the cache's state, when there is one
                 o_BxTxHVxV, state = kda_context_parallel(
-                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
+                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, f_BxTxHVxK, beta_BxTxHV,
+                    A_log=A_log_HV, dt_bias=dt_bias_HVxK,
                     mesh=layout.mesh, context_axes=layout.axes, batch_axes=layout.batch,
                     head_axes=layout.heads, segment_ids=segment_ids_BxT,
                     initial_state=c.get("state"), output_final_state=cache is not None,
