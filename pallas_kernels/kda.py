@@ -28,7 +28,10 @@ Backends (``backend=``, default from ``interpret`` and ``jax.default_backend()``
 
 Gates: ``lower_bound`` in [-5, 0) promises g >= lower_bound and selects the factored
 tensor-core path for the diagonal sub-blocks of the intra-chunk scores; None (or a bound below
--5) selects the safe path, exact for arbitrarily negative gates.
+-5) selects the safe path, exact for arbitrarily negative gates. With ``A_log`` and ``dt_bias``
+the kernel takes the gate logits f for g and applies the gate itself (intra_fwd's prologue,
+``kda_body.gate_from_logits``); the backward recomputes the gate's derivative from the saved f
+and returns df, with dA_log and d dt_bias from per-chunk sums.
 
 Tests: ``poison=True`` starts every kernel output as NaN. ``python -m
 pallas_kernels.triton_report`` prints the GPU kernels' shared memory, registers and spills for
@@ -184,13 +187,15 @@ def _sub_rows(lower_bound, C: int) -> tuple[bool, int]:
 
 
 def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
-                tuning: KernelTuning, poison: bool = False) -> KdaConfig:
+                tuning: KernelTuning, poison: bool = False,
+                gate_in_kernel: bool = False) -> KdaConfig:
     """The static ``KdaConfig`` of one call.
 
     q [B, T, H, K] and v [B, T, HV, V] give the shapes and the compute dtype (arrays or
     ``jax.ShapeDtypeStruct``); lower_bound the gate path; mode one of MODES; tuning the launch
     parameters (GPU and interpret modes; the TPU modes pick their own tiles); poison: every
-    kernel output starts as NaN.
+    kernel output starts as NaN; gate_in_kernel: g holds the gate logits, and the gate form
+    follows lower_bound (None: softplus, a negative bound: bounded).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -216,34 +221,59 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         bv_intra=bv_intra, bk=bk, inverse_x3=bool(tuning.inverse_x3), warps_intra=tuning.warps_intra,
         warps_seq=tuning.warps_seq, warps_grad=tuning.warps_grad, warps_chan=tuning.warps_chan,
         stages_seq=tuning.stages_seq, stages_intra=tuning.stages_intra, poison=bool(poison),
+        gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
+        gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
     )
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, lower_bound,
                interpret=None, backend=None, tuning: KernelTuning | None = None,
-               poison: bool = False):
+               poison: bool = False, A_log=None, dt_bias=None):
     """KDA with the Pallas kernels. Inputs are validated by ``kimi_k3.ops.kda.kda``.
 
     tuning: the launch parameters; None takes ``default_tuning`` for the default backend's
     device kind. poison: every kernel output starts as NaN (an aliased NaN-filled buffer), so an
     element a kernel never writes shows up as NaN downstream (tests, benchmarks/kda_stress.py).
+    A_log [HV], dt_bias [HV, K] (or [HV * K]): the gate in the kernel. g is then the gate
+    logits f [B, T, HV, K] and intra_fwd computes the log-decay (``kimi_k3.ops.gates``) in
+    float32 from them: lower_bound * sigmoid(exp(A_log) (f + dt_bias)) with a lower_bound,
+    -exp(A_log) softplus(f + dt_bias) without.
 
     Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32). Differentiable in
-    q, k, v, g, beta and initial_state.
+    q, k, v, g, beta and initial_state (and A_log, dt_bias).
     """
     mode = _resolve_mode(interpret, backend)
     if tuning is None:
         tuning = default_tuning(jax.devices()[0].device_kind)
     elif not isinstance(tuning, KernelTuning):
         raise TypeError(f"kda_pallas: tuning must be a KernelTuning or None, got {tuning!r}")
+    gated = A_log is not None
+    if gated != (dt_bias is not None):
+        raise ValueError("kda_pallas: pass both A_log and dt_bias (the gate in the kernel) or "
+                         "neither")
     cfg = make_config(q, v, scale=scale, segment_ids=segment_ids, chunk_size=chunk_size,
-                      lower_bound=lower_bound, mode=mode, tuning=tuning, poison=poison)
+                      lower_bound=lower_bound, mode=mode, tuning=tuning, poison=poison,
+                      gate_in_kernel=gated)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if initial_state is None:
         initial_state = jnp.zeros((B, HV, K, V), f32)
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    return _kda(q, k, v, g, beta, initial_state.astype(f32), seg, cfg)
+    gate_params = _gate_params(A_log, dt_bias, cfg) if gated else ()
+    return _kda(q, k, v, g, beta, initial_state.astype(f32), seg, gate_params, cfg)
+
+
+def _gate_params(A_log_HV, dt_bias, cfg: KdaConfig):
+    """(A, dt_bias), each [HV, 1, Kp] float32, A = exp(A_log) repeated over the channels.
+
+    The padded channels hold zeros, and JAX's transpose of the pad drops their cotangents, so
+    A_log's gradient (through the repeat: a sum over channels) counts the real channels only.
+    """
+    HV, K = cfg.HV, cfg.k_dim
+    A_HVxK = jnp.broadcast_to(jnp.exp(A_log_HV.astype(f32))[:, None], (HV, K))
+    dt_bias_HVxK = dt_bias.astype(f32).reshape(HV, K)
+    pad = [(0, 0), (0, cfg.K - K)]
+    return tuple(jnp.pad(x, pad)[:, None, :] for x in (A_HVxK, dt_bias_HVxK))
 
 
 # ----------------------------------------------------------------------------- layout glue
@@ -298,10 +328,10 @@ def _prep(q, k, v, g, beta, seg, cfg: KdaConfig):
     return qk[0], qk[1], vv, gg, bb, segs
 
 
-def _forward(q, k, v, g, beta, h0, seg, cfg: KdaConfig, residuals: bool):
+def _forward(q, k, v, g, beta, h0, seg, gate_params, cfg: KdaConfig, residuals: bool):
     K, V = q.shape[3], v.shape[3]
     qp, kp, vp, gp, bp, segs = _prep(q, k, v, g, beta, seg, cfg)
-    W, U, QG, Kg, Aqk, gam, *wy = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, segs,
+    W, U, QG, Kg, Aqk, gam, *wy = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, segs, gate_params,
                                                   residuals=residuals)
     out = calls.state_fwd(cfg, W, U, QG, Kg, Aqk, gam, _state_to_kernel(h0, cfg),
                           out_dtype=v.dtype, residuals=residuals)
@@ -310,31 +340,40 @@ def _forward(q, k, v, g, beta, h0, seg, cfg: KdaConfig, residuals: bool):
     res = None
     if residuals:
         h, Vp = out[2:]
-        g_dtype = jnp.zeros((0,), g.dtype)  # the backward reads the forward's G, not g
-        res = (qp, kp, vp, g_dtype, bp, segs, W, U, QG, Kg, Aqk, gam, *wy, h, Vp)
+        # The backward reads the forward's G, not g; with the gate in the kernel it also needs
+        # the logits f (the gate's derivative, recomputed from f in float32).
+        g_saved = gp if cfg.gate != "given" else jnp.zeros((0,), g.dtype)
+        res = (qp, kp, vp, g_saved, bp, segs, gate_params, W, U, QG, Kg, Aqk, gam, *wy, h, Vp)
     return (o, ST), res
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kda(q, k, v, g, beta, h0, seg, cfg):
-    return _forward(q, k, v, g, beta, h0, seg, cfg, residuals=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _kda(q, k, v, g, beta, h0, seg, gate_params, cfg):
+    """gate_params: () (g is the log-decay) or (A, dt_bias) [HV, 1, Kp] (g is the logits f)."""
+    return _forward(q, k, v, g, beta, h0, seg, gate_params, cfg, residuals=False)[0]
 
 
-def _kda_fwd(q, k, v, g, beta, h0, seg, cfg):
-    return _forward(q, k, v, g, beta, h0, seg, cfg, residuals=True)
+def _kda_fwd(q, k, v, g, beta, h0, seg, gate_params, cfg):
+    return _forward(q, k, v, g, beta, h0, seg, gate_params, cfg, residuals=True)
 
 
 def _kda_bwd(cfg, residuals, cotangents):
-    qp, kp, vp, gp, bp, segs, W, U, QG, Kg, Aqk, gam, G, Akk, Tinv, h, Vp = residuals
+    qp, kp, vp, gp, bp, segs, gate_params, W, U, QG, Kg, Aqk, gam, G, Akk, Tinv, h, Vp = residuals
     q_dt, k_dt, v_dt, g_dt, b_dt = (x.dtype for x in (qp, kp, vp, gp, bp))
     K, V = cfg.k_dim, cfg.v_dim
     do, dST = cotangents
     dop = _pad_tokens(do.astype(v_dt), cfg, cfg.V)
     dh, dVp, dS0t = calls.state_bwd(cfg, dop, W, QG, Kg, Aqk, gam, _state_to_kernel(dST, cfg))
     grouped = cfg.G > 1
-    dq, dk, dv, dg, db = calls.intra_bwd(
+    gated = cfg.gate != "given"
+    dq, dk, dv, dg, db, dgate = calls.intra_bwd(
         cfg, qp, kp, vp, G, bp, segs, W, U, Akk, Tinv, h, dh, Vp, dVp, dop,
+        gp if gated else None, gate_params,
         dqk_dtype=f32 if grouped or q_dt != k_dt else q_dt, dv_dtype=v_dt, dg_dtype=g_dt)
+    # per-chunk column sums [B*HV, N, 1, Kp] (d dt_bias, dA) -> summed over rows and chunks
+    # [HV, 1, Kp], in gate_params' order (A, dt_bias)
+    d_gate_params = tuple(x.reshape(cfg.B, cfg.HV, cfg.N, 1, cfg.K).sum(axis=(0, 2))
+                          for x in dgate[::-1])
     dq, dk = (_unpad_tokens(x, cfg, K) for x in (dq, dk))
     if grouped:  # q/k head h served value heads h*G .. h*G+G-1
         B, T = dq.shape[:2]
@@ -344,7 +383,7 @@ def _kda_bwd(cfg, residuals, cotangents):
     db = _unpad_tokens(db, cfg, 1)[..., 0]
     dh0 = _state_from_kernel(dS0t, cfg, K, V)
     return (dq.astype(q_dt), dk.astype(k_dt), dv.astype(v_dt), dg.astype(g_dt), db.astype(b_dt),
-            dh0, None)
+            dh0, None, d_gate_params)
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

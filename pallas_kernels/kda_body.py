@@ -21,6 +21,9 @@ St = S^T of shape [BV, K]) entering the chunk:
 
     V' = U - W S,   O = QG S + Aqk V',   S <- Diag(gam) S + Kg^T V'
 
+With the gate in the kernel (``KdaConfig.gate``), g itself is computed per chunk from the gate
+logits (``gate_from_logits``) and the backward maps dg to df (``gate_logit_grads``).
+
 Scores with the pairwise decay are matmuls by factoring E_ijd = exp(G_id - G_ad) exp(G_ad - G_jd)
 around an anchor row a of each sub-chunk of ``sub`` rows (see ``decayed_scores``).
 """
@@ -73,6 +76,11 @@ class KdaConfig:
     # Tests: every kernel output starts as NaN (an aliased NaN-filled buffer), so an element a
     # kernel never writes shows up downstream.
     poison: bool = False
+    # What the kernels' g input holds: "given" the log-decay g itself; "bounded" or "softplus"
+    # the gate logits f, turned into g by ``gate_from_logits`` inside intra_fwd (the gate in
+    # the kernel: g never exists in memory, and the backward returns df instead of dg).
+    gate: str = "given"
+    gate_bound: float = 0.0  # the bounded form's lower_bound (< 0)
 
     @property
     def N(self) -> int:
@@ -170,6 +178,59 @@ def chunk_cumsum(g, cfg: KdaConfig):
 def reverse_cumsum(dG, cfg: KdaConfig):
     """dg_i = sum_{r >= i} dG_r: the transpose of ``chunk_cumsum``."""
     return mm(tril_ones(cfg.C), dG, cfg, ta=True, exact=True)
+
+
+# ----------------------------------------------------------------------------- gate
+
+
+def _sigmoid(x):
+    # 1 / (1 + e^-x) saturates to 0 or 1 without NaN (e^-x = inf gives 1/inf = 0), and is how
+    # Triton lowers lax.logistic anyway; written out so every backend sees the same formula.
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _softplus(x):
+    # log(1 + e^x) = max(x, 0) + log1p(e^-|x|): no overflow for large x, no loss for small e^x.
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def gate_from_logits(f, A, b, rows_ok, cfg: KdaConfig):
+    """The decay gate inside the kernel: g [C, BK] float32 from the gate logits f [C, BK],
+    A = exp(A_log) and dt_bias [1, BK] of this value head:
+
+        bounded:   g = lower_bound * sigmoid(A (f + dt_bias))      in [lower_bound, 0]
+        softplus:  g = -A softplus(f + dt_bias)                    <= 0
+
+    Rows past the last real token (``rows_ok`` False) get g = 0, as the padded g of the given
+    path does: the chunk's last row G_{C-1} decays the state it hands on.
+    """
+    x = f.astype(f32) + b
+    if cfg.gate == "bounded":
+        g = cfg.gate_bound * _sigmoid(A * x)
+    else:
+        g = -A * _softplus(x)
+    return jnp.where(rows_ok, g, 0.0)
+
+
+def gate_logit_grads(dg, f, A, b, rows_ok, cfg: KdaConfig):
+    """The chain rule through ``gate_from_logits``, from dg [C, BK] (dL/dg): returns df [C, BK]
+    and this chunk's column sums d(dt_bias), dA [1, BK] (the caller adds them over chunks).
+
+    With x = f + dt_bias (so dg/d dt_bias = dg/df):
+        bounded, z = A x:  dg/dz = lower_bound sigmoid(z) sigmoid(-z)  (= g (1 - g/lower_bound),
+                           but the product of two sigmoids keeps its accuracy where sigmoid(z)
+                           rounds to 1);  dg/df = A dg/dz,  dg/dA = x dg/dz
+        softplus:          dg/df = -A sigmoid(x),  dg/dA = -softplus(x)
+    """
+    x = f.astype(f32) + b
+    if cfg.gate == "bounded":
+        z = A * x
+        dg_dz = cfg.gate_bound * _sigmoid(z) * _sigmoid(-z)
+        df, dA = dg * A * dg_dz, dg * x * dg_dz
+    else:
+        df, dA = -dg * A * _sigmoid(x), -dg * _softplus(x)
+    df, dA = jnp.where(rows_ok, df, 0.0), jnp.where(rows_ok, dA, 0.0)
+    return df, jnp.sum(df, axis=0, keepdims=True), jnp.sum(dA, axis=0, keepdims=True)
 
 
 # ----------------------------------------------------------------------------- scores
@@ -445,8 +506,9 @@ def fwd_intra(io, n, cfg: KdaConfig):
     """One chunk's state-independent work, K slice by K slice (registers hold [C, C] and
     [C, BK] tiles, never [C, K]).
 
-    ``io`` loads: qkg(s) -> q, k, g slices [C, BK]; v(t) -> v tile [C, BV]; beta [C, 1];
-    seg = (a, lm, segc, segr) or Nones. ``io.put(name, index, value)`` stores QG, Kg, gam, W
+    ``io`` loads: qkg(s) -> q, k, g slices [C, BK] (g: the gate logits f when ``cfg.gate`` is
+    not "given", with gate_params(s) -> A, dt_bias [1, BK]); v(t) -> v tile [C, BV];
+    beta [C, 1]; seg = (a, lm, segc, segr) or Nones. ``io.put(name, index, value)`` stores QG, Kg, gam, W
     (by K slice), U (by V tile) and Aqk (masked); if ``io.residuals``, also G (by K slice), Akk
     (masked) and Tinv for the backward.
     """
@@ -455,8 +517,14 @@ def fwd_intra(io, n, cfg: KdaConfig):
     a, lm, segc, segr = io.seg
     beta = io.beta.astype(f32)
 
+    def qkg(s):
+        q, k, g = io.qkg(s)
+        if cfg.gate != "given":
+            g = gate_from_logits(g, *io.gate_params(s), iota((C, 1), 0) <= lv, cfg)
+        return q, k, g
+
     def scores(s, acc):
-        p = Slice(*io.qkg(s), a, lm, cfg)
+        p = Slice(*qkg(s), a, lm, cfg)
         Aqk, Akk = decayed_scores([p.qs, p.kf], p.kf, p.G, lv, cfg)
         io.put("QG", s, p.QG)
         io.put("Kg", s, p.Kg)
@@ -476,7 +544,7 @@ def fwd_intra(io, n, cfg: KdaConfig):
         io.put("Tinv", 0, Tinv)
 
     def w_slice(s, carry):
-        p = Slice(*io.qkg(s), a, lm, cfg)
+        p = Slice(*qkg(s), a, lm, cfg)
         io.put("W", s, mm(Tinv, beta * p.KGa, cfg))
         return carry
 
@@ -568,7 +636,9 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
     ``fwd_intra``) and, for the unbounded gate's diagonal blocks, dAqk and dAkk whole;
     vt(name, t) for Vp, dVp, dO;
     st(name, t, s) for St and dSt (the gradient of the state leaving the chunk) -> [BV, BK].
-    ``io.put`` stores dq, dk, dg of slice s.
+    ``io.put`` stores dq, dk, dg of slice s. With the gate in the kernel (``cfg.gate``), io also
+    loads f() -> the gate logits [C, BK] and gate_params(s) -> A, dt_bias [1, BK], and "dg"
+    receives df, with the chunk's d(dt_bias) and dA column sums put as "dbias" and "dA".
     """
     C, nv = cfg.C, cfg.V // cfg.bv_intra
     lv = last_valid_row(n, cfg)
@@ -601,4 +671,11 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
     dG = dG + jnp.where(iota((C, 1), 0) == C - 1, dG_last, 0.0)
     io.put("dq", s, (dqs + rq) * cfg.scale)
     io.put("dk", s, dk)
-    io.put("dg", s, reverse_cumsum(dG, cfg))
+    dg = reverse_cumsum(dG, cfg)
+    if cfg.gate == "given":
+        io.put("dg", s, dg)
+        return
+    df, dbias, dA = gate_logit_grads(dg, io.f(), *io.gate_params(s), iota((C, 1), 0) <= lv, cfg)
+    io.put("dg", s, df)
+    io.put("dbias", s, dbias)
+    io.put("dA", s, dA)

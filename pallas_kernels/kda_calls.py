@@ -193,18 +193,35 @@ def _slicers(cfg: KdaConfig):
     return (lambda s: pl.ds(s * cfg.bk, cfg.bk)), (lambda t: pl.ds(t * cfg.bv_intra, cfg.bv_intra))
 
 
-def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, *, residuals: bool = False):
+def _gate_param_spec(cfg: KdaConfig, width: int, slice_of=lambda *gi: 0):
+    """BlockSpec of A or dt_bias [HV, 1, K] (the in-kernel gate's per-head parameters): the row
+    of program (bh, ...)'s value head, ``width`` columns, column block ``slice_of(*grid)``."""
+    return pl.BlockSpec((None, 1, width),
+                        lambda bh, *gi: (_rem(bh, cfg.HV), 0, slice_of(bh, *gi)))
+
+
+def _take_gate(cfg: KdaConfig, refs):
+    """(the in-kernel gate's parameter refs (A, dt_bias) or (), the refs after them)."""
+    return (refs[:2], refs[2:]) if cfg.gate != "given" else ((), refs)
+
+
+def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
+              residuals: bool = False):
     """W, U, QG, Kg [B*HV, N, C, X] (cfg.cd), Aqk [B*HV, N, C, C] (cfg.cd), gam [B*HV, N, 1, K] f32
     and, with ``residuals`` (for the backward), the chunk-local cumulative gate G [B*HV, N, C, K]
     f32, the chunk's masked Akk [B*HV, N, C, C] f32 and Tinv = (I + Diag(beta) Akk)^-1
-    [B*HV, N, C, C] (cfg.cd)."""
+    [B*HV, N, C, C] (cfg.cd).
+
+    With the gate in the kernel (``cfg.gate`` not "given"), g holds the gate logits f and
+    ``gate_params`` = (A, dt_bias), each [HV, 1, K] float32."""
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
+    gate_specs = [_gate_param_spec(cfg, K)] * 2 if cfg.gate != "given" else []
     in_specs = [
         _tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
         _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, K, v_head, chunk),
-        _tok_spec(cfg, 1, v_head, chunk), *sp.seg,
+        _tok_spec(cfg, 1, v_head, chunk), *gate_specs, *sp.seg,
     ]
     out_specs = [per_chunk(K), per_chunk(V), per_chunk(K), per_chunk(K), per_chunk(C),
                  pl.BlockSpec((None, None, 1, K), lambda bh, n: (bh, n, 0, 0))]
@@ -218,6 +235,7 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, *, residuals: bool = False
                       jax.ShapeDtypeStruct((BHV, N, C, C), dt)]
 
     def kernel(q_r, k_r, v_r, g_r, b_r, *refs):
+        gate_r, refs = _take_gate(cfg, refs)
         seg, outs = _take_seg(cfg, refs)
         W_r, U_r, QG_r, Kg_r, A_r, gam_r, *res_r = outs
         ks, vs = _slicers(cfg)
@@ -229,10 +247,11 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, *, residuals: bool = False
 
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
-            v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put, residuals=residuals)
+            v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put, residuals=residuals,
+            gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
         body.fwd_intra(io, pl.program_id(1), cfg)
 
-    args = (q, k, v, g, beta) + (tuple(segs) if cfg.has_seg else ())
+    args = (q, k, v, g, beta, *gate_params) + (tuple(segs) if cfg.has_seg else ())
     return _call(kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
                  out_shape=out_shape, name="kda_intra_fwd", warps=cfg.warps_intra,
                  stages=cfg.stages_intra)(*args)
@@ -402,9 +421,12 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt):
 # ----------------------------------------------------------------------------- intra (bwd)
 
 
-def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp, dVp, dO, *,
-              dqk_dtype, dv_dtype, dg_dtype):
-    """dq, dk (per value head) and dg [.., K], dv [.., V], dbeta [.., 1], all in the user layout.
+def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp, dVp, dO,
+              f=None, gate_params=(), *, dqk_dtype, dv_dtype, dg_dtype):
+    """dq, dk (per value head) and dg [.., K], dv [.., V], dbeta [.., 1], all in the user layout,
+    and a tuple: () or, with the gate in the kernel (f the gate logits in the user layout,
+    gate_params = (A, dt_bias) [HV, 1, K]), the per-chunk column sums of d(dt_bias) and dA
+    [B*HV, N, 1, K] float32; dg then holds df.
 
     Two kernels: ``intra_bwd_scores`` per chunk (grid (B*HV, N): dv, dbeta and the chunk's
     [C, C] dAqk, dAkk and their transposes, stored in cfg.cd since their only consumers are
@@ -413,9 +435,10 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
     """
     dv, db, *dA = intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO,
                                    dv_dtype=dv_dtype)
-    dq, dk, dg = intra_bwd_channels(cfg, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO,
-                                    dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
-    return dq, dk, dv, dg, db
+    dq, dk, dg, *dgate = intra_bwd_channels(
+        cfg, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO, f, gate_params,
+        dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
+    return dq, dk, dv, dg, db, tuple(dgate)
 
 
 def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
@@ -460,10 +483,11 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         stages=cfg.stages_intra)(k, v, G, beta, *segs, W, U, Akk, Tinv, h, Vp, dVp, dO)
 
 
-def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO, *,
-                       dqk_dtype, dg_dtype):
+def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO,
+                       f=None, gate_params=(), *, dqk_dtype, dg_dtype):
     """Backward part 2, grid (B*HV, N, K/BK): dq, dk (per value head) and dg in the user layout.
-    dA = (dAqk, dAkk, dAqk^T, dAkk^T) from ``intra_bwd_scores``."""
+    dA = (dAqk, dAkk, dAqk^T, dAkk^T) from ``intra_bwd_scores``. With the gate in the kernel
+    (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums."""
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     nk = K // cfg.bk
     sp = _chunk_specs(cfg)
@@ -482,17 +506,31 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     out_specs = [_tok_spec(cfg, bk, v_head, slice_k)] * 3
     out_shape = [_tok_shape(cfg, HV, K, dqk_dtype), _tok_shape(cfg, HV, K, dqk_dtype),
                  _tok_shape(cfg, HV, K, dg_dtype)]
+    gated = cfg.gate != "given"
+    gate_args = (f, *gate_params) if gated else ()
+    if gated:  # the logits' K slice, A and dt_bias in; per-chunk d(dt_bias), dA sums out
+        in_specs += [_tok_spec(cfg, bk, v_head, slice_k),
+                     *[_gate_param_spec(cfg, bk, lambda bh, n, s: s)] * 2]
+        out_specs += [pl.BlockSpec((None, None, 1, bk), lambda bh, n, s: (bh, n, 0, s))] * 2
+        out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32)] * 2
     ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
 
     def channels_kernel(q_r, k_r, G_r, b_r, *refs):
         seg, rest = _take_seg(cfg, refs)
-        *dA_r, Ti_r, h_r, dh_r, Vp_r, dVp_r, dO_r, dq_r, dk_r, dg_r = rest
+        *dA_r, Ti_r, h_r, dh_r, Vp_r, dVp_r, dO_r = rest[:len(DA_NAMES) + 6]
+        rest = rest[len(DA_NAMES) + 6:]
+        f_r, *gate_r = rest[:3] if gated else (None,)
+        dq_r, dk_r, dg_r, *dgate_r = rest[3:] if gated else rest
         _, vs = _slicers(cfg)
         by_v = {"Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
         dA = dict(zip(DA_NAMES, dA_r, strict=True))
         cc = {"Tinv": Ti_r, "dAqk": dA["dAqk"], "dAkk": dA["dAkk"]}
-        put = _writer(None, vs, by_k={}, by_v={}, whole={"dq": dq_r, "dk": dk_r, "dg": dg_r})
+        whole = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
+        if gated:
+            whole.update(dbias=dgate_r[0], dA=dgate_r[1])
+        put = _writer(None, vs, by_k={}, by_v={}, whole=whole)
         io = SimpleNamespace(
+            f=lambda: f_r[...], gate_params=lambda s: tuple(r[...] for r in gate_r),
             qkg=lambda s: (q_r[...], k_r[...], None), G=lambda s: G_r[...],
             # anchor rows of G straight from memory; Mosaic takes the masked-reduction default
             G_row=None if head_major(cfg) else (lambda r: G_r[pl.ds(r, 1), :]),
@@ -502,11 +540,10 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
         body.bwd_intra_channels(io, pl.program_id(1), 0, ch_cfg)
 
-    dq, dk, dg = _call(
+    return _call(
         channels_kernel, cfg, grid=(BHV, N, nk), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="kda_intra_bwd_channels", warps=cfg.warps_chan,
-        stages=cfg.stages_intra)(q, k, G, beta, *segs, *dA, Tinv, h, dh, Vp, dVp, dO)
-    return dq, dk, dg
+        stages=cfg.stages_intra)(q, k, G, beta, *segs, *dA, Tinv, h, dh, Vp, dVp, dO, *gate_args)
 
 
 @functools.cache

@@ -12,6 +12,10 @@
    sharding (tokens split over context), packed documents crossing shard boundaries: the loss
    and the gradient of every parameter (every shard of it: the arrays are gathered whole);
    the lowered program must contain the all-gather and the collective permute.
+   With the gate in the op (``A_log``, ``dt_bias``, the gate's pre-activation f for g; the
+   Pallas kernel at context = 2): outputs, final state and the gradients of every input and of
+   A_log and dt_bias (replicated over the shards: their gradients are summed across them)
+   against the one-device op fed the same f.
 3. Bad combinations: errors that name the field.
 4. eval.py's scorer reading a window in 2 pieces with the cache carried, each piece split over
    context = 4 (``--config.mesh.context=4``): the next-token NLLs against one device's; a
@@ -273,11 +277,49 @@ def prefill_errors() -> dict:
     return out
 
 
+def op_gate_errors(n: int = 2, impl: str = "pallas") -> dict:
+    """The context-parallel op with the gate in the op (bounded form) against the one-device
+    op with the same gate: outputs, final state, and every gradient (f, A_log, dt_bias too)."""
+    args, seg = op_inputs(seed=2)
+    rng = np.random.default_rng(3)
+    f = rng.normal(size=(B, T, HV, K))
+    A_log, dt_bias = 0.5 * rng.normal(size=HV), rng.normal(size=(HV, K))
+    q, k, v, _, beta, S0 = (jnp.asarray(x, jnp.float32) for x in args)
+    f, A_log, dt_bias = (jnp.asarray(x, jnp.float32) for x in (f, A_log, dt_bias))
+    ins = [q, k, v, f, beta, S0, A_log, dt_bias]
+    seg_j = jnp.asarray(seg)
+    w_o = jnp.asarray(rng.normal(size=(B, T, HV, V)), jnp.float32)
+    w_S = jnp.asarray(rng.normal(size=(B, HV, K, V)), jnp.float32)
+    kw = dict(initial_state=None, output_final_state=True, segment_ids=seg_j, chunk_size=CHUNK,
+              lower_bound=-5.0)
+
+    def one_device(q, k, v, f, beta, S0, A_log, dt_bias):
+        o, S = kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, impl="recurrent",
+                   **{**kw, "initial_state": S0})
+        return jnp.sum(o * w_o) + jnp.sum(S * w_S), (o, S)
+
+    mesh = context_mesh(n)
+
+    def split(q, k, v, f, beta, S0, A_log, dt_bias):
+        o, S = kda_context_parallel(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, mesh=mesh,
+                                    context_axes="context", impl=impl,
+                                    **{**kw, "initial_state": S0})
+        return jnp.sum(o * w_o) + jnp.sum(S * w_S), (o, S)
+
+    grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=tuple(range(8)), has_aux=True))
+    (_, (o_ref, S_ref)), g_ref = grad(one_device)(*ins)
+    with jax.set_mesh(mesh):
+        (_, (o, S)), g = grad(split)(*ins)
+    names = ("q", "k", "v", "f", "beta", "S0", "A_log", "dt_bias")
+    return {"o": rel_err(o, o_ref), "S": rel_err(S, S_ref),
+            **{f"d{name}": rel_err(a, b) for name, a, b in zip(names, g, g_ref, strict=True)}}
+
+
 def main():
     assert jax.device_count() == 8, jax.devices()
-    which = sys.argv[1:] or ["op", "model", "bad", "prefill"]
-    parts = {"op": op_errors, "model": model_errors, "bad": bad_combinations,
-             "prefill": prefill_errors}
+    which = sys.argv[1:] or ["op", "op_gate", "model", "bad", "prefill"]
+    parts = {"op": op_errors, "op_gate": op_gate_errors, "model": model_errors,
+             "bad": bad_combinations, "prefill": prefill_errors}
     out = {name: parts[name]() for name in which}
     print("RESULT " + json.dumps(out))
     sys.stdout.flush()

@@ -45,6 +45,17 @@ def test_kda_op_across_shards_matches_float64_recurrence(result):
         assert err["grad_vs_float64"] < 1e-4, (case, err)  # float32 gradients, central differences
 
 
+def test_kda_op_with_the_gate_in_the_op_across_shards_matches_one_device(result):
+    """f, A_log and dt_bias into the op (the Pallas kernel's in-kernel gate on each shard):
+    outputs and every gradient, A_log's and dt_bias's summed over the shards."""
+    err = result["op_gate"]
+    assert set(err) == {"o", "S", "dq", "dk", "dv", "df", "dbeta", "dS0", "dA_log",
+                        "ddt_bias"}, err
+    assert err["o"] < 1e-6 and err["S"] < 1e-6, err
+    for name, e in err.items():  # float32 sums over the shards in another order
+        assert e < 5e-5, (name, err)
+
+
 def test_model_across_context_axis_matches_one_device(result):
     m = result["model"]
     for mesh in ("context2", "context4", "context8", "data2_context4"):

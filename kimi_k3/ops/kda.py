@@ -10,6 +10,13 @@ Layout follows flash-linear-attention's ``chunk_kda`` so code moves between the 
 
 Per token: S <- Diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t).
 
+The gate inside the op (fla's ``use_gate_in_kernel``): given ``A_log`` [HV] and ``dt_bias``
+[HV, K], the fourth argument is the gate's pre-activation f [B, T, HV, K] (any float dtype)
+and the op computes g from it (``kimi_k3.ops.gates.kda_gate``, the form chosen by
+``lower_bound``). The Pallas kernel does so in its prologue, in float32, and returns df, dA_log,
+d dt_bias from its backward: g never exists in memory and cannot break the bound. The other
+implementations apply ``kda_gate`` first (they define the semantics).
+
 Implementations (``impl=``):
     "recurrent"  token by token with lax.scan: the definition.
     "xla"        the chunked (WY) form in plain JAX; any T; differentiable; O(T) memory.
@@ -27,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_k3.dispatch import KDA_IMPLS, choose_kda_impl
+from kimi_k3.ops.gates import kda_gate
 from kimi_k3.ops.kda_chunked import kda_chunked
 from kimi_k3.ops.kda_guards import check_gate
 from kimi_k3.ops.kda_guards import isolate_documents as isolate_nonfinite
@@ -83,12 +91,42 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl, lo
             raise ValueError(f"kda: {name} must be a floating dtype, got {x.dtype}")
 
 
+def _validate_gate(A_log, dt_bias, HV: int, K: int):
+    """The in-kernel gate's parameters: both or neither, A_log [HV], dt_bias [HV, K] or
+    [HV * K], floating."""
+    if (A_log is None) != (dt_bias is None):
+        given, missing = ("A_log", "dt_bias") if dt_bias is None else ("dt_bias", "A_log")
+        raise ValueError(f"kda: {given} was given without {missing}; the gate in the op needs "
+                         "both (or neither, with g the log-decay itself)")
+    if A_log is None:
+        return
+    if A_log.shape != (HV,):
+        raise _shape_error("A_log", A_log.shape, f"must be [HV] = {(HV,)} (one per value head)")
+    if dt_bias.shape not in ((HV, K), (HV * K,)):
+        raise _shape_error("dt_bias", dt_bias.shape,
+                           f"must be [HV, K] = {(HV, K)} or flat [HV * K] = {(HV * K,)}")
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"kda: {name} must be a floating dtype, got {x.dtype}")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound, tuning):
-    """One implementation on validated, clamped arguments: (o float32 or v's dtype, S_T f32)."""
+def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound, tuning,
+         gate_params=None):
+    """One implementation on validated, clamped arguments: (o float32 or v's dtype, S_T f32).
+
+    gate_params: None (g is the log-decay) or (A_log, dt_bias) (g is the gate's pre-activation
+    f): the kernel takes them, the other implementations apply the gate first."""
+    if gate_params is not None:
+        if impl == "pallas":
+            A_log, dt_bias = gate_params
+            return kda_pallas(q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=seg,
+                              chunk_size=chunk_size, lower_bound=lower_bound, tuning=tuning,
+                              A_log=A_log, dt_bias=dt_bias)
+        g = kda_gate(g, *gate_params, lower_bound)
     if impl == "recurrent":
         return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
                              segment_ids_BxT=seg)
@@ -116,11 +154,14 @@ def kda(
     check_inputs: bool = False,
     isolate_documents: bool = True,
     tuning: KernelTuning | None = None,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Kimi Delta Attention over a whole sequence.
 
     Args:
-      q, k: [B, T, H, K]. v: [B, T, HV, V], HV a multiple of H. g: [B, T, HV, K] log-decay (<= 0).
+      q, k: [B, T, H, K]. v: [B, T, HV, V], HV a multiple of H. g: [B, T, HV, K] log-decay (<= 0),
+        or, with ``A_log`` and ``dt_bias``, the gate's pre-activation f (any float dtype).
       beta: [B, T, HV]. scale: multiplies q; defaults to K ** -0.5.
       initial_state: [B, HV, K, V] float32, the state before token 0 (of each row's first segment).
       output_final_state: return the state after the last token.
@@ -138,6 +179,14 @@ def kda(
         any value is non-finite (a training step, whose loss mixes all documents) can skip it.
       tuning: the Pallas kernel's launch parameters (``pallas_kernels.kda.KernelTuning``);
         None: ``default_tuning`` for the device kind. Ignored by the other implementations.
+      A_log: [HV], dt_bias: [HV, K] (or flat [HV * K]): the gate inside the op (both or
+        neither). g is then f, and the log-decay is, per value head h and channel d,
+            lower_bound given:  g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h, d]))
+            lower_bound None:   g = -exp(A_log[h]) * softplus(f + dt_bias[h, d])
+        computed in float32 (inside the Pallas kernel; ``kda_gate`` first elsewhere), so the
+        gate promise below holds by construction. Differentiable in f, A_log and dt_bias. With
+        ``segment_ids`` and ``isolate_documents`` the gate is applied before the guard (which
+        works on g), so g is materialised on that path.
 
     What is promised, and what happens otherwise:
       - g <= 0 everywhere, and g >= lower_bound when one is given. Broken, an eager call (or a
@@ -156,15 +205,22 @@ def kda(
     _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl, lower_bound)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
+    _validate_gate(A_log, dt_bias, HV, K)
     if scale is None:
         scale = K ** -0.5
     S0 = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state
     if T == 0:
         return jnp.zeros((B, 0, HV, V), v.dtype), (S0 if output_final_state else None)
-    check_gate(g, lower_bound, check_inputs)
+    gate_params = None if A_log is None else (A_log, dt_bias)
+    if gate_params is not None and segment_ids is not None and isolate_documents:
+        # The guard marks non-finite per-token inputs and takes the implementation as a fixed
+        # function of them: give it g (a bad f, A_log or dt_bias shows up in g where it hits).
+        g, gate_params = kda_gate(g, A_log, dt_bias, lower_bound), None
+    if gate_params is None:  # (with the gate in the op its form guarantees the promise)
+        check_gate(g, lower_bound, check_inputs)
     run = functools.partial(_run, impl=choose_kda_impl(impl), scale=scale,
                             chunk_size=min(chunk_size, _next_pow2(T)), lower_bound=lower_bound,
-                            tuning=tuning)
+                            tuning=tuning, gate_params=gate_params)
     if segment_ids is None:
         o, S = run(q, k, v, g, beta, S0, None)
     elif not isolate_documents:

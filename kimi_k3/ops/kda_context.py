@@ -44,7 +44,10 @@ dtype (bf16 in a bf16 model), rounded like the outputs themselves. The causal lo
 (every shard does the same work), unlike attention's.
 
 Shapes as in ``kimi_k3.ops.kda``: q, k [B, T, H, K], v [B, T, HV, V], g [B, T, HV, K],
-beta [B, T, HV], state [B, HV, K, V] float32, segment_ids [B, T] int.
+beta [B, T, HV], state [B, HV, K, V] float32, segment_ids [B, T] int. With ``A_log`` [HV] and
+``dt_bias`` [HV, K] the gate runs inside each shard's op, as in ``kda`` (g is then the gate's
+pre-activation f); the two are replicated over the context axes, so their gradients are
+summed over the shards (shard_map's transpose of an input the axis does not split).
 """
 
 from __future__ import annotations
@@ -153,6 +156,8 @@ def kda_context_parallel(
     lower_bound: float | None = None,
     impl: str = "auto",
     tuning=None,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``kimi_k3.ops.kda`` with the token axis split over ``context_axes`` of ``mesh`` (a Mesh
     or the AbstractMesh in context), by state passing (module docstring). Same arguments and
@@ -185,8 +190,17 @@ def kda_context_parallel(
         kda_shard, axis=axes, num_shards=n, scale=scale, chunk_size=chunk_size,
         lower_bound=lower_bound, impl=impl, tuning=tuning)
 
-    def run(q, k, v, g, beta, S0, seg):
-        o, S_final = body(q, k, v, g, beta, S0, seg)
+    # The gate's parameters (when the op applies the gate): split by heads like v, whole on
+    # every device of the context axes.
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("kda_context_parallel: pass both A_log and dt_bias (the gate in the op) "
+                         "or neither")
+    gate = () if A_log is None else (A_log, dt_bias.reshape(HV, K))
+    gate_specs = (PartitionSpec(head_axes), PartitionSpec(head_axes, None)) if gate else ()
+
+    def run(q, k, v, g, beta, S0, seg, *gate):
+        gate_kw = dict(zip(("A_log", "dt_bias"), gate, strict=False))
+        o, S_final = body(q, k, v, g, beta, S0, seg, **gate_kw)
         return o, S_final[None]  # one copy per device: the last one is read below
 
     # The Pallas calls declare no per-device types for their outputs, which shard_map's type
@@ -197,7 +211,7 @@ def kda_context_parallel(
         run, mesh=mesh, check_vma=check_vma,
         in_specs=(tok, tok, tok, tok, PartitionSpec(batch_axes, ctx, head_axes),
                   PartitionSpec(batch_axes, head_axes, None, None),
-                  PartitionSpec(batch_axes, ctx)),
+                  PartitionSpec(batch_axes, ctx), *gate_specs),
         out_specs=(tok, PartitionSpec(ctx, batch_axes, head_axes, None, None)),
-    )(q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids.astype(jnp.int32))
+    )(q, k, v, g, beta, initial_state.astype(jnp.float32), segment_ids.astype(jnp.int32), *gate)
     return o, (S_final[-1] if output_final_state else None)
