@@ -15,9 +15,15 @@
 # step2:    the packed-document cuDNN attention checked (tests) and timed against the mask,
 #           short_conv_bench.py, then step_profile.py on configs/1b.py at 4 rows, layers
 #           unrolled (SourceList Attention Residuals) and scanned.
+# step3:    the GPU cases of the packed-attention, short-conv and gate-in-kernel tests; the
+#           attention table; step_profile.py on configs/1b.py at 4 rows; configs/1b.py as
+#           written; configs/small.py 50 steps, this code and the code in .old/ (loss curves).
+# loss:     configs/small.py, STEPS steps (default 50), this code and the code in .old/.
+# unrolled: step_profile.py on configs/1b.py at 4 rows with the layers unrolled
+#           (scan_layers=False: SourceList Attention Residuals), and its compile time.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of profile, fixes, remat, mfu, step2}
+PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, unrolled}
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
 mkdir -p "$OUT" "$W"
@@ -96,6 +102,41 @@ if [ "$PHASE" = step2 ]; then
     profile 1b_b4_unrolled 200 --config=configs/1b.py --config.data.global_batch_size=4 \
         --config.model.scan_layers=False $EXTRA
     profile 1b_b4_scanned 120 --config=configs/1b.py --config.data.global_batch_size=4 $EXTRA
+fi
+
+if [ "$PHASE" = step3 ]; then
+    if [ -z "${SKIP_TESTS:-}" ]; then
+        timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_layers.py \
+            tests/test_kda_gate_in_kernel.py -k "packed or conv or gate" 2>&1 | tail -n 12 \
+            | tee "$OUT/tests.txt"
+    fi
+    timeout 90 python3 benchmarks/attention_bench.py --batch=4 --impls=cudnn:mask,cudnn \
+        2>&1 | grep "^|\|documents" | tee "$OUT/attention.md"
+    profile 1b_b4 110 --config=configs/1b.py --config.data.global_batch_size=4 $EXTRA
+    tp 1b_64 150 6 2 --config=configs/1b.py
+    tp small 70 50 1 --config=configs/small.py
+    cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
+    (cd .old && timeout 70 python3 benchmarks/train_throughput.py --config=configs/small.py \
+        --workdir="$W/run_small_old" --config.train.steps=50 --config.train.log_every=1 \
+        --out="$W/throughput_small_old.md" > "$W/throughput_small_old.log" 2>&1)
+    cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+fi
+
+if [ "$PHASE" = loss ]; then
+    N=${STEPS:-50}
+    timeout 90 python3 benchmarks/train_throughput.py --config=configs/small.py \
+        --workdir="$W/run_small" --config.train.steps="$N" --config.train.log_every=1 \
+        > "$W/throughput_small.log" 2>&1
+    cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
+    (cd .old && timeout 90 python3 benchmarks/train_throughput.py --config=configs/small.py \
+        --workdir="$W/run_small_old" --config.train.steps="$N" --config.train.log_every=1 \
+        > "$W/throughput_small_old.log" 2>&1)
+    cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+fi
+
+if [ "$PHASE" = unrolled ]; then
+    profile 1b_b4_unrolled 420 --config=configs/1b.py --config.data.global_batch_size=4 \
+        --config.model.scan_layers=False $EXTRA
 fi
 
 if [ "$PHASE" = profile ]; then

@@ -126,6 +126,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.kda.gate_lower_bound = -5.0  # g_min of the bounded gate (per-token log-decay floor)
     cfg.kda.chunk_size = 64  # tokens per chunk of the chunked KDA forms (power of two)
     cfg.kda.impl = "auto"  # "auto" | "recurrent" | "xla" | "pallas"
+    # The decay gate inside the KDA op (the Pallas kernel's prologue: g never reaches memory)
+    # instead of before it. Off by default: on the H200 the gated kernels made the 1B training
+    # step's compilation run past two minutes (BENCHMARKS.md).
+    cfg.kda.gate_in_kernel = False
 
     cfg.mla = ml_collections.ConfigDict()
     cfg.mla.num_heads = 4  # MLA heads H
@@ -277,6 +281,7 @@ class KdaSpec:
     lower_bound: float | None  # the bounded gate's g_min; None for the softplus form
     chunk_size: int  # tokens per chunk of the chunked forms
     impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
+    gate_in_kernel: bool = False  # the decay gate computed inside the KDA op
     norm_eps: float = 1e-6  # the output RMSNorm's epsilon: model.norm_eps (Kimi Linear's
     # rms_norm_eps reaches this norm too)
 
@@ -562,7 +567,8 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) ->
     return KdaSpec(num_heads=H, head_dim=head_dim or d_model // H, num_v_heads=HV,
                    conv_width=f.int("conv_width", 1), gate=gate,
                    lower_bound=bound if gate == "bounded" else None, chunk_size=chunk,
-                   impl=dispatch.choose_kda_impl(impl, backend), norm_eps=norm_eps)
+                   impl=dispatch.choose_kda_impl(impl, backend),
+                   gate_in_kernel=f.bool("gate_in_kernel"), norm_eps=norm_eps)
 
 
 def _mla_spec(cfg, d_model: int) -> MlaSpec:

@@ -233,6 +233,26 @@ def test_kda_layer_core_equals_recurrent_reference():
     assert layer.spec.lower_bound == -5.0
 
 
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_kda_layer_gate_in_kernel_equals_gate_before_the_op(gate):
+    """kda.gate_in_kernel moves the decay gate into the op: the same outputs and gradients."""
+    layer = kda_layer(gate)
+    x = normal(int(np.random.default_rng().integers(1 << 20)), (2, 19, D))
+    seg = packed_segments(2, 19, seed=2)
+
+    def out_and_grads(layer):
+        loss = lambda m, x: jnp.sum(jnp.sin(m(x, seg)[0]))
+        return apply(layer, x, seg)[0], nnx.jit(nnx.grad(loss))(layer, x)
+
+    want, g_want = out_and_grads(layer)
+    layer.spec = dataclasses.replace(layer.spec, gate_in_kernel=True)
+    got, g_got = out_and_grads(layer)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_got), nnx.to_flat_state(g_want),
+                                 strict=True):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
+
+
 def test_kda_layer_is_causal_by_gradient_across_documents():
     """Chunked core, softplus (unbounded) gate."""
     layer = kda_layer("softplus")

@@ -8,7 +8,8 @@ With x [B, T, D], H query/key heads, HV = G*H value heads, head dims K (q, k) an
     f = x W_f_down W_f_up                       [B, T, HV, K]   (rank K bottleneck)
     g = gate(f)                                 bounded: g_min * sigmoid(exp(A_log) (f + dt_bias))
                                                 softplus: -exp(A_log) softplus(f + dt_bias)
-                                                (inside the KDA op: g is never materialised)
+                                                (kda.gate_in_kernel: inside the KDA op, g never
+                                                 materialised)
     beta = sigmoid(x W_b)                       [B, T, HV]
     o = KDA(q, k, v, g, beta)                   per token: S <- Diag(exp g) S;
                                                 S <- S + beta k (v - S^T k)^T;  o = S^T q / sqrt(K)
@@ -36,7 +37,7 @@ from kimi_k3.config import KdaSpec
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm, l2_normalize
 from kimi_k3.layers.short_conv import ShortConv
-from kimi_k3.ops import init_dt_bias, kda
+from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
 from kimi_k3.sharding import BTHK, constrain, context_layout, param
 
@@ -130,13 +131,22 @@ class KDALayer(nnx.Module):
         A_log_HV, dt_bias_HVxK = self.A_log[...], self.dt_bias[...]
         with jax.named_scope("kda_gate"):
             beta_BxTxHV = jax.nn.sigmoid(b_BxTxHV.astype(jnp.float32))
-        # The decay gate runs inside the op (in the Pallas kernel's prologue, so g never reaches
-        # memory): profiles count it in kda_core.
+            # What the op takes as g: the log-decay, or the gate's pre-activation with the
+            # gate's parameters (gate_in_kernel).
+            if self.spec.gate_in_kernel:
+                gate_BxTxHVxK, gate_params = f_BxTxHVxK, {"A_log": A_log_HV,
+                                                          "dt_bias": dt_bias_HVxK}
+            else:
+                gate_BxTxHVxK = kda_gate(f_BxTxHVxK, A_log_HV, dt_bias_HVxK,
+                                         self.spec.lower_bound)
+                gate_params = {}
+        # With gate_in_kernel the decay gate runs inside the op (in the Pallas kernel's
+        # prologue, so g never reaches memory): profiles count it in kda_core.
         with jax.named_scope("kda_core"):
             if layout is not None:  # continuing from the cache's state, when there is one
                 o_BxTxHVxV, state = kda_context_parallel(
-                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, f_BxTxHVxK, beta_BxTxHV,
-                    A_log=A_log_HV, dt_bias=dt_bias_HVxK,
+                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, gate_BxTxHVxK, beta_BxTxHV,
+                    **gate_params,
                     mesh=layout.mesh, context_axes=layout.axes, batch_axes=layout.batch,
                     head_axes=layout.heads, segment_ids=segment_ids_BxT,
                     initial_state=c.get("state"), output_final_state=cache is not None,
@@ -144,8 +154,8 @@ class KDALayer(nnx.Module):
                     impl=self.spec.impl)
             else:
                 o_BxTxHVxV, state = kda(
-                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, f_BxTxHVxK, beta_BxTxHV,
-                    A_log=A_log_HV, dt_bias=dt_bias_HVxK,
+                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, gate_BxTxHVxK, beta_BxTxHV,
+                    **gate_params,
                     initial_state=c.get("state"),
                     output_final_state=cache is not None,
                     segment_ids=segment_ids_BxT,
