@@ -75,6 +75,19 @@ tp() {  # name, timeout, steps, log_every, config flags...: train_throughput.py 
     grep -E "^\| [a-z0-9_]+\.py|micro-batch" "$W/throughput_$name.log" | tail -n 2
 }
 
+loss_curves() {  # steps, timeout per run: configs/small.py, steps logged one by one, this code
+    # and the code before the work (carried in .old/), same seed and data: loss_{new,old}.jsonl.
+    local steps=$1 limit=$2
+    rm -rf "$W/run_small" "$W/run_small_old"  # a warm machine keeps the last call's runs
+    tp small "$limit" "$steps" 1 --config=configs/small.py
+    cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
+    (cd .old && timeout "$limit" python3 benchmarks/train_throughput.py \
+        --config=configs/small.py --workdir="$W/run_small_old" --config.train.steps="$steps" \
+        --config.train.log_every=1 --out="$W/throughput_small_old.md" \
+        > "$W/throughput_small_old.log" 2>&1)
+    cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+}
+
 if [ "$PHASE" = mfu ]; then
     # configs/1b.py as written (64 x 4096 in micro-batches), then the same-run table at 8 x 4096.
     tp 1b_64 150 6 2 --config=configs/1b.py
@@ -82,14 +95,7 @@ if [ "$PHASE" = mfu ]; then
     tp 1b_8 70 12 4 --config=configs/1b.py $B8
     tp mla_8 70 12 4 --config=configs/1b.py $B8 --config.model.pattern=MMMMMMMMMMMMMMMMMMMM
     tp kda_8 70 12 4 --config=configs/1b.py $B8 --config.model.pattern=KKKKKKKKKKKKKKKKKKKK
-    # configs/small.py, 50 steps logged one by one: this code, then the code before the
-    # throughput work (carried in .old/), same seed and data: the loss curves to compare.
-    tp small 100 50 1 --config=configs/small.py
-    cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
-    (cd .old && timeout 90 python3 benchmarks/train_throughput.py --config=configs/small.py \
-        --workdir="$W/run_small_old" --config.train.steps=50 --config.train.log_every=1 \
-        --out="$W/throughput_small_old.md" > "$W/throughput_small_old.log" 2>&1)
-    cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+    loss_curves 50 100
 fi
 
 if [ "$PHASE" = step2 ]; then
@@ -114,24 +120,11 @@ if [ "$PHASE" = step3 ]; then
         2>&1 | grep "^|\|documents" | tee "$OUT/attention.md"
     profile 1b_b4 110 --config=configs/1b.py --config.data.global_batch_size=4 $EXTRA
     tp 1b_64 150 6 2 --config=configs/1b.py
-    tp small 70 50 1 --config=configs/small.py
-    cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
-    (cd .old && timeout 70 python3 benchmarks/train_throughput.py --config=configs/small.py \
-        --workdir="$W/run_small_old" --config.train.steps=50 --config.train.log_every=1 \
-        --out="$W/throughput_small_old.md" > "$W/throughput_small_old.log" 2>&1)
-    cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+    loss_curves 50 70
 fi
 
 if [ "$PHASE" = loss ]; then
-    N=${STEPS:-50}
-    timeout 90 python3 benchmarks/train_throughput.py --config=configs/small.py \
-        --workdir="$W/run_small" --config.train.steps="$N" --config.train.log_every=1 \
-        > "$W/throughput_small.log" 2>&1
-    cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
-    (cd .old && timeout 90 python3 benchmarks/train_throughput.py --config=configs/small.py \
-        --workdir="$W/run_small_old" --config.train.steps="$N" --config.train.log_every=1 \
-        > "$W/throughput_small_old.log" 2>&1)
-    cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+    loss_curves "${STEPS:-50}" 90
 fi
 
 if [ "$PHASE" = unrolled ]; then

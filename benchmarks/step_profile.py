@@ -10,7 +10,8 @@ waited for), then records a ``jax.profiler`` trace of ``--trace_steps`` steps. E
 kernel in the trace is matched to the HLO instruction that launched it, and that instruction's
 ``op_name`` (the name stack of the model's ``jax.named_scope`` labels) gives its part:
 
-    kda_proj, kda_conv, kda_gate, kda_core, kda_out    the KDA layer's stages (kda_core: kernel)
+    kda_proj, kda_conv, kda_gate, kda_core, kda_out    the KDA layer's stages (kda_core: kernel;
+                                                       with kda.gate_in_kernel, the decay gate)
     mla_proj, mla_attention, mla_out                   the Gated MLA layer's
     mlp, norm, attn_res, embed, head, loss, optimizer  the rest of the model and the update
     moe, expert_bias                                   a mixture of experts (its shared expert

@@ -127,8 +127,8 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.kda.chunk_size = 64  # tokens per chunk of the chunked KDA forms (power of two)
     cfg.kda.impl = "auto"  # "auto" | "recurrent" | "xla" | "pallas"
     # The decay gate inside the KDA op (the Pallas kernel's prologue: g never reaches memory)
-    # instead of before it. Off by default: on the H200 the gated kernels made the 1B training
-    # step's compilation run past two minutes (BENCHMARKS.md).
+    # instead of before it. Off by default until its training step is measured on the GPU
+    # (BENCHMARKS.md, third pass).
     cfg.kda.gate_in_kernel = False
 
     cfg.mla = ml_collections.ConfigDict()
