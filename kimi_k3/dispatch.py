@@ -15,8 +15,9 @@ KDA (``kimi_k3.ops.kda``): "recurrent" (the definition), "xla" (chunked, plain J
 ``AUTO_PALLAS_BACKENDS`` when the kernel lowers there, else "xla".
 
 Attention (``kimi_k3.layers.attention``): "reference", "xla" (blockwise), "cudnn", "pallas".
-"auto": on GPU in bf16/fp16, cuDNN (packed documents as a mask while it stays under
-``CUDNN_MASK_BYTES``, else the Pallas (Triton) kernel when T % 128 == 0); on TPU, splash
+"auto": on GPU in bf16/fp16, cuDNN (packed documents through its packed layout on Hopper,
+with a mask as the fallback, while that mask stays under ``CUDNN_MASK_BYTES``; else the
+Pallas (Triton) kernel when T % 128 == 0); on TPU, splash
 when T % 128 == 0; "xla" otherwise, and whenever the queries continue a cache (prefill,
 decoding: q_offset != 0 or S != T).
 
@@ -126,7 +127,7 @@ def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool
         if not packed:
             chosen = "cudnn"
         elif mask_bytes <= CUDNN_MASK_BYTES:
-            chosen, why = "cudnn", why + ", packed documents as a mask"
+            chosen, why = "cudnn", why + ", packed documents (packed layout, mask fallback)"
         elif T % 128 == 0:
             chosen, why = "pallas", why + f", packed documents, a {mask_bytes >> 20} MiB mask"
         else:
