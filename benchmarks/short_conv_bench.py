@@ -7,11 +7,11 @@ The weight gradient of a depthwise convolution is one reduction per tap over eve
 
     dweight[w, c] = sum_{b, t} x[b, t - (W-1) + w, c] * dy[b, t, c]   (taps inside the document),
 
-a column sum over B T rows of C channels. Forms timed (each checked against "model", the
-layer's own ``ShortConv`` differentiated by JAX):
+a column sum over B T rows of C channels. Forms timed (each checked against "model"):
 
-    model       ``kimi_k3.layers.ShortConv`` as it is.
-    rows        the same sum written over a [B T, C] view, in float32.
+    model       ``kimi_k3.layers.ShortConv`` as it is (its own backward pass, the "rows" sum).
+    derived     the forward alone, differentiated by JAX (the layer's form before 2026-12-01).
+    rows        the sum written over a [B T, C] view, in float32.
     two_stage   partial sums over row blocks of 512 tokens, then over the blocks.
     dot         one dot_general per tap with the channel as batch dimension (a batched GEMV).
 
@@ -61,12 +61,17 @@ def _dweight(x_lag, dy, how: str):
     raise ValueError(how)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def conv(x_BxTxC, w_WxC, seg_BxT, how):
+def derived(x_BxTxC, w_WxC, seg_BxT):
+    """The convolution's forward; JAX derives its backward pass."""
     W = w_WxC.shape[0]
     y = sum(t.astype(jnp.float32) * w_WxC[W - 1 - lag]
             for lag, t in enumerate(_taps(x_BxTxC, seg_BxT, W)))
     return y.astype(x_BxTxC.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def conv(x_BxTxC, w_WxC, seg_BxT, how):
+    return derived(x_BxTxC, w_WxC, seg_BxT)
 
 
 def _fwd(x, w, seg, how):
@@ -98,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--channels", type=int, default=2048)
     ap.add_argument("--width", type=int, default=4)
-    ap.add_argument("--forms", default="model,rows,two_stage,dot")
+    ap.add_argument("--forms", default="model,derived,rows,two_stage,dot")
     a = ap.parse_args(argv)
     B, T, C, W = a.batch, a.seq, a.channels, a.width
     rng = np.random.default_rng(0)
@@ -114,12 +119,12 @@ def main(argv=None):
         m = nnx.merge(graphdef, jax.tree.map(lambda _: w, state))  # the weight is its one leaf
         return m(x, seg)[0]
 
-    fns = {"model": model_fn}
+    fns = {"model": model_fn, "derived": lambda x, w: derived(x, w, seg)}
     for how in ("rows", "two_stage", "dot"):
         fns[how] = functools.partial(lambda x, w, how: conv(x, w, seg, how), how=how)
 
     def fwd_bwd(fn):
-        def run(x, w):
+        def run(x, w, dy):  # dy an argument: as a closed-over constant XLA folds pads of it
             y, vjp = jax.vjp(fn, x, w)
             return (y, *vjp(dy))
         return jax.jit(run)
@@ -130,11 +135,11 @@ def main(argv=None):
     print("|---|---|---|---|")
     for name in a.forms.split(","):
         f = fwd_bwd(fns[name])
-        out = jax.block_until_ready(f(x, w))
+        out = jax.block_until_ready(f(x, w, dy))
         times = []
         for _ in range(20):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(x, w))
+            jax.block_until_ready(f(x, w, dy))
             times.append(time.perf_counter() - t0)
         if want is None:
             want = out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,26 @@ def test_packed_layout_lists_each_rows_documents():
         np.testing.assert_array_equal(lengths[b], [e - a for a, e in zip(starts, ends, strict=True)]
                                       + [-1] * (M - n))
     assert lengths.shape == (B, M) and offsets.shape == (B, M + 1)
+
+
+def test_cudnn_without_the_packed_entry_point_takes_the_mask(monkeypatch):
+    """Where JAX lacks the cuDNN entry point with packed offsets, packed documents go to cuDNN as
+    a [B, 1, T, T] mask (jax.nn's entry point, faked here: CPU has no cuDNN)."""
+    attn = sys.modules[attention.__module__]
+    monkeypatch.setattr(attn, "cudnn_fused_attention", lambda: None)
+    seen = {}
+
+    def fake_dpa(q, k, v, mask=None, **kw):
+        seen["mask"], seen["is_causal"] = mask, kw["is_causal"]
+        return jnp.zeros(q.shape, q.dtype)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake_dpa)
+    q = normal(1, (2, 8, 2, 16))
+    seg = jnp.asarray([[1, 1, 2, 2, 2, 3, 3, 3]] * 2, jnp.int32)
+    out = attn._cudnn_attention(q, q, q[..., :8], scale=0.25, segment_ids=seg)
+    assert out.shape == (2, 8, 2, 8) and seen["is_causal"]
+    np.testing.assert_array_equal(seen["mask"][:, 0],
+                                  np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :])
 
 
 @pytest.mark.parametrize("impl", ["xla", *(["cudnn"] if jax.default_backend() == "gpu" else [])])
