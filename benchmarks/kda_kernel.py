@@ -1,6 +1,7 @@
-"""KDA kernel speed: forward and forward+backward, ours (the Pallas kernel) vs impl="xla", fla.
+"""KDA kernel speed: forward and forward+backward, ours (the Pallas kernel) vs impl="xla", fla, jla.
 
     python benchmarks/kda_kernel.py                      # the table of BENCHMARKS.md (GPU)
+    python benchmarks/kda_kernel.py --shapes 8x4096,small --no-xla   # + configs/small.py's
     python benchmarks/kda_kernel.py --shapes 8x4096 --no-xla --breakdown --sweep 8x4096
     python benchmarks/kda_kernel.py --sweep 8x4096 --variants "bk=64;bv_intra=128" --adopt
     python benchmarks/kda_kernel.py --tune bk=16,warps_grad=8 --shapes 8x4096
@@ -10,10 +11,20 @@ inputs, called with an explicit ``tuning=``: the card's ``default_tuning`` chang
 --sweep times variants of it, and --adopt measures the table with the fastest.
 
 Inputs: bf16 q, k (L2-normalised), v, beta (sigmoid); float32 bounded gate g = -5 sigmoid(x)
-(K3's gate); H = HV = 16, K = V = 128. Forward+backward is the gradient of sum(o * do) with
-respect to all five inputs. Each time is the median of device-synchronised runs after warm-up.
-fla's ``chunk_kda(..., safe_gate=True, lower_bound=-5)`` runs in the same process on the same
-card when fla-core is importable. Writes a markdown table (--out) and prints it.
+(K3's gate); H = HV = 16, K = V = 128 (configs/1b.py's; 8 x 4096 is its micro-batch of 8 rows),
+and for "small" configs/small.py's 32 x 2048 with H = 12, K = V = 64. Forward+backward is the
+gradient of sum(o * do) with respect to all five inputs. Each time is the median of
+device-synchronised runs after warm-up.
+
+"ours, gate in kernel" is the same kernel fed the gate's logits f and its parameters (A_log,
+dt_bias) instead of g: the kernel computes g = -5 sigmoid(exp(A_log) (f + dt_bias)) itself
+(issue #19), and its forward+backward includes the gradient with respect to f.
+
+Peers, in the same process on the same card, each when importable (they are not project
+dependencies; carry their wheels): fla's ``chunk_kda(..., safe_gate=True, lower_bound=-5)``
+(fla-core, PyTorch + Triton) and jla's Mosaic GPU KDA (jax-linear-attention,
+``jla.ops.mosaic_gpu.kda.kda``; Python 3.12, sm_90). A peer that is missing or fails leaves
+"—" in its columns. Writes a markdown table (--out) and prints it.
 """
 
 from __future__ import annotations
@@ -34,12 +45,14 @@ from kimi_k3.ops.kda import kda
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
 
-SHAPES = {"8x4096": (8, 4096), "2x16384": (2, 16384), "1x65536": (1, 65536),
-          "1x262144": (1, 262144), "smoke": (1, 128)}
-H, D, LOWER = 16, 128, -5.0
+# name -> (B, T, H, D): batch, tokens, heads (HV = H), head dim (K = V = D).
+SHAPES = {"8x4096": (8, 4096, 16, 128), "2x16384": (2, 16384, 16, 128),
+          "1x65536": (1, 65536, 16, 128), "1x262144": (1, 262144, 16, 128),
+          "small": (32, 2048, 12, 64), "smoke": (1, 128, 2, 64)}
+LOWER = -5.0
 
 
-def make_inputs(B, T, seed=0):
+def make_inputs(B, T, H=16, D=128, seed=0):
     """Device arrays: q, k, v, beta, do in bf16 (q, k L2-normalised), g float32 in [-5, 0)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     shape = (B, T, H, D)
@@ -81,8 +94,38 @@ def ours_fwd(tuning: pk.KernelTuning):
 
 
 def _ours(q, k, v, g, beta, *, tuning):
-    return pk.kda_pallas(q, k, v, g, beta, scale=D ** -0.5, initial_state=None,
+    return pk.kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
                          segment_ids=None, chunk_size=64, lower_bound=LOWER, tuning=tuning)[0]
+
+
+def gate_inputs(arrays, seed=1):
+    """The gate's logits f [B, T, H, D] float32 and parameters A_log [H], dt_bias [H, D]."""
+    q = arrays[0]
+    H, D = q.shape[2:]
+    kf, ka, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
+    f = jax.random.normal(kf, q.shape, jnp.float32)
+    A_log = jnp.log(jax.random.uniform(ka, (H,), jnp.float32, 1.0, 16.0))
+    dt_bias = 0.1 * jax.random.normal(kb, (H, D), jnp.float32)
+    return f, A_log, dt_bias
+
+
+def ours_gate_in_kernel(tuning: pk.KernelTuning, A_log, dt_bias):
+    """(q, k, v, f, beta) -> o of the Pallas kernel computing the bounded gate from f itself."""
+    def fwd(q, k, v, f, beta):
+        return pk.kda_pallas(q, k, v, f, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
+                             segment_ids=None, chunk_size=64, lower_bound=LOWER, tuning=tuning,
+                             A_log=A_log, dt_bias=dt_bias)[0]
+    return fwd
+
+
+def jla_fwd():
+    """(q, k, v, g, beta) -> o of jla's Mosaic GPU KDA, or None (printed why) if unavailable."""
+    try:  # optional: jax-linear-attention is not a project dependency
+        from jla.ops.mosaic_gpu.kda import kda as jla_kda
+    except Exception as err:
+        print(f"jla unavailable: {err}")
+        return None
+    return lambda q, k, v, g, beta: jla_kda(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
 
 
 def jax_fns(fwd):
@@ -133,7 +176,7 @@ def bench_fla(arrays):
 def breakdown(name, arrays, tuning: pk.KernelTuning):
     """Median ms of each kernel of ours, launched with ``tuning`` (printed as each finishes)."""
     q, k, v, g, beta, do = arrays
-    B = q.shape[0]
+    B, _, H, D = q.shape
     cfg = pk.make_config(q, v, scale=D ** -0.5, segment_ids=None, chunk_size=64,
                          lower_bound=LOWER, mode=pk._resolve_mode(None, None), tuning=tuning)
     h0t = pk._state_to_kernel(jnp.zeros((B, H, D, D), jnp.float32), cfg)
@@ -174,6 +217,9 @@ def main(argv=None):
                     help="comma list of keys of SHAPES")
     ap.add_argument("--no-xla", action="store_true", help="skip impl='xla'")
     ap.add_argument("--no-fla", action="store_true", help="skip fla")
+    ap.add_argument("--no-jla", action="store_true", help="skip jla")
+    ap.add_argument("--no-gate-in-kernel", action="store_true",
+                    help="skip ours with the gate computed in the kernel")
     ap.add_argument("--breakdown", action="store_true",
                     help="per-kernel times of ours (first shape)")
     ap.add_argument("--breakdown-only", action="store_true", help="only the per-kernel times")
@@ -196,7 +242,7 @@ def main(argv=None):
     print(f"device: {dev.device_kind}, jax {jax.__version__}, tuning {tuning}", flush=True)
 
     names = args.shapes.split(",")
-    results = {n: {"ours": None, "xla": None, "fla": None} for n in names}
+    results = {n: dict.fromkeys(COLUMNS) for n in names}
 
     def report():
         table = format_table(dev, results, tuning)
@@ -215,21 +261,32 @@ def main(argv=None):
         for name in names:
             breakdown(name, make_inputs(*SHAPES[name]), tuning)
         return
+    jla = None if args.no_jla else jla_fwd()
+
+    def measure(name, column, bench, *bench_args):
+        """One cell, bench(*bench_args): a failure is printed and leaves the cell empty."""
+        try:
+            results[name][column] = bench(*bench_args)
+        except Exception as err:
+            print(f"  {column} {name} failed: {str(err).splitlines()[0][:200]}")
+        print(f"{name}: {column} fwd / fwd+bwd {fmt(results[name][column])} ms", flush=True)
+
     for i, name in enumerate(names):  # shape by shape, so a run cut short keeps whole rows
         arrays = make_inputs(*SHAPES[name])
         results[name]["ours"] = bench_jax(ours_fwd(tuning), arrays)
         print(f"{name}: ours fwd / fwd+bwd {fmt(results[name]['ours'])} ms", flush=True)
         if args.breakdown and i == 0:  # every kernel compiles again: the first shape only
             breakdown(name, arrays, tuning)
+        if not args.no_gate_in_kernel:
+            f, A_log, dt_bias = gate_inputs(arrays)
+            measure(name, "ours_gk", bench_jax, ours_gate_in_kernel(tuning, A_log, dt_bias),
+                    (*arrays[:3], f, *arrays[4:]))
         if not args.no_fla:  # fla autotunes its kernels on first use: slow to start
-            results[name]["fla"] = bench_fla(arrays)
-            print(f"{name}: fla fwd / fwd+bwd {fmt(results[name]['fla'])} ms", flush=True)
+            measure(name, "fla", bench_fla, arrays)
+        if jla is not None:
+            measure(name, "jla", bench_jax, jla, arrays)
         if not args.no_xla:
-            try:
-                results[name]["xla"] = bench_jax(xla_fwd, arrays)
-            except Exception as err:
-                print(f"  xla {name} failed: {str(err).splitlines()[0][:200]}")
-            print(f"{name}: xla fwd / fwd+bwd {fmt(results[name]['xla'])} ms", flush=True)
+            measure(name, "xla", bench_jax, xla_fwd, arrays)
         del arrays
         report()
     if args.sweep and not args.adopt:  # last: a run cut short still has the table
@@ -263,31 +320,46 @@ def fmt(t):
     return "—" if t is None else f"{t[0]:.2f} / {t[1]:.2f}"
 
 
+# The table's columns: ours (g given), ours with the gate in the kernel, the peers, impl="xla".
+COLUMNS = ("ours", "ours_gk", "fla", "jla", "xla")
+HEADERS = {"ours": "ours", "ours_gk": "ours, gate in kernel", "fla": "fla", "jla": "jla",
+           "xla": "xla"}
+
+
 def format_table(dev, results, tuning: pk.KernelTuning):
+    """Markdown: per shape, forward / forward+backward ms of every column, and the speed-ups of
+    ours (and ours with the gate in the kernel) over fla and jla: peer time / our time."""
     lines = [
         f"Card: {dev.device_kind}; JAX {jax.__version__}; bf16 q/k/v/beta, fp32 bounded gate "
-        f"(lower_bound={LOWER}); H=16, K=V=128. Times in ms (median); Mtok/s = B*T / time; "
-        "vs fla = fla time / our time.",
+        f"(lower_bound={LOWER}); K = V = head dim. Times in ms (median), forward / "
+        "forward+backward; Mtok/s = B*T / time; \"x fla\" = fla's time / ours.",
         "",
         f"Our launch parameters: {tuning}",
         "",
-        "| B x T | ours fwd | ours fwd+bwd | xla fwd | xla fwd+bwd | fla fwd | fla fwd+bwd "
-        "| ours Mtok/s fwd / fwd+bwd | fwd vs fla | fwd+bwd vs fla |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| B x T, H x D | " + " | ".join(HEADERS[c] for c in COLUMNS)
+        + " | ours Mtok/s | ours x fla | ours x jla | gate in kernel x fla "
+        "| gate in kernel x jla |",
+        "|---|" + "---|" * (len(COLUMNS) + 5),
     ]
     for name, r in results.items():
-        B, T = SHAPES[name]
-        ours, xla, fla = r["ours"], r["xla"], r["fla"]
+        ours = r.get("ours")
         if ours is None:
             continue
-        x = ("—", "—") if xla is None else (f"{xla[0]:.2f}", f"{xla[1]:.2f}")
-        f = ("—", "—") if fla is None else (f"{fla[0]:.2f}", f"{fla[1]:.2f}")
-        rr = ("—", "—") if fla is None else (f"{fla[0] / ours[0]:.2f}x",
-                                             f"{fla[1] / ours[1]:.2f}x")
+        B, T, H, D = SHAPES[name]
+        cells = [fmt(r.get(c)) for c in COLUMNS]
         mt = f"{B * T / ours[0] / 1e3:.1f} / {B * T / ours[1] / 1e3:.1f}"
-        lines.append(f"| {B} x {T} | {ours[0]:.2f} | {ours[1]:.2f} | {x[0]} | {x[1]} | {f[0]} "
-                     f"| {f[1]} | {mt} | {rr[0]} | {rr[1]} |")
+        ratios = [speedup(r.get(peer), r.get(mine))
+                  for mine in ("ours", "ours_gk") for peer in ("fla", "jla")]
+        lines.append(f"| {B} x {T}, {H} x {D} | " + " | ".join(cells) + f" | {mt} | "
+                     + " | ".join(ratios) + " |")
     return "\n".join(lines)
+
+
+def speedup(peer, mine) -> str:
+    """"fwd / fwd+bwd" of peer time / our time, "—" when either is missing."""
+    if peer is None or mine is None:
+        return "—"
+    return f"{peer[0] / mine[0]:.2f}x / {peer[1] / mine[1]:.2f}x"
 
 
 if __name__ == "__main__":

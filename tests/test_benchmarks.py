@@ -74,3 +74,19 @@ def test_step_fingerprint_is_stable_and_sees_a_change():
     assert step_hlo.fingerprint(step_hlo.step_text(config)) == step_hlo.fingerprint(first)
     config.model.num_layers = 2
     assert step_hlo.fingerprint(step_hlo.step_text(config)) != step_hlo.fingerprint(first)
+
+
+def test_kda_kernel_table_gives_each_peer_its_ratio_and_dashes_for_the_missing():
+    """benchmarks/kda_kernel.py's table: speed-up = peer time / our time, forward and
+    forward+backward, for ours and ours with the gate in the kernel; a missing peer is "—"."""
+    kk = load("kda_kernel")
+    results = {"8x4096": {"ours": (2.0, 8.0), "ours_gk": (1.6, 6.4), "fla": (2.4, 9.6),
+                          "jla": None, "xla": None},
+               "small": dict.fromkeys(kk.COLUMNS)}  # not measured: no row
+    table = kk.format_table(jax.devices()[0], results, kk.pk.KernelTuning())
+    rows = [line for line in table.splitlines() if line.startswith("| 8 x")]
+    assert len(rows) == 1 and "| 32 x 2048" not in table
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[0] == "8 x 4096, 16 x 128"
+    assert cells[1:6] == ["2.00 / 8.00", "1.60 / 6.40", "2.40 / 9.60", "—", "—"]
+    assert cells[7:] == ["1.20x / 1.20x", "—", "1.50x / 1.50x", "—"]
