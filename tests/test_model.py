@@ -241,6 +241,40 @@ def test_remat_switch_rematerialises_each_scanned_unit_and_tail_layer(model, pol
     assert n_checkpoints(with_params_of(model, remat=policy)) == 2
 
 
+def unrolled_values(scanned) -> dict:
+    """A scanned model's parameters under the paths of the unrolled model's: ("groups",
+    "layers", i, ...) slice r -> ("tail", r * len(unit) + i, ...), its tail after them."""
+    n_unit, values = len(scanned.unit), {}
+    for path, var in nnx.to_flat_state(nnx.state(scanned, nnx.Param)):
+        if path[0] == "groups":  # stacked over the repeats
+            for r in range(scanned.repeats):
+                values[("tail", r * n_unit + path[2], *path[3:])] = var.get_value()[r]
+        elif path[0] == "tail":
+            values[("tail", scanned.repeats * n_unit + path[1], *path[2:])] = var.get_value()
+        else:
+            values[path] = var.get_value()
+    return values
+
+
+def test_an_unrolled_model_starts_from_the_scanned_models_weights():
+    """scan_layers=False builds the repeating unit under vmap and cuts it into layers (its
+    initialisers compile once): the same seed gives the scanned model's weights, layer for
+    layer, and no two layers share them."""
+    cfg = small_cfg(num_layers=5, kda_per_mla=1, final_mla=False)  # "KM" x 2 + "K"
+    seed = int(np.random.default_rng().integers(1 << 30))
+    scanned = build(cfg, seed)
+    cfg.scan_layers = False
+    unrolled = build(cfg, seed)
+    assert (scanned.repeats, unrolled.repeats, len(unrolled.tail)) == (2, 0, 5)
+    want = unrolled_values(scanned)
+    got = dict(nnx.to_flat_state(nnx.state(unrolled, nnx.Param)))
+    assert set(got) == set(want)
+    for path, var in got.items():
+        np.testing.assert_array_equal(var.get_value(), want[path], err_msg=str(path))
+    first, second = (np.asarray(got[("tail", i, "mlp", "wo", "kernel")].get_value()) for i in (0, 2))
+    assert not np.array_equal(first, second)
+
+
 def test_scanned_stack_equals_the_unrolled_stack(model):
     """Slice r of the stacked unit parameters is layer r of an unrolled model: same logits, with
     random depth queries (the unrolled model's Attention Residuals run on the SourceList form,
@@ -254,16 +288,7 @@ def test_scanned_stack_equals_the_unrolled_stack(model):
     unrolled = nnx.eval_shape(lambda: HybridLM(
         small_cfg(scan_layers=False), rngs=nnx.Rngs(0)))
     assert (unrolled.repeats, len(unrolled.tail)) == (0, 3)
-    n_unit = len(scanned.unit)
-    values = {}
-    for path, var in nnx.to_flat_state(nnx.state(scanned, nnx.Param)):
-        if path[0] == "groups":  # ("groups", "layers", i, ...) stacked over the repeats
-            for r in range(scanned.repeats):
-                values[("tail", r * n_unit + path[2], *path[3:])] = var.get_value()[r]
-        elif path[0] == "tail":
-            values[("tail", scanned.repeats * n_unit + path[1], *path[2:])] = var.get_value()
-        else:
-            values[path] = var.get_value()
+    values = unrolled_values(scanned)
     state = nnx.state(unrolled, nnx.Param)
     pure = nnx.to_pure_dict(state)
     for path, _ in nnx.to_flat_state(state):
