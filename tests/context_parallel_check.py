@@ -8,7 +8,7 @@
    recurrence along directions confined to ONE shard's tokens, for every shard; and every
    gradient element against the one-device op.
 2. The whole model ("KM": a KDA and an MLA layer) as train_lib builds it, on one device and on
-   meshes with context = 2, 4, 8 and data x context = 2 x 4, batches placed by the trainer's batch
+   meshes with context = 2, 8 and data x context = 2 x 4, batches placed by the trainer's batch
    sharding (tokens split over context), packed documents crossing shard boundaries: the loss
    and the gradient of every parameter (every shard of it: the arrays are gathered whole);
    the lowered program must contain the all-gather and the collective permute.
@@ -45,8 +45,9 @@ from tests.kda_numpy import kda_numpy, rel_err
 
 B, T, H, HV, K, V = 2, 32, 1, 2, 4, 3
 CHUNK = 4
-# (context size, impl) of the op checks: each implementation once, each size once or more.
-CASES = [(2, "recurrent"), (4, "xla"), (8, "recurrent"), (2, "pallas")]
+# (context size, impl) of the op checks: each implementation once, each size once. (A fourth
+# case, recurrent at 2, repeated an implementation and a size the others cover, for a compile.)
+CASES = [(4, "xla"), (8, "recurrent"), (2, "pallas")]
 
 
 def context_mesh(n: int, data: int = 1):
@@ -202,7 +203,9 @@ def model_errors() -> dict:
     batch = model_batch()
     loss_ref, grads_ref, _, _ = model_gradients(1, 1, batch)
     out = {"single_loss": loss_ref}
-    for name, (context, data) in {"context2": (2, 1), "context4": (4, 1), "context8": (8, 1),
+    # Context 4 alone is not run: data2_context4 splits each row over the same 4 shards (and
+    # adds a data axis); every mesh is a compile of its own (about a tenth of this check).
+    for name, (context, data) in {"context2": (2, 1), "context8": (8, 1),
                                   "data2_context4": (4, 2)}.items():
         loss, grads, spec, ops = model_gradients(context, data, batch)
         # Relative per parameter; one whose true gradient is zero (the first layer's Attention

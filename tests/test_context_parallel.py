@@ -37,8 +37,7 @@ def test_kda_op_across_shards_matches_float64_recurrence(result):
     """Outputs, final state and the gradients of q, k, v, g, beta and the initial state, shard
     by shard, with documents crossing shard boundaries; every implementation."""
     op = result["op"]
-    assert set(op) == {"recurrent_context2", "xla_context4", "recurrent_context8",
-                       "pallas_context2"}, op
+    assert set(op) == {"xla_context4", "recurrent_context8", "pallas_context2"}, op
     for case, err in op.items():
         assert err["o"] < 1e-6 and err["S"] < 1e-6, (case, err)
         assert err["grad_vs_one_device"] < 1e-5, (case, err)
@@ -58,7 +57,7 @@ def test_kda_op_with_the_gate_in_the_op_across_shards_matches_one_device(result)
 
 def test_model_across_context_axis_matches_one_device(result):
     m = result["model"]
-    for mesh in ("context2", "context4", "context8", "data2_context4"):
+    for mesh in ("context2", "context8", "data2_context4"):  # context 4: in data2_context4
         r = m[mesh]
         assert r["loss_rel"] < 1e-5, (mesh, r)
         assert r["grad_rel"] < 1e-5, (mesh, r)

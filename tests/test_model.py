@@ -17,6 +17,7 @@ from kimi_k3.config import default_model_config, layer_pattern, model_spec, scan
 from kimi_k3.layers import Dense
 from kimi_k3.model import HybridLM, flops_per_token
 from kimi_k3.sharding import LOGICAL_AXES
+from tests.test_train import SUBPROCESS_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -329,8 +330,6 @@ def test_sharded_model_on_a_4_device_mesh_matches_one_device():
     the rules say and the sharded forward equals the unsharded one."""
     script = textwrap.dedent(
         """
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
         import jax, jax.numpy as jnp, numpy as np
         from flax import nnx
         from kimi_k3 import sharding
@@ -356,7 +355,11 @@ def test_sharded_model_on_a_4_device_mesh_matches_one_device():
         print("SHARDED_OK")
         """
     )
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # Four devices; XLA's CPU backend optimisations off, as for the other subprocess checks
+    # (tests.test_train.SUBPROCESS_XLA_FLAGS): a tiny program, compiled more than it runs.
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS=f"{SUBPROCESS_XLA_FLAGS} --xla_force_host_platform_device_count=4")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert "SHARDED_OK" in result.stdout, result.stderr[-3000:]
@@ -379,12 +382,15 @@ def test_token_nll_in_chunks_equals_the_logits_and_their_gradients(rng):
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return jax.nn.logsumexp(logits, axis=-1) - picked
 
+    def summed(nll_fn):  # (sum, per-token NLLs): the values come out of the gradient's own
+        return lambda m: (jnp.sum(v := nll_fn(m)), v)  # forward pass (half the compile)
+
     @nnx.jit
     def both(m):
         chunked = lambda m: m.token_nll(tokens, targets, seg)[0]
-        g1 = nnx.grad(lambda m: jnp.sum(chunked(m)))(m)
-        g2 = nnx.grad(lambda m: jnp.sum(by_logits(m)))(m)
-        return chunked(m), by_logits(m), nnx.state(g1), nnx.state(g2)
+        (_, v1), g1 = nnx.value_and_grad(summed(chunked), has_aux=True)(m)
+        (_, v2), g2 = nnx.value_and_grad(summed(by_logits), has_aux=True)(m)
+        return v1, v2, nnx.state(g1), nnx.state(g2)
 
     nll_chunked, nll_logits, g1, g2 = both(model)
     np.testing.assert_allclose(nll_chunked, nll_logits, rtol=1e-5, atol=1e-5)

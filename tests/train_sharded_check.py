@@ -1,9 +1,11 @@
 """Run by tests/test_train.py in a subprocess with 8 CPU devices (JAX_NUM_CPU_DEVICES=8).
 
-Trains the tiny config for a few steps on one device, on a (data 2, fsdp 2, tensor 2) mesh, and
-on that mesh with 2 micro-batches, from the same initial parameters and batches; prints one JSON
-line with the losses, the largest parameter difference to the one-device run, and the
-partition specs the mesh gave some parameters.
+Trains the tiny config for a few steps on one device in 2 micro-batches (gradient
+accumulation) and on a (data 2, fsdp 2, tensor 2) mesh in one pass, from the same initial
+parameters and batches; prints one JSON line with the losses, the largest parameter difference
+to the one-device run, and the partition specs the mesh gave some parameters. (Two runs, not
+three: each costs an initialiser and a step compile; the accumulation path is checked against
+the sharded one rather than in a run of its own.)
 """
 
 from __future__ import annotations
@@ -67,14 +69,13 @@ def main():
     rows = data_lib.PackedRows(train, config.data.seq_len, seed=0)
     it = data_lib.BatchIterator(rows, config.data.global_batch_size, (0, 8))
     batches = [next(it) for _ in range(STEPS)]
-    one = run(config, (1, 1, 1), 1, jax.devices()[:1], batches)
+    one = run(config, (1, 1, 1), 2, jax.devices()[:1], batches)
     out = {"single_loss": one[0]}
-    for name, accum in (("sharded", 1), ("sharded_accum2", 2)):
-        r = run(config, (2, 2, 2), accum, jax.devices(), batches)
-        out[f"{name}_loss"] = r[0]
-        out[f"{name}_init_diff"] = max_diff(one[1], r[1])
-        out[f"{name}_param_diff"] = max_diff(one[2], r[2])
-        out["specs"] = r[3]
+    r = run(config, (2, 2, 2), 1, jax.devices(), batches)
+    out["sharded_loss"] = r[0]
+    out["sharded_init_diff"] = max_diff(one[1], r[1])
+    out["sharded_param_diff"] = max_diff(one[2], r[2])
+    out["specs"] = r[3]
     out["param_scale"] = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(one[2]))
     print("RESULT " + json.dumps(out))
     sys.stdout.flush()
