@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -41,14 +42,32 @@ def small_cfg(**overrides):
     return c
 
 
+# The programs here are tiny and compiled far more often than they run long: XLA's CPU backend
+# optimisations off (as tests.test_train.SUBPROCESS_XLA_FLAGS for the subprocesses) cut their
+# compile time by a third or more; the float32 results and every tolerance hold.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def build(cfg, seed=0):
     # rbg keys and one jit: far less XLA:CPU compile time than threefry op by op.
-    return nnx.jit(lambda: HybridLM(cfg, rngs=nnx.Rngs(jax.random.key(seed, impl="rbg"))))()
+    make = lambda: HybridLM(cfg, rngs=nnx.Rngs(jax.random.key(seed, impl="rbg")))
+    state = jax.jit(lambda: nnx.state(make()), compiler_options=FAST_COMPILE)()
+    return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), state)
 
 
-forward = nnx.jit(lambda model, tokens, seg=None: model(tokens, seg))
-prefill = nnx.jit(lambda model, tokens, cache: model.prefill(tokens, cache))
-step = nnx.jit(lambda model, token, cache: model.step(token, cache))
+def fast_jit(fn):
+    """``fn(model, *args)`` jitted with FAST_COMPILE (the model split into its static graph
+    and its state; ``fn`` must not update the model's state)."""
+    @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+    def run(graphdef, state, *args):
+        return fn(nnx.merge(graphdef, state, copy=True), *args)
+
+    return lambda model, *args: run(*nnx.split(model), *args)
+
+
+forward = fast_jit(lambda model, tokens, seg=None: model(tokens, seg))
+prefill = fast_jit(lambda model, tokens, cache: model.prefill(tokens, cache))
+step = fast_jit(lambda model, token, cache: model.step(token, cache))
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +194,7 @@ def test_stack_is_causal_by_gradient_across_documents(model):
     w = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, 64)), jnp.float32)
     graphdef, state = nnx.split(model)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
     def jacobian(state, x):
         f = lambda x: jnp.sum(nnx.merge(graphdef, state, copy=True).from_embeddings(x, seg) * w, -1)
         return jax.jacrev(f)(x)
@@ -385,7 +404,7 @@ def test_token_nll_in_chunks_equals_the_logits_and_their_gradients(rng):
     def summed(nll_fn):  # (sum, per-token NLLs): the values come out of the gradient's own
         return lambda m: (jnp.sum(v := nll_fn(m)), v)  # forward pass (half the compile)
 
-    @nnx.jit
+    @fast_jit
     def both(m):
         chunked = lambda m: m.token_nll(tokens, targets, seg)[0]
         (_, v1), g1 = nnx.value_and_grad(summed(chunked), has_aux=True)(m)
@@ -397,7 +416,7 @@ def test_token_nll_in_chunks_equals_the_logits_and_their_gradients(rng):
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
-    @nnx.jit
+    @fast_jit
     def pieces(m):
         cache = m.init_cache(2, 23)
         first, cache = m.token_nll(tokens[:, :11], targets[:, :11], cache=cache)
