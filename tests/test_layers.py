@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import jax
@@ -25,6 +26,7 @@ from kimi_k3.layers.attention import (
 from kimi_k3.layers.attn_res import DepthResidual
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.ops.reductions import column_sum
+from tests.test_model import FAST_COMPILE
 
 D = 32
 
@@ -46,6 +48,10 @@ def packed_segments(B, T, seed=0):
     return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
 
 
+# Small programs, compiled more than they run: XLA's CPU backend optimisations off
+# (tests/test_model.py's FAST_COMPILE, as the subprocess checks; the tolerances hold).
+fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+
 # module(*args, **kwargs) under nnx.jit: one compile per shape instead of op-by-op dispatch.
 apply = nnx.jit(lambda module, *args, **kwargs: module(*args, **kwargs))
 
@@ -60,7 +66,7 @@ def assert_causal_by_gradient(f, x_BxTxD, seg_BxT):
     """
     B, T, _ = x_BxTxD.shape
     w = normal(99, jax.eval_shape(f, x_BxTxD).shape)
-    jac = jax.jit(jax.jacrev(lambda x: jnp.sum(f(x) * w, -1)))(x_BxTxD)  # [B, T, B, T, D]
+    jac = fast_jit(jax.jacrev(lambda x: jnp.sum(f(x) * w, -1)))(x_BxTxD)  # [B, T, B, T, D]
     dep = np.asarray(jnp.abs(jac).sum(-1))  # [B, T, B, T]
     seg = np.asarray(seg_BxT)
     b = np.arange(B)[:, None, None, None]
@@ -100,7 +106,7 @@ def test_blockwise_attention_equals_plain_softmax(B, T, S, H, KH, Dq, Dv, q_offs
         loss = lambda *a: jnp.sum(run(impl)(*a) * w)
         return run(impl)(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    @jax.jit
+    @fast_jit
     def outputs_and_grads(q, k, v):
         return [output_and_grads(impl, q, k, v) for impl in ("reference", "xla")]
 
@@ -180,7 +186,7 @@ def test_attention_over_packed_documents_equals_float64(impl, docs):
         return jnp.sum(o.astype(jnp.float32) * w), o
 
     with jax.default_matmul_precision("highest"):
-        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        (_, o), grads = fast_jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
             *(jnp.asarray(x, dtype) for x in (q, k, v)))
     # float64 reference on the inputs as the kernel saw them (rounded to its dtype).
     q64, k64, v64 = (np.asarray(jnp.asarray(x, dtype), np.float64) for x in (q, k, v))
@@ -209,7 +215,7 @@ def test_splash_and_triton_kernels_in_interpret_mode_equal_plain_softmax():
     B, T, H, Dq, Dv = 1, 128, 2, 24, 16
     q, k, v = normal(1, (B, T, H, Dq)), normal(2, (B, T, H, Dq)), normal(3, (B, T, H, Dv))
     seg = packed_segments(B, T, seed=3)
-    ref = jax.jit(lambda q, k, v: reference_attention(
+    ref = fast_jit(lambda q, k, v: reference_attention(
         q, k, v, scale=0.3, q_segment_ids=seg, kv_segment_ids=seg))(q, k, v)
     np.testing.assert_allclose(_splash_attention(q, k, v, scale=0.3, segment_ids=seg), ref,
                                atol=1e-5)
@@ -336,7 +342,7 @@ def test_short_conv_gradients_equal_float64():
         y, _ = m(x, jnp.asarray(seg, jnp.int32), tail)
         return jnp.sum(y * dy)
 
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+    got = fast_jit(jax.grad(loss, argnums=(0, 1, 2)))(
         *(jnp.asarray(a, jnp.float32) for a in (x, tail, w)))
     # NumPy: x_ext = [tail, x]; tap W-1-lag reads x_ext[t + W-1-lag] when in the document
     # (the tail belongs to each row's first document).
@@ -510,7 +516,7 @@ def test_cache_attention_block_by_block_equals_float64(impl, B, T, S, pos):
 
     q = jnp.asarray(rng.normal(size=(B, T, H, D)) * D ** -0.5, dtype)
     with jax.default_matmul_precision("highest"):  # GPU: float32 dots, not TF32
-        out = jax.jit(lambda q, c, p: cache_attention(q, c, p, expand, scale=0.4, impl=impl))(
+        out = fast_jit(lambda q, c, p: cache_attention(q, c, p, expand, scale=0.4, impl=impl))(
             q, cache, jnp.int32(pos))
         k, v = expand(cache[:, :pos + T])
     want = numpy_attention_at(q, k, v, 0.4, pos)
@@ -546,7 +552,7 @@ def naive_depth_mix(ws, outs, embed, block, eps=1e-6):
 def run_depth(depth, ws, outs, embed, unrolled=False):
     """Sublayer inputs from DepthResidual, fed the given outputs (float32 throughout)."""
 
-    @jax.jit
+    @fast_jit
     def run(ws, outs, embed):
         state, inputs = depth.init(embed, unrolled=unrolled), []
         for w, out in zip(ws, outs, strict=False):
@@ -609,7 +615,7 @@ def test_attn_res_source_list_gradients_equal_the_stacked_form(mode, block):
             return total
 
         f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
-        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(f32(ws), f32(outs),
+        g = fast_jit(jax.grad(loss, argnums=(0, 1, 2)))(f32(ws), f32(outs),
                                                       jnp.asarray(embed, jnp.float32))
         return jax.tree.leaves(g)
 
