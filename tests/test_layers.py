@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 
 import jax
@@ -26,7 +25,7 @@ from kimi_k3.layers.attention import (
 from kimi_k3.layers.attn_res import DepthResidual
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.ops.reductions import column_sum
-from tests.test_model import FAST_COMPILE
+from tests.compile_options import fast_jit
 
 D = 32
 
@@ -47,10 +46,6 @@ def packed_segments(B, T, seed=0):
     starts[:, 0] = False
     return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
 
-
-# Small programs, compiled more than they run: XLA's CPU backend optimisations off
-# (tests/test_model.py's FAST_COMPILE, as the subprocess checks; the tolerances hold).
-fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 
 # module(*args, **kwargs) under nnx.jit: one compile per shape instead of op-by-op dispatch.
 apply = nnx.jit(lambda module, *args, **kwargs: module(*args, **kwargs))

@@ -18,6 +18,7 @@ from kimi_k3.config import default_model_config, layer_pattern, model_spec, scan
 from kimi_k3.layers import Dense
 from kimi_k3.model import HybridLM, flops_per_token
 from kimi_k3.sharding import LOGICAL_AXES
+from tests.compile_options import FAST_COMPILE
 from tests.test_train import SUBPROCESS_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,11 +43,6 @@ def small_cfg(**overrides):
     return c
 
 
-# The programs here are tiny and compiled far more often than they run long: XLA's CPU backend
-# optimisations off (as tests.test_train.SUBPROCESS_XLA_FLAGS for the subprocesses) cut their
-# compile time by a third or more; the float32 results and every tolerance hold.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
 
 def build(cfg, seed=0):
     # rbg keys and one jit: far less XLA:CPU compile time than threefry op by op.
@@ -55,7 +51,7 @@ def build(cfg, seed=0):
     return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), state)
 
 
-def fast_jit(fn):
+def model_jit(fn):
     """``fn(model, *args)`` jitted with FAST_COMPILE (the model split into its static graph
     and its state; ``fn`` must not update the model's state)."""
     @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
@@ -65,9 +61,9 @@ def fast_jit(fn):
     return lambda model, *args: run(*nnx.split(model), *args)
 
 
-forward = fast_jit(lambda model, tokens, seg=None: model(tokens, seg))
-prefill = fast_jit(lambda model, tokens, cache: model.prefill(tokens, cache))
-step = fast_jit(lambda model, token, cache: model.step(token, cache))
+forward = model_jit(lambda model, tokens, seg=None: model(tokens, seg))
+prefill = model_jit(lambda model, tokens, cache: model.prefill(tokens, cache))
+step = model_jit(lambda model, token, cache: model.step(token, cache))
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +400,7 @@ def test_token_nll_in_chunks_equals_the_logits_and_their_gradients(rng):
     def summed(nll_fn):  # (sum, per-token NLLs): the values come out of the gradient's own
         return lambda m: (jnp.sum(v := nll_fn(m)), v)  # forward pass (half the compile)
 
-    @fast_jit
+    @model_jit
     def both(m):
         chunked = lambda m: m.token_nll(tokens, targets, seg)[0]
         (_, v1), g1 = nnx.value_and_grad(summed(chunked), has_aux=True)(m)
@@ -416,7 +412,7 @@ def test_token_nll_in_chunks_equals_the_logits_and_their_gradients(rng):
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
-    @fast_jit
+    @model_jit
     def pieces(m):
         cache = m.init_cache(2, 23)
         first, cache = m.token_nll(tokens[:, :11], targets[:, :11], cache=cache)
