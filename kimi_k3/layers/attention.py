@@ -266,41 +266,27 @@ def _pad_last(x, size):
 
 
 def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None,
-                offsets=None, residual=False):
+                residual=False):
     """cuDNN flash attention: ``mask_type`` one of "causal", "none", "padding" (keys j <
-    kv_len [B] visible), "packed" (causal inside each run of ``packed_layout``: q_len = kv_len
-    = its lengths, ``offsets`` its starts; Hopper). Returns o [B, T, H, Dv] (and the
-    log-sum-exp [B, T, H], float32, with ``residual``). Uses the MLA-capable entry point where
-    it takes these head dims, else pads v to q's head dim."""
+    kv_len [B] visible). Returns o [B, T, H, Dv] (and the log-sum-exp [B, T, H], float32, with
+    ``residual``). Uses the MLA-capable entry point where it takes these head dims, else pads v
+    to q's head dim."""
     D, Dv = q.shape[-1], v.shape[-1]
     fa = cudnn_fused_attention()
-    if mask_type == "packed" and fa is None:
-        raise NotImplementedError("cuDNN's packed layout needs jax._src.cudnn's entry point")
     if fa is not None:
         kind = {"causal": fa.MaskType.CAUSAL, "none": fa.MaskType.NO_MASK,
-                "padding": fa.MaskType.PADDING,
-                "packed": getattr(fa.MaskType, PACKED_MASK_TYPE)}[mask_type]
-        packed = {} if offsets is None else {"q_offsets": offsets, "kv_offsets": offsets}
-        last_err = None
-        v_ins = (v, _pad_last(v, D)) if Dv != D else (v,)
-        if mask_type == "packed":
-            # JAX's packed entry point scales the key offsets by q's per-token stride (heads x
-            # D) and uses them for v too, so narrower value heads would be read out of bounds.
-            v_ins = v_ins[-1:]
-        for v_in in v_ins:
+                "padding": fa.MaskType.PADDING}[mask_type]
+        for v_in in (v, _pad_last(v, D)) if Dv != D else (v,):
             try:
                 out = fa.dot_product_attention(
                     q, k, v_in, mask=mask, q_seqlen=q_len, kv_seqlen=kv_len, scale=scale,
-                    mask_type=kind, return_residual=residual, **packed)
-            except NotImplementedError as err:
-                last_err = err
+                    mask_type=kind, return_residual=residual)
+            except NotImplementedError:
                 continue  # this cuDNN takes no narrower value heads: pad them
             if not residual:
                 return out[..., :Dv]
             o, lse_BxHxT = out
             return o[..., :Dv], jnp.swapaxes(lse_BxHxT.astype(jnp.float32), 1, 2)
-        if mask_type == "packed":
-            raise last_err
     out = jax.nn.dot_product_attention(
         q, k, _pad_last(v, D), mask=None if mask is None else mask.astype(bool), scale=scale,
         is_causal=mask_type == "causal", query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
@@ -310,6 +296,21 @@ def _cudnn_call(q, k, v, *, scale, mask_type, mask=None, q_len=None, kv_len=None
     # dispatch.choose_cache_attention_impl never picks cuDNN without that entry point.
     raise ValueError("attention: this JAX has no cuDNN entry point that returns the log-sum-exp "
                      "in float32 (jax.nn's casts it to the output dtype); use impl='xla'")
+
+
+def _cudnn_packed_call(q, k, v, *, scale, lengths, offsets):
+    """cuDNN flash attention over packed documents (Hopper): causal inside each run of
+    ``packed_layout`` (``lengths`` and ``offsets``, its starts), no mask in memory. Needs
+    jax._src.cudnn's entry point (``cudnn_fused_attention``). Returns o [B, T, H, Dv].
+
+    JAX's packed entry point scales the key offsets by q's per-token stride (heads x D) and
+    uses them for v too, so v is always padded to q's head dim here (narrower value heads would
+    be read out of bounds)."""
+    fa = cudnn_fused_attention()
+    out = fa.dot_product_attention(
+        q, k, _pad_last(v, q.shape[-1]), q_seqlen=lengths, kv_seqlen=lengths, scale=scale,
+        mask_type=getattr(fa.MaskType, PACKED_MASK_TYPE), q_offsets=offsets, kv_offsets=offsets)
+    return out[..., :v.shape[-1]]
 
 
 # Documents per row that cuDNN's packed layout makes room for; a batch with a fuller row runs
@@ -357,22 +358,21 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
         mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
         return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
 
-    if PACKED_RUNS_PER_ROW <= 0:
-        return masked(q, k, v)
+    if PACKED_RUNS_PER_ROW <= 0 or cudnn_fused_attention() is None:
+        return masked(q, k, v)  # the layout turned off, or a JAX without its entry point
 
     M = min(q.shape[1], PACKED_RUNS_PER_ROW)
     lengths, offsets, runs = packed_layout(segment_ids, M)
 
     def packed(q, k, v):
-        return _cudnn_call(q, k, v, scale=scale, mask_type="packed", q_len=lengths,
-                           kv_len=lengths, offsets=offsets)
+        return _cudnn_packed_call(q, k, v, scale=scale, lengths=lengths, offsets=offsets)
 
     # Runs are documents only when ids never come back (the data pipeline numbers them 1, 2, ..
     # along a row); otherwise, or with too many documents in a row, the mask is the definition.
     fits = jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1]) & (jnp.max(runs) <= M)
     try:
         return lax.cond(fits, packed, masked, q, k, v)
-    except NotImplementedError:  # no packed layout on this GPU / cuDNN: the mask
+    except NotImplementedError:  # JAX's entry point: no packed layout on this GPU / cuDNN
         return masked(q, k, v)
 
 
