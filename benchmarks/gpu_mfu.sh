@@ -21,9 +21,15 @@
 # loss:     configs/small.py, STEPS steps (default 50), this code and the code in .old/.
 # unrolled: step_profile.py on configs/1b.py at 4 rows with the layers unrolled
 #           (scan_layers=False: SourceList Attention Residuals), and its compile time.
+# prof NAME LIMIT FLAGS...:  one step_profile.py run (profile_NAME.md), e.g.
+#           bash benchmarks/gpu_mfu.sh prof 1b_b4 240 --config=configs/1b.py \
+#               --config.data.global_batch_size=4
+# tp NAME LIMIT STEPS EVERY FLAGS...:  one train_throughput.py run (throughput_NAME.md).
+# Several phases in one call: separate them with ";" in the device command.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, unrolled}
+PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, unrolled, prof, tp}
+shift
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
 mkdir -p "$OUT" "$W"
@@ -130,6 +136,14 @@ fi
 if [ "$PHASE" = unrolled ]; then
     profile 1b_b4_unrolled 420 --config=configs/1b.py --config.data.global_batch_size=4 \
         --config.model.scan_layers=False $EXTRA
+fi
+
+if [ "$PHASE" = prof ]; then
+    profile "$@"
+fi
+
+if [ "$PHASE" = tp ]; then
+    tp "$@"
 fi
 
 if [ "$PHASE" = profile ]; then

@@ -23,6 +23,8 @@ from kimi_k3.layers.attention import (
     reference_attention,
 )
 from kimi_k3.layers.attn_res import DepthResidual
+from kimi_k3.layers.norms import RMSNorm
+from kimi_k3.ops.reductions import column_sum
 
 D = 32
 
@@ -320,7 +322,7 @@ def test_short_conv_matches_direct_convolution_and_masks_documents():
 def test_short_conv_gradients_equal_float64():
     """The convolution's own backward pass (input, weight, tail) against float64 NumPy, with
     channels [H, K], packed documents and a tail: y_t = sum_lag [same doc] w[W-1-lag] x_{t-lag}."""
-    B, T, H, K, W = 2, 11, 2, 3, 4
+    B, T, H, K, W = 2, 41, 2, 3, 4  # 82 rows: the weight's column sum takes its two stages
     rng = np.random.default_rng()
     conv = ShortConv((H, K), W, names=(None, None), rngs=rngs(int(rng.integers(1 << 20))))
     w = np.asarray(conv.weight[...], np.float64)
@@ -350,6 +352,53 @@ def test_short_conv_gradients_equal_float64():
                     dw[W - 1 - lag] += x_ext[b, s] * dy[b, t]
     for g, want in zip(got, (dx_ext[:, W - 1:], dx_ext[:, :W - 1], dw), strict=True):
         np.testing.assert_allclose(g, want, atol=1e-5 * np.abs(want).max())
+
+
+# ----------------------------------------------------------------------------------------------
+# norms and column sums
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("R,group", [(1, 64), (63, 64), (64, 64), (65, 64), (1000, 64), (37, 5)])
+def test_column_sum_equals_float64(R, group):
+    """Both stages (rows in groups, the last one padded; then the partial sums) against NumPy,
+    with rows of very different magnitudes."""
+    rng = np.random.default_rng()
+    x = rng.normal(size=(R, 7)) * np.exp(rng.uniform(-20, 20, size=(R, 1)))
+    got = jax.jit(lambda a: column_sum(a, group))(jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(got, x.sum(0), rtol=0, atol=1e-6 * np.abs(x).sum(0).max())
+
+
+def test_column_sum_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"\[rows, channels\].*\(2, 3, 4\)"):
+        column_sum(jnp.zeros((2, 3, 4)))
+    with pytest.raises(ValueError, match="group must be >= 1, got 0"):
+        column_sum(jnp.zeros((2, 3)), 0)
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 16), (2, 45, 3, 8)], ids=["width", "per_head"])
+def test_rms_norm_and_its_gradients_equal_float64(shape):
+    """RMSNorm's own backward pass against float64 NumPy: y = x r w, r = (mean x^2 + eps)^-1/2;
+    dx = r (g - x r mean(g x r)) with g = dy w, dw = sum over tokens of dy x r."""
+    rng = np.random.default_rng()
+    x = rng.normal(size=shape) * np.exp(rng.uniform(-3, 3, size=(*shape[:-1], 1)))
+    w = rng.normal(size=shape[-1:])
+    dy = rng.normal(size=shape)
+    norm = RMSNorm(shape[-1], eps=1e-6)
+    graphdef, state = nnx.split(norm)
+
+    def loss(x, wt):
+        m = nnx.merge(graphdef, jax.tree.map(lambda _: wt, state))
+        y = m(x)
+        return jnp.sum(y * dy), y
+
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    r = 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    g = dy * w
+    want = (x * r * w, r * (g - x * r * np.mean(g * x * r, -1, keepdims=True)),
+            (dy * x * r).reshape(-1, shape[-1]).sum(0))
+    for got, ref in zip((y, dx, dw), want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
 def test_cache_attention_without_the_float32_lse_entry_point_takes_xla_or_says_why(monkeypatch):
@@ -542,8 +591,9 @@ def test_attn_res_matches_explicit_source_lists(block, unrolled):
 @pytest.mark.parametrize("mode,block", [("block", 3), ("full", 1)])
 def test_attn_res_source_list_gradients_equal_the_stacked_form(mode, block):
     """The unrolled (SourceList) form and the scanned (stacked) form are one function: equal
-    gradients with respect to the queries, the sublayer outputs and the embedding."""
-    L, shape = 7, (2, 5, 16)
+    gradients with respect to the queries, the sublayer outputs and the embedding. 2 x 40
+    tokens: the pseudo-queries' column sums take both of their stages."""
+    L, shape = 7, (2, 40, 16)
     rng = np.random.default_rng()
     embed, outs = rng.normal(size=shape), [rng.normal(size=shape) for _ in range(L)]
     ws = [0.5 * rng.normal(size=16) for _ in range(L + 1)]

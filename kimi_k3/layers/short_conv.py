@@ -139,7 +139,8 @@ def _conv_bwd(res, dy_BxTxC):
     for lag, same in enumerate(_same_doc_masks(seg, W, (1,) * len(channels))):
         dy_lag = dy if same is None else jnp.where(same, dy, 0.0)
         x_lag = lax.slice_in_dim(x_ext, W - 1 - lag, W - 1 - lag + T, axis=1)
-        # The weight gradient as one column sum over a [B T, C] view.
+        # The weight gradient as one column sum over a [B T, C] view. (ops.reductions'
+        # two-stage column_sum measured slower here in the scanned 1B step: 48 against 36 ms.)
         prod = (x_lag.astype(jnp.float32) * dy_lag).reshape(B * T, -1)
         dw.append(jnp.sum(prod, axis=0).reshape(channels))
         dx = dx + jnp.pad(dy_lag * w[W - 1 - lag],
