@@ -592,8 +592,9 @@ def test_attn_res_matches_explicit_source_lists(block, unrolled):
 @pytest.mark.parametrize("mode,block", [("block", 3), ("full", 1)])
 def test_attn_res_source_list_gradients_equal_the_stacked_form(mode, block):
     """The unrolled (SourceList) form and the scanned (stacked) form are one function: equal
-    gradients with respect to the queries, the sublayer outputs and the embedding."""
-    L, shape = 7, (2, 5, 16)
+    gradients with respect to the queries, the sublayer outputs and the embedding. 2 x 40
+    tokens: the pseudo-queries' column sums take both of their stages."""
+    L, shape = 7, (2, 40, 16)
     rng = np.random.default_rng()
     embed, outs = rng.normal(size=shape), [rng.normal(size=shape) for _ in range(L)]
     ws = [0.5 * rng.normal(size=16) for _ in range(L + 1)]
