@@ -60,15 +60,19 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--doc_len", type=int, default=1500, help="mean document length")
     ap.add_argument("--impls", default="xla,pallas,cudnn")
+    ap.add_argument("--qk_dim", type=int, default=192, help="query/key head dim (MLA: 192)")
+    ap.add_argument("--v_dim", type=int, default=128, help="value head dim (MLA: 128)")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     B, T, H = a.batch, a.seq, a.heads
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    q, k = (jnp.asarray(rng.standard_normal((B, T, H, 192)), dtype) for _ in range(2))
-    v = jnp.asarray(rng.standard_normal((B, T, H, 128)), dtype)
+    Dk, Dv = a.qk_dim, a.v_dim
+    q, k = (jnp.asarray(rng.standard_normal((B, T, H, Dk)), dtype) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, T, H, Dv)), dtype)
     seg = jnp.asarray(packed_segments(rng, B, T, a.doc_len))
-    w = jnp.asarray(rng.standard_normal((B, T, H, 128)), jnp.float32)
-    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: B={B} T={T} H={H}, "
+    w = jnp.asarray(rng.standard_normal((B, T, H, Dv)), jnp.float32)
+    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: B={B} T={T} H={H} "
+          f"head dims {Dk}/{Dv}, "
           f"{int(seg.max()) + 1} documents in row 0", flush=True)
 
     def make(name):
@@ -77,9 +81,9 @@ def main(argv=None):
         s = None if rows == "rows" else seg
 
         def loss(q, k, v):
-            o = attention(q, k, v, scale=192 ** -0.5, segment_ids=s, impl=impl)
+            o = attention(q, k, v, scale=Dk ** -0.5, segment_ids=s, impl=impl)
             return jnp.sum(o.astype(jnp.float32) * w)
-        fwd = jax.jit(lambda q, k, v: attention(q, k, v, scale=192 ** -0.5, segment_ids=s,
+        fwd = jax.jit(lambda q, k, v: attention(q, k, v, scale=Dk ** -0.5, segment_ids=s,
                                                 impl=impl))
         return fwd, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
