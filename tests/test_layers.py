@@ -25,6 +25,7 @@ from kimi_k3.layers.attention import (
 from kimi_k3.layers.attn_res import DepthResidual
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.ops.reductions import column_sum
+from pallas_kernels import short_conv as short_conv_kernel
 from tests.compile_options import fast_jit
 
 D = 32
@@ -320,12 +321,15 @@ def test_short_conv_matches_direct_convolution_and_masks_documents():
     np.testing.assert_allclose(y_seg[:, 5:], y_doc2, atol=1e-6)
 
 
-def test_short_conv_gradients_equal_float64():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_short_conv_gradients_equal_float64(impl):
     """The convolution's own backward pass (input, weight, tail) against float64 NumPy, with
-    channels [H, K], packed documents and a tail: y_t = sum_lag [same doc] w[W-1-lag] x_{t-lag}."""
-    B, T, H, K, W = 2, 41, 2, 3, 4  # 82 rows: the weight's column sum takes its two stages
+    channels [H, K], packed documents and a tail: y_t = sum_lag [same doc] w[W-1-lag] x_{t-lag}.
+    ``impl`` "pallas" takes the weight gradient from pallas_kernels/short_conv.py."""
+    B, T, H, K, W = 2, 41, 2, 3, 4
     rng = np.random.default_rng()
-    conv = ShortConv((H, K), W, names=(None, None), rngs=rngs(int(rng.integers(1 << 20))))
+    conv = ShortConv((H, K), W, names=(None, None), rngs=rngs(int(rng.integers(1 << 20))),
+                     impl=impl)
     w = np.asarray(conv.weight[...], np.float64)
     x, tail = rng.normal(size=(B, T, H, K)), rng.normal(size=(B, W - 1, H, K))
     dy = rng.normal(size=(B, T, H, K))
@@ -353,6 +357,28 @@ def test_short_conv_gradients_equal_float64():
                     dw[W - 1 - lag] += x_ext[b, s] * dy[b, t]
     for g, want in zip(got, (dx_ext[:, W - 1:], dx_ext[:, :W - 1], dw), strict=True):
         np.testing.assert_allclose(g, want, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("B,T,C,W", [(2, 300, 200, 4), (1, 37, 16, 3), (3, 512, 128, 4)])
+def test_conv_weight_grad_kernel_equals_float64(B, T, C, W):
+    """pallas_kernels.short_conv (interpret mode here) against float64 NumPy: token and channel
+    counts that are and are not whole tiles (256 rows, 128 channels), a width whose output rows
+    are padded (3), many short documents, bf16 inputs of very different magnitudes."""
+    rng = np.random.default_rng()
+    scale = np.exp(rng.uniform(-8, 8, size=(1, 1, C)))
+    x_ext = jnp.asarray(rng.normal(size=(B, W - 1 + T, C)) * scale, jnp.bfloat16)
+    dy = jnp.asarray(rng.normal(size=(B, T, C)), jnp.bfloat16)
+    seg = np.cumsum(rng.random((B, T)) < 0.05, axis=1).astype(np.int32)
+    got = np.asarray(short_conv_kernel.conv_weight_grad(x_ext, dy, jnp.asarray(seg), W))
+    x64, dy64 = np.asarray(x_ext, np.float64), np.asarray(dy, np.float64)
+    seg_ext = np.concatenate([np.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
+    want, bound = np.zeros((W, C)), np.zeros((W, C))
+    for w in range(W):  # tap w reads x_ext row t + w, when that token is in t's document
+        same = (seg_ext[:, w:w + T] == seg)[..., None]
+        prod = x64[:, w:w + T] * dy64
+        want[w] = np.sum(np.where(same, prod, 0.0), axis=(0, 1))
+        bound[w] = np.sum(np.abs(prod), axis=(0, 1))  # float32 sums err relative to this
+    np.testing.assert_array_less(np.abs(got - want), 1e-5 * bound + 1e-30)
 
 
 # ----------------------------------------------------------------------------------------------

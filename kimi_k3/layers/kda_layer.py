@@ -59,7 +59,8 @@ class KDALayer(nnx.Module):
         self.q_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
         self.k_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
         self.v_proj = Dense(d_model, (HV, V), names=("embed", "heads", "kv"), **kw)
-        conv_kw = dict(names=("heads", "kv"), rngs=rngs, param_dtype=param_dtype)
+        conv_kw = dict(names=("heads", "kv"), rngs=rngs, param_dtype=param_dtype,
+                       impl=spec.conv_impl)
         self.q_conv = ShortConv((H, K), spec.conv_width, **conv_kw)
         self.k_conv = ShortConv((H, K), spec.conv_width, **conv_kw)
         self.v_conv = ShortConv((HV, V), spec.conv_width, **conv_kw)

@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from kimi_k3.sharding import ContextLayout, context_layout, logical_to_spec, param
+from pallas_kernels import short_conv as short_conv_kernel
 
 
 class ShortConv(nnx.Module):
@@ -35,9 +36,12 @@ class ShortConv(nnx.Module):
     """
 
     def __init__(self, channels: Sequence[int], width: int, *, names: Sequence[str | None],
-                 rngs: nnx.Rngs, param_dtype=jnp.float32):
+                 rngs: nnx.Rngs, param_dtype=jnp.float32, impl: str = "xla"):
         if width < 1:
             raise ValueError(f"ShortConv: width must be >= 1, got {width}")
+        if impl not in ("xla", "pallas"):
+            raise ValueError(f"ShortConv: impl must be 'xla' or 'pallas', got {impl!r}")
+        self.impl = impl
         self.channels = tuple(channels)
         self.width = width
         self.names = tuple(names)
@@ -67,7 +71,7 @@ class ShortConv(nnx.Module):
         x_ext = jnp.concatenate([tail_BxWm1xC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
         seg = (jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None
                else segment_ids_BxT.astype(jnp.int32))
-        y = _depthwise_causal_conv(x_ext, self.weight[...], seg)
+        y = _depthwise_causal_conv(x_ext, self.weight[...], seg, self.impl)
         new_tail = x_ext[:, x_ext.shape[1] - Wm1:] if Wm1 > 0 else x_ext[:, :0]
         return y, new_tail
 
@@ -103,14 +107,15 @@ def _same_doc_masks(seg_BxT, W: int, feat: tuple) -> list:
     return masks
 
 
-@jax.custom_vjp
-def _depthwise_causal_conv(x_ext_BxTWxC, w_WxC, seg_BxT):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _depthwise_causal_conv(x_ext_BxTWxC, w_WxC, seg_BxT, impl="xla"):
     """y_t = sum_lag where(same document, w[W-1-lag] * x_{t-lag}, 0) in float32, returned in
     x's dtype; x_ext [B, W-1+T, *channels] holds the W-1 inputs before the first token.
 
     Written with its own backward pass because the weight gradient is a column sum over every
     token (B T rows of C channels): taken as XLA derives it, it fused with the layer's other
-    backward work into a reduction several times slower than reading its inputs.
+    backward work into a reduction several times slower than reading its inputs. ``impl``
+    "pallas" takes that sum in its own kernel (``pallas_kernels.short_conv``).
     """
     W, T = w_WxC.shape[0], seg_BxT.shape[1]
     feat = (1,) * (x_ext_BxTWxC.ndim - 2)
@@ -124,40 +129,52 @@ def _depthwise_causal_conv(x_ext_BxTWxC, w_WxC, seg_BxT):
     return y.astype(x_ext_BxTWxC.dtype)
 
 
-def _conv_fwd(x_ext, w, seg):
-    return _depthwise_causal_conv(x_ext, w, seg), (x_ext, w, seg)
+def _conv_fwd(x_ext, w, seg, impl):
+    return _depthwise_causal_conv(x_ext, w, seg, impl), (x_ext, w, seg)
 
 
-def _conv_bwd(res, dy_BxTxC):
+def _conv_bwd(impl, res, dy_BxTxC):
     x_ext, w_WxC, seg = res
     W, (B, T) = w_WxC.shape[0], seg.shape
     channels = x_ext.shape[2:]
     w = w_WxC.astype(jnp.float32)
     dy = dy_BxTxC.astype(jnp.float32)
-    # The weight gradient reads its own handles on x and dy: XLA otherwise fuses its column
-    # sums with every elementwise consumer of the same arrays (this dx, the SiLU's backward and
-    # the recomputed forward of the convolution) into one multi-output reduction kernel, which
-    # ran at 3.9 ms per KDA layer in the 1B step. Behind the barrier it is a reduction alone.
-    x_w, dy_w = lax.optimization_barrier((x_ext, dy_BxTxC))
-    dx = jnp.zeros(x_ext.shape, jnp.float32)
-    dw = []
     masks = _same_doc_masks(seg, W, (1,) * len(channels))
+    dx = jnp.zeros(x_ext.shape, jnp.float32)
     for lag, same in enumerate(masks):
         dy_lag = dy if same is None else jnp.where(same, dy, 0.0)
         dx = dx + jnp.pad(dy_lag * w[W - 1 - lag],
                           [(0, 0), (W - 1 - lag, lag)] + [(0, 0)] * len(channels))
-        # The weight gradient as one column sum over a [B T, C] view.
-        dyw_lag = dy_w.astype(jnp.float32)
-        dyw_lag = dyw_lag if same is None else jnp.where(same, dyw_lag, 0.0)
-        x_lag = lax.slice_in_dim(x_w, W - 1 - lag, W - 1 - lag + T, axis=1)
-        prod = (x_lag.astype(jnp.float32) * dyw_lag).reshape(B * T, -1)
-        dw.append(jnp.sum(prod, axis=0).reshape(channels))
-    dw_WxC = jnp.stack(dw[::-1]).astype(w_WxC.dtype)
+    if impl == "pallas":
+        C = math.prod(channels)
+        dw_WxC = short_conv_kernel.conv_weight_grad(
+            x_ext.reshape(B, -1, C), dy_BxTxC.reshape(B, T, C), seg, W)
+        dw_WxC = dw_WxC.reshape(W, *channels).astype(w_WxC.dtype)
+    else:
+        dw_WxC = _weight_grad_xla(x_ext, dy_BxTxC, masks, W, T).astype(w_WxC.dtype)
     seg_ct = np.zeros(seg.shape, jax.dtypes.float0)
     return dx.astype(x_ext.dtype), dw_WxC, seg_ct
 
 
 _depthwise_causal_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def _weight_grad_xla(x_ext, dy_BxTxC, masks, W: int, T: int):
+    """dw [W, *channels] float32, each tap one column sum over a [B T, C] view."""
+    B, channels = dy_BxTxC.shape[0], dy_BxTxC.shape[2:]
+    # The sums read their own handles on x and dy: XLA otherwise fuses them with every
+    # elementwise consumer of the same arrays (the input gradient, the SiLU's backward and the
+    # recomputed forward of the convolution) into one multi-output reduction kernel, which ran
+    # at 3.9 ms per KDA layer in the 1B step. Behind the barrier they are a reduction alone.
+    x_w, dy_w = lax.optimization_barrier((x_ext, dy_BxTxC))
+    dw = []
+    for lag, same in enumerate(masks):
+        dy_lag = dy_w.astype(jnp.float32)
+        dy_lag = dy_lag if same is None else jnp.where(same, dy_lag, 0.0)
+        x_lag = lax.slice_in_dim(x_w, W - 1 - lag, W - 1 - lag + T, axis=1)
+        prod = (x_lag.astype(jnp.float32) * dy_lag).reshape(B * T, -1)
+        dw.append(jnp.sum(prod, axis=0).reshape(channels))
+    return jnp.stack(dw[::-1])
 
 
 def _shard_conv(x_BxTxC, seg_BxT, tail_BxWm1xC, w_WxC, *, Wm1: int, axes, n: int):
