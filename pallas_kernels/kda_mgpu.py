@@ -304,8 +304,8 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
         plgpu.Barrier(num_barriers=5),
     )
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    fn = plgpu.kernel(kernel, out_shape=out_shape, grid=(BHV, N), grid_names=("bh", "n"),
-                      scratch_shapes=scratch, compiler_params=params, interpret=interpret)
+    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N), grid_names=("bh", "n"),
+                      scratch_types=scratch, compiler_params=params, interpret=interpret)
     return fn(q, k, v, g, beta_BHVxTp)
 
 
@@ -318,5 +318,5 @@ def sm90_or_newer() -> bool:
             return False
         major = int(str(getattr(dev, "compute_capability", "0")).split(".")[0])
         return major >= 9
-    except Exception:  # noqa: BLE001 - any failure means "not Hopper"
+    except Exception:  # any failure means "not Hopper"
         return False
