@@ -99,7 +99,8 @@ def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta) -> str | None:
         (cfg.K != DIM or cfg.V != DIM, f"K, V = {cfg.K}, {cfg.V} (want {DIM})"),
         (CHUNK % cfg.sub != 0 or cfg.sub < 16, f"sub-chunk {cfg.sub}"),
         (cfg.cd != "bfloat16", f"compute dtype {cfg.cd}"),
-        (any(x.dtype != bf16 for x in (q, k, v, g)), "q, k, v, g not all bfloat16"),
+        (any(x.dtype != bf16 for x in (q, k, v)), "q, k, v not all bfloat16"),
+        (jnp.dtype(g.dtype) not in (jnp.dtype(bf16), jnp.dtype(f32)), f"g dtype {g.dtype}"),
         (jnp.dtype(beta.dtype) not in (jnp.dtype(bf16), jnp.dtype(f32)), "beta dtype"),
     ]
     for bad, why in checks:
@@ -134,6 +135,11 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
         out_shape += [jax.ShapeDtypeStruct((BHV, N, C, K), f32),
                       jax.ShapeDtypeStruct((BHV, N, C, C), f32),
                       jax.ShapeDtypeStruct((BHV, N, C, C), bf16)]
+    n_planes = 1 if g.dtype == bf16 else 3  # bf16 planes of g: see ``expo``
+
+    def g_dst(planes, G_s):  # where TMA puts g: the bf16 plane, or float32 G_s to be split
+        return planes[0] if n_planes == 1 else G_s
+
     WG = plgpu.Layout.WGMMA
     ROW = WG.reduce(1)  # one value per row of a WGMMA-layout array
 
@@ -156,7 +162,7 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
 
     def kernel(q_g, k_g, v_g, g_g, beta_g, *refs):
         n_out = len(out_shape)
-        outs, (q_s, k_s, v_s, g_s, beta_s, b1_s, m_s, a_s, akk_s, t_s, G_s, bars) = (
+        outs, (q_s, k_s, v_s, planes, beta_s, b1_s, m_s, t_s, G_s, bars) = (
             refs[:n_out], refs[n_out:])
         W_g, U_g, QG_g, Kg_g, Aqk_g, gam_g, *res_g = outs
         bh, n = lax.axis_index("bh"), lax.axis_index("n")
@@ -165,11 +171,21 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
         tok = pl.ds(n * C, C)
 
         for i, (src, dst) in enumerate([(q_g.at[b, tok, h], q_s), (k_g.at[b, tok, h], k_s),
-                                        (v_g.at[b, tok, hv], v_s), (g_g.at[b, tok, hv], g_s),
+                                        (v_g.at[b, tok, hv], v_s), (g_g.at[b, tok, hv], g_dst(planes, G_s)),
                                         (beta_g.at[bh, tok], beta_s)]):
             plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
         for i in range(5):
             plgpu.barrier_wait(bars.at[i])
+        if len(planes) == 3:
+            # float32 g = hi + mid + lo, three bf16 planes, exactly (8 + 8 + 8 significand bits)
+            g32 = G_s[...] if interpret is not None else plgpu.load(
+                G_s, (), layout=WG, optimized=False)
+            hi = g32.astype(bf16)
+            r = g32 - hi.astype(f32)
+            mid = r.astype(bf16)
+            planes[0][...] = hi
+            planes[1][...] = mid
+            planes[2][...] = (r - mid.astype(f32)).astype(bf16)
 
         def store_out(src_s, dst_g):
             plgpu.commit_smem()
@@ -179,7 +195,7 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
             """m [C, C] (0/+-1, float32, WGMMA layout) @ g [C, K]: exact exponents, float32."""
             m_s[...] = m_CxC.astype(bf16)
             plgpu.commit_smem()
-            return dot([(m_s, g_s)], (C, K))
+            return dot([(m_s, p) for p in planes], (C, K))
 
         def one(cond):
             return jnp.where(cond, 1.0, 0.0).astype(f32)
@@ -236,15 +252,17 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
         y_shape = (C, K) if interpret is None else (K, C)
         Aqk, Akk = pl.run_scoped(scores, _swizzled((C, K), bf16), _swizzled((C, K), bf16),
                                  _swizzled(y_shape, bf16))
-        a_s[...] = jnp.where(rr <= ri, Aqk, 0.0).astype(bf16)
-        store_out(a_s, Aqk_g)
         Akk = jnp.where(rr < ri, Akk, 0.0)
-        if residuals:
-            akk_s[...] = Akk
-            store_out(akk_s, res_g[1])
 
-        def inverse(ahi_s, alo_s, bhi_s, blo_s):
-            """Phase 3: (I + L)^-1, L = Diag(beta) Akk, as kda_body.tril_inverse."""
+        def inverse(ahi_s, alo_s, bhi_s, blo_s, a_s, akk_s):
+            """Phase 3: Aqk and Akk out, then (I + L)^-1, L = Diag(beta) Akk, as
+            kda_body.tril_inverse."""
+            a_s[...] = jnp.where(rr <= ri, Aqk, 0.0).astype(bf16)
+            store_out(a_s, Aqk_g)
+            if residuals:
+                akk_s[...] = Akk
+                store_out(akk_s, res_g[1])
+
             def mm(A, Bm):  # A @ B to ~16 mantissa bits: bf16 hi + lo of both operands
                 Ahi, Bhi = A.astype(bf16), Bm.astype(bf16)
                 ahi_s[...] = Ahi
@@ -269,9 +287,10 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
                 X = mm(Tinv, jnp.where(pair, L, 0.0))
                 Tinv = Tinv - mm(X, Tinv)
                 hb *= 2
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a_s, akk_s are freed next
             return Tinv
 
-        Tinv = pl.run_scoped(inverse, *[_swizzled((C, C), bf16)] * 4)
+        Tinv = pl.run_scoped(inverse, *[_swizzled((C, C), bf16)] * 5, _swizzled((C, C), f32))
         t_s[...] = Tinv.astype(bf16)
         plgpu.commit_smem()
         if residuals:
@@ -293,14 +312,13 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
 
     scratch = (
         _swizzled((C, K), bf16), _swizzled((C, K), bf16), _swizzled((C, V), bf16),  # q k v
-        _swizzled((C, K), bf16),  # g
+        [_swizzled((C, K), bf16)] * n_planes,  # g as bf16 planes (g = their sum)
         plgpu.SMEM((C,), f32),  # beta
         _swizzled((C, K), bf16),  # beta k e^G, then W
         _swizzled((C, C), bf16),  # the exponent matrix
-        _swizzled((C, C), bf16),  # Aqk
-        _swizzled((C, C), f32),  # Akk
         _swizzled((C, C), bf16),  # Tinv
-        plgpu.SMEM((C, K), f32),  # G, then e^G (untiled: gam is one row of it)
+        # float32 g as loaded, then G, then e^G (untiled: gam is one row of it)
+        plgpu.SMEM((C, K), f32),
         plgpu.Barrier(num_barriers=5),
     )
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)

@@ -32,12 +32,15 @@ NAMES = ("W", "U", "QG", "Kg", "Aqk", "gam", "G", "Akk", "Tinv")
 # Relative errors (||x - ref|| / ||ref||). CPU: both interpreters take float32 dots of the same
 # bf16 operands, so only float32 summation order and bf16 re-rounding differ. GPU: bf16 tensor
 # cores against a float32 reference, and outputs stored in bf16.
-TOL = (dict.fromkeys(NAMES, 1e-2) | {"G": 1e-5, "gam": 1e-4} if ON_GPU
-       else dict.fromkeys(NAMES, 2e-3) | {"G": 1e-6, "gam": 1e-6})
+# G and gam: float32 sums of up to 64 gates in another order (|G| up to 64 |lower_bound|, so
+# ~1e-5 absolute), which e^G turns into relative errors of that size.
+TOL = (dict.fromkeys(NAMES, 1e-2) if ON_GPU else dict.fromkeys(NAMES, 2e-3)) | {
+    "G": 1e-5, "gam": 3e-4}
 
 
-def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0):
-    """q, k unit rows, v normal, g in [lower_bound, 0] (K3's bounded gate), beta in (0, 1)."""
+def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0, gate_dtype=jnp.float32):
+    """q, k unit rows, v normal (bf16); g in [lower_bound, 0] (K3's bounded gate) and beta in
+    (0, 1) in ``gate_dtype`` (the model passes float32 ones)."""
     def unit(shape):
         x = rng.standard_normal(shape)
         return x / np.linalg.norm(x, axis=-1, keepdims=True)
@@ -45,7 +48,7 @@ def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0):
     g = lower_bound / (1.0 + np.exp(-2.0 * rng.standard_normal((B, T, HV, K))))
     arrs = (unit((B, T, H, K)), unit((B, T, H, K)), rng.standard_normal((B, T, HV, V)), g,
             1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV)))))
-    return [jnp.asarray(x, jnp.bfloat16) for x in arrs]
+    return [jnp.asarray(x, jnp.bfloat16 if i < 3 else gate_dtype) for i, x in enumerate(arrs)]
 
 
 def config(q, v, *, mode, lower_bound=-5.0, chunk_size=64, hopper=1, seg=None):
@@ -89,14 +92,16 @@ def _reset_interpreter():
 
 @needs_mgpu
 @pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU below sm_90")
-@pytest.mark.parametrize(("B", "T", "H", "HV", "lower_bound", "residuals"), [
-    pytest.param(1, 100, 1, 2, -5.0, True, id="T100-grouped-sub16-residuals"),
-    pytest.param(2, 40, 1, 1, -1.0, False, id="T40-sub64-no-residuals"),
+@pytest.mark.parametrize(("B", "T", "H", "HV", "lower_bound", "residuals", "gate_dtype"), [
+    pytest.param(1, 100, 1, 2, -5.0, True, jnp.float32, id="T100-grouped-sub16-residuals-g32"),
+    pytest.param(2, 40, 1, 1, -1.0, False, jnp.bfloat16, id="T40-sub64-no-residuals-g16"),
 ])
-def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals):
+def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate_dtype):
     """Every output of the Mosaic GPU intra_fwd against the Triton kernel's (interpret mode),
-    T not a multiple of C (a padded last chunk), one and four anchors per chunk, HV > H."""
-    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, lower_bound=lower_bound)
+    T not a multiple of C (a padded last chunk), one and four anchors per chunk, HV > H,
+    float32 g (three bf16 planes) and bf16 g (one)."""
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, lower_bound=lower_bound,
+                                   gate_dtype=gate_dtype)
     cfg = config(q, v, mode="gpu" if ON_GPU else "interpret", lower_bound=lower_bound)
     args = kernel_args(q, k, v, g, beta, cfg)
     assert kda_mgpu.unsupported_reason(cfg, *args) is None
@@ -141,20 +146,67 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
         assert rel(x, tri) < 1e-2, f"{name}: Mosaic GPU vs Triton path {rel(x, tri):.2e}"
 
 
+@needs_mgpu
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU below sm_90")
+def test_gradient_with_mgpu_residuals(rng):
+    """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv): every gradient
+    with hopper=1 matches the all-Triton one's."""
+    B, T, H, HV = 1, 64, 1, 1
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, 128)), jnp.float32)
+    backend = "gpu" if ON_GPU else "interpret"
+
+    def loss(hopper):
+        def fn(q, k, v, g, beta, h0):
+            o, S = kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
+                              segment_ids=None, chunk_size=64, lower_bound=-5.0,
+                              backend=backend, tuning=KernelTuning(hopper=hopper))
+            return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
+        return jax.jit(jax.grad(fn, argnums=range(6)))
+
+    got, want = loss(1)(q, k, v, g, beta, h0), loss(0)(q, k, v, g, beta, h0)
+    tol = 1e-2 if ON_GPU else 1e-3
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), got, want, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
+        assert rel(a, b) < tol, f"d{name}: rel err {rel(a, b):.2e} > {tol}"
+
+
 # ----------------------------------------------------------------------------- lowering
 
 
+SMEM_PER_BLOCK = 227 * 1024  # sm_90's most dynamic shared memory per block
+
+
 @needs_mgpu
-@pytest.mark.parametrize("residuals", [False, True])
-def test_cuda_lowering(residuals):
-    """The kernel lowers for CUDA (Mosaic GPU's frontend and layout checks) without a GPU."""
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in  # q, k, v, g, beta; H=2, HV=4
-            ((2, 256, 2, 128), (2, 256, 2, 128), (2, 256, 4, 128), (2, 256, 4, 128),
-             (2, 256, 4, 1))]
+@pytest.mark.parametrize(("residuals", "gate_dtype"), [
+    (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.float32), (True, jnp.float32)])
+def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
+    """The kernel lowers for CUDA (Mosaic GPU's frontend and layout checks) without a GPU, and
+    its shared memory (Pallas' own estimate, where this JAX exposes it) fits one sm_90 block."""
+    bf = jnp.bfloat16
+    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in (  # q, k, v, g, beta; H = 2, HV = 4
+        ((2, 256, 2, 128), bf), ((2, 256, 2, 128), bf), ((2, 256, 4, 128), bf),
+        ((2, 256, 4, 128), gate_dtype), ((2, 256, 4, 1), gate_dtype))]
     cfg = config(args[0], args[2], mode="gpu")
+    smem = []
+    try:  # private: the lowering's resource estimate (run_scoped buffers at their peak)
+        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+        estimate = mgpu_lowering._estimate_resources
+
+        def spy(ctx, jaxpr):
+            out = estimate(ctx, jaxpr)
+            smem.append(out.smem_scratch_bytes)
+            return out
+
+        monkeypatch.setattr(mgpu_lowering, "_estimate_resources", spy)
+    except (ImportError, AttributeError):
+        pass
     fn = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    if smem:
+        assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
 
 
 @needs_mgpu
