@@ -1,6 +1,7 @@
 """The four KDA pallas_calls, each with a GPU driver and a TPU driver around ``kda_body``.
 
-    intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk.
+    intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk. With
+                KernelTuning.hopper, the Mosaic GPU kernel of kda_mgpu where it applies.
     state_fwd   the state pass: O (and, for the backward, the states h and V' of every chunk).
     state_bwd   the reverse state pass: dh (gradient of each chunk's outgoing state) and dV'.
     intra_bwd   grid (B*HV, N), then (B*HV, N, K/BK), all parallel: dq, dk, dv, dg, dbeta.

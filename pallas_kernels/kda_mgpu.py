@@ -41,9 +41,16 @@ TMA box needs >= 16 contiguous bytes). Outputs W, U, QG, Kg [B*HV, N, C, X] bf16
 N, C, C] bf16, gam [B*HV, N, 1, K] f32; residuals G [B*HV, N, C, K] f32, Akk [B*HV, N, C, C]
 f32, Tinv [B*HV, N, C, C] bf16.
 
-SMEM (bf16 g): inputs 64 KB, W/beta*k*e^G staging 16 KB, score operands 48 KB, exponent
-matrix 8 KB, [C, C] outputs 32 KB, float32 G staging 32 KB, inverse operands 32 KB (scoped
-over the score operands): about 200 KB, one CTA per SM.
+g may be bf16 (one plane) or float32, split exactly into three bf16 planes hi + mid + lo (8
+significand bits each) that each exponent product sums, so G is float32-exact either way.
+
+SMEM, as Pallas estimates it: 189 KB with bf16 g, 222 KB with float32 g (of sm_90's 227 KB):
+q, k, v, the g planes, beta k e^G (then W), the exponent matrix, Tinv and a float32 [C, K]
+staging buffer (g, then G, then e^G) live throughout; the score operands (Xq, Xk, Y) and then
+the inverse's operands with the Aqk/Akk staging are scoped in turn. One CTA per SM: no
+overlap of one chunk's loads with another's math yet (the next step if it is load-bound).
+Outputs are written in place of inputs no longer read (QG over q, W over beta k e^G, U over
+beta v, Kg over k) to fit.
 """
 
 from __future__ import annotations
@@ -88,7 +95,8 @@ def interpret_params():
 def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta) -> str | None:
     """None when ``intra_fwd`` here computes this call, else why not (the caller falls back to
     the Triton kernel). Supported: no packed segments, the log-decay given (no gate in the
-    kernel), a bounded gate, C = 64, K = V = 128, bf16 q/k/v/g and bf16 compute."""
+    kernel), a bounded gate, C = 64, K = V = 128 (after padding), bf16 q, k, v and bf16 or
+    float32 g and beta."""
     if not available():
         return "no Mosaic GPU Pallas in this JAX"
     checks = [
@@ -120,7 +128,8 @@ def _swizzled(shape, dtype):
 def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
               residuals: bool = False, interpret=None):
     """``kda_calls.intra_fwd`` on Mosaic GPU (same arguments and outputs; ``unsupported_reason``
-    must be None). ``interpret``: Mosaic GPU interpret params (CPU), None compiles for sm_90."""
+    must be None). ``interpret``: Mosaic GPU interpret params (CPU), None compiles for sm_90.
+    ``cfg.poison`` is moot here: every element of every output is written."""
     del segs, gate_params  # unsupported here (see unsupported_reason)
     B, HV, G = cfg.B, cfg.HV, cfg.G
     C, K, V, N, s = cfg.C, cfg.K, cfg.V, cfg.N, cfg.sub
