@@ -33,9 +33,10 @@ NAMES = ("W", "U", "QG", "Kg", "Aqk", "gam", "G", "Akk", "Tinv")
 # bf16 operands, so only float32 summation order and bf16 re-rounding differ. GPU: bf16 tensor
 # cores against a float32 reference, and outputs stored in bf16.
 # G and gam: float32 sums of up to 64 gates in another order (|G| up to 64 |lower_bound|, so
-# ~1e-5 absolute), which e^G turns into relative errors of that size.
-TOL = (dict.fromkeys(NAMES, 1e-2) if ON_GPU else dict.fromkeys(NAMES, 2e-3)) | {
-    "G": 1e-5, "gam": 3e-4}
+# ~1e-5 absolute; more with the tensor cores' accumulation), which e^G turns into relative
+# errors of that size.
+TOL = (dict.fromkeys(NAMES, 1e-2) | {"G": 1e-5, "gam": 1e-3} if ON_GPU
+       else dict.fromkeys(NAMES, 2e-3) | {"G": 1e-5, "gam": 3e-4})
 
 
 def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0, gate_dtype=jnp.float32):
@@ -166,10 +167,14 @@ def test_gradient_with_mgpu_residuals(rng):
         return jax.jit(jax.grad(fn, argnums=range(6)))
 
     got, want = loss(1)(q, k, v, g, beta, h0), loss(0)(q, k, v, g, beta, h0)
-    tol = 1e-2 if ON_GPU else 1e-3
-    for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), got, want, strict=True):
+    # GPU: the two paths' Tinv differ (tf32 in Triton's, ~16 bits here) and dg, dbeta take
+    # differences of nearly equal terms (the GPU tests' tolerances are looser for them too)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    tols = (dict.fromkeys(names, 1e-2) | {"g": 3e-2, "beta": 3e-2} if ON_GPU
+            else dict.fromkeys(names, 1e-3))
+    for name, a, b in zip(names, got, want, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
-        assert rel(a, b) < tol, f"d{name}: rel err {rel(a, b):.2e} > {tol}"
+        assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
 
 
 # ----------------------------------------------------------------------------- lowering
