@@ -9,7 +9,7 @@ bounded gate g = -5 sigmoid(x) in --gate-dtype (float32 by default, what the mod
 Both kernels get the same padded kernel-layout arguments (kda._prep) and the same KdaConfig
 (default KernelTuning). Each time is the median (and min) of --iters device-synchronised calls
 (jax.block_until_ready) after --warmup calls; "max rel diff" is the largest over outputs of
-||mgpu - triton|| / ||triton||. Prints a markdown table. Needs an sm_90+ GPU (or --smoke).
+||mgpu - triton|| / ||triton||. Prints a markdown table. Needs a Hopper (sm_90) GPU (or --smoke).
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def main():
         args.B, args.T, args.H, args.warmup, args.iters = 1, 128, 1, 0, 1
         mode, interpret = "interpret", kda_mgpu.interpret_params()
     else:
-        if not kda_mgpu.sm90_or_newer():
-            sys.exit(f"needs an sm_90+ GPU (got {jax.devices()[0].device_kind}); try --smoke")
+        if not kda_mgpu.is_hopper():
+            sys.exit(f"needs a Hopper (sm_90) GPU, got {jax.devices()[0].device_kind} "
+                     "(--smoke runs it in interpret mode)")
         mode, interpret = "gpu", None
 
     q, k, v, g, beta = make_inputs(args.B, args.T, args.H, args.D, jnp.dtype(args.gate_dtype))

@@ -95,8 +95,9 @@ class KernelTuning:
     # slower (BENCHMARKS.md).
     inverse_x3: int = 0
     # 1: intra_fwd runs the Mosaic GPU kernel (pallas_kernels/kda_mgpu.py) where it applies:
-    # backend "gpu" on an sm_90+ device, or "interpret" (its Mosaic GPU interpret mode), for the
-    # configs kda_mgpu.unsupported_reason accepts; everything else keeps the Triton kernel.
+    # backend "gpu" on a Hopper (sm_90) device, or "interpret" (its Mosaic GPU interpret
+    # mode), for the configs kda_mgpu.unsupported_reason accepts; everything else keeps the
+    # Triton kernel.
     # Off until it is measured on the card.
     hopper: int = 0
 

@@ -209,15 +209,15 @@ def _take_gate(cfg: KdaConfig, refs):
 
 def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta) -> str | None:
     """How intra_fwd runs the Mosaic GPU kernel (kda_mgpu) for this call: "compiled" (backend
-    "gpu" on an sm_90+ device), "interpret" (backend "interpret": Mosaic GPU interpret mode), or
-    None for the Triton kernel (cfg.hopper off, another backend or device, or a config the
+    "gpu" on a Hopper, sm_90, device), "interpret" (backend "interpret": Mosaic GPU interpret
+    mode), or None for the Triton kernel (cfg.hopper off, another backend or device, or a config the
     Mosaic GPU kernel does not implement: kda_mgpu.unsupported_reason)."""
     if not cfg.hopper or cfg.mode not in ("gpu", "interpret"):
         return None
     if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta) is not None:
         return None
     if cfg.mode == "gpu":
-        return "compiled" if kda_mgpu.sm90_or_newer() else None
+        return "compiled" if kda_mgpu.is_hopper() else None
     return "interpret" if kda_mgpu.interpret_params() is not None else None
 
 

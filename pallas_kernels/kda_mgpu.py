@@ -179,9 +179,9 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
         h = div(hv, G)
         tok = pl.ds(n * C, C)
 
-        for i, (src, dst) in enumerate([(q_g.at[b, tok, h], q_s), (k_g.at[b, tok, h], k_s),
-                                        (v_g.at[b, tok, hv], v_s), (g_g.at[b, tok, hv], g_dst(planes, G_s)),
-                                        (beta_g.at[bh, tok], beta_s)]):
+        loads = [(q_g.at[b, tok, h], q_s), (k_g.at[b, tok, h], k_s), (v_g.at[b, tok, hv], v_s),
+                 (g_g.at[b, tok, hv], g_dst(planes, G_s)), (beta_g.at[bh, tok], beta_s)]
+        for i, (src, dst) in enumerate(loads):
             plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
         for i in range(5):
             plgpu.barrier_wait(bars.at[i])
@@ -337,13 +337,13 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
 
 
 @functools.cache
-def sm90_or_newer() -> bool:
-    """Whether the default device is an NVIDIA GPU of compute capability >= 9.0."""
+def is_hopper() -> bool:
+    """Whether the default device is an NVIDIA GPU of compute capability 9.x: wgmma exists on
+    sm_90a only (Blackwell, sm_100, has tcgen05 instead, a different kernel)."""
     try:
         dev = jax.devices()[0]
         if dev.platform != "gpu":
             return False
-        major = int(str(getattr(dev, "compute_capability", "0")).split(".")[0])
-        return major >= 9
+        return str(getattr(dev, "compute_capability", "0")).split(".")[0] == "9"
     except Exception:  # any failure means "not Hopper"
         return False

@@ -2,8 +2,8 @@
 
 Where it runs: on CPU the Mosaic GPU kernel runs in Mosaic GPU interpret mode and the Triton
 kernel in Pallas interpret mode (both float32 dots on bf16 operands: they agree to rounding);
-on an sm_90+ GPU the Mosaic GPU kernel runs compiled (bf16 tensor cores, float32 accumulation)
-against the Triton kernel in interpret mode, held to bf16 tolerances. Lowering for CUDA is
+on a Hopper (sm_90) GPU the Mosaic GPU kernel runs compiled (bf16 tensor cores, float32
+accumulation) against the Triton kernel in interpret mode, held to bf16 tolerances. Lowering for CUDA is
 checked on any machine (it needs no GPU).
 
 Inputs are fresh random bf16 per run (the ``rng`` fixture prints the seed of a failure). Sizes
@@ -26,7 +26,7 @@ from pallas_kernels.kda import KernelTuning, kda_pallas
 from tests.test_kda_pallas import numpy_kda, rel
 
 ON_GPU = jax.default_backend() == "gpu"
-HOPPER = ON_GPU and kda_mgpu.sm90_or_newer()
+HOPPER = ON_GPU and kda_mgpu.is_hopper()
 needs_mgpu = pytest.mark.skipif(not kda_mgpu.available(), reason="no Mosaic GPU Pallas")
 NAMES = ("W", "U", "QG", "Kg", "Aqk", "gam", "G", "Akk", "Tinv")
 # Relative errors (||x - ref|| / ||ref||). CPU: both interpreters take float32 dots of the same
@@ -92,7 +92,7 @@ def _reset_interpreter():
 
 
 @needs_mgpu
-@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU below sm_90")
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
 @pytest.mark.parametrize(("B", "T", "H", "HV", "lower_bound", "residuals", "gate_dtype"), [
     pytest.param(1, 100, 1, 2, -5.0, True, jnp.float32, id="T100-grouped-sub16-residuals-g32"),
     pytest.param(2, 40, 1, 1, -1.0, False, jnp.bfloat16, id="T40-sub64-no-residuals-g16"),
@@ -120,7 +120,7 @@ def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate
 
 
 @needs_mgpu
-@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU below sm_90")
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
 def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
     """kda_pallas with KernelTuning(hopper=1): the Mosaic GPU intra_fwd is the one taken, and the
     output and final state match the float64 recurrence as closely as the Triton path's do."""
@@ -148,7 +148,7 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
 
 
 @needs_mgpu
-@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU below sm_90")
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
 def test_gradient_with_mgpu_residuals(rng):
     """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv): every gradient
     with hopper=1 matches the all-Triton one's."""
@@ -220,7 +220,7 @@ def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
     (the intra_fwd dispatch included), lower for CUDA."""
     if calls.pl_triton is None:
         pytest.skip("no Pallas-Triton in this JAX (the other kernels)")
-    monkeypatch.setattr(kda_mgpu, "sm90_or_newer", lambda: True)
+    monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: True)
     shapes = ((1, 128, 1, 128), (1, 128, 1, 128), (1, 128, 2, 128), (1, 128, 2, 128),
               (1, 128, 2))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
@@ -268,7 +268,7 @@ def test_fallback_for_unsupported_configs(case, monkeypatch):
     if case == "gate_in_kernel":
         cfg = dataclasses.replace(cfg, gate="bounded", gate_bound=-5.0)
     if case == "gpu_not_sm90":
-        monkeypatch.setattr(kda_mgpu, "sm90_or_newer", lambda: False)
+        monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: False)
     x_k = jax.ShapeDtypeStruct((B, T, H, cfg.K), dt)
     x_v = jax.ShapeDtypeStruct((B, T, HV, cfg.V), dt)
     x_g = jax.ShapeDtypeStruct((B, T, HV, cfg.K), dt)
