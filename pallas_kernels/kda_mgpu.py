@@ -187,14 +187,14 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
             plgpu.barrier_wait(bars.at[i])
         if len(planes) == 3:
             # float32 g = hi + mid + lo, three bf16 planes, exactly (8 + 8 + 8 significand bits)
-            g32 = G_s[...] if interpret is not None else plgpu.load(
+            g_CxK = G_s[...] if interpret is not None else plgpu.load(
                 G_s, (), layout=WG, optimized=False)
-            hi = g32.astype(bf16)
-            r = g32 - hi.astype(f32)
-            mid = r.astype(bf16)
-            planes[0][...] = hi
-            planes[1][...] = mid
-            planes[2][...] = (r - mid.astype(f32)).astype(bf16)
+            hi_CxK = g_CxK.astype(bf16)
+            r_CxK = g_CxK - hi_CxK.astype(f32)
+            mid_CxK = r_CxK.astype(bf16)
+            planes[0][...] = hi_CxK
+            planes[1][...] = mid_CxK
+            planes[2][...] = (r_CxK - mid_CxK.astype(f32)).astype(bf16)
 
         def store_out(src_s, dst_g):
             plgpu.commit_smem()
@@ -221,101 +221,103 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
             """Phase 1 and 2: QG, gam, G, the score operands, then Aqk and Akk [C, C]."""
             # Row factors e^(G_i - G_a(i)) <= 1: x operands qs e^(...) and k e^(...).
             anchor = div(ri, s) * s
-            eR = jnp.exp(expo(one((anchor < rr) & (rr <= ri))))
-            xq_s[...] = (q_s[...].astype(f32) * (scale * eR)).astype(bf16)
-            xk_s[...] = (k_s[...].astype(f32) * eR).astype(bf16)
+            eR_CxK = jnp.exp(expo(one((anchor < rr) & (rr <= ri))))
+            xq_s[...] = (q_s[...].astype(f32) * (scale * eR_CxK)).astype(bf16)
+            xk_s[...] = (k_s[...].astype(f32) * eR_CxK).astype(bf16)
             # G, QG (in place of q), beta k e^G (W's right operand), G and gam.
             G_CxK = expo(one(rr <= ri))
-            eG = jnp.exp(G_CxK)
-            q_s[...] = (q_s[...].astype(f32) * (scale * eG)).astype(bf16)
+            eG_CxK = jnp.exp(G_CxK)
+            q_s[...] = (q_s[...].astype(f32) * (scale * eG_CxK)).astype(bf16)
             store_out(q_s, QG_g)
-            b1_s[...] = (k_s[...].astype(f32) * eG * by_row(beta_C, (C, K))).astype(bf16)
+            b1_s[...] = (k_s[...].astype(f32) * eG_CxK * by_row(beta_C, (C, K))).astype(bf16)
             if residuals:
                 G_s[...] = G_CxK
                 store_out(G_s, res_g[0])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            G_s[...] = eG  # gam = e^(G_last): row C-1 of e^G
+            G_s[...] = eG_CxK  # gam = e^(G_last): row C-1 of e^G
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(G_s.at[pl.ds(C - 1, 1)], gam_g.at[bh, n])
 
-            Aqk = Akk = jnp.zeros((C, C), f32)
+            Aqk_CxC = Akk_CxC = jnp.zeros((C, C), f32)
             for ib in range(nb):
                 bidx, jlim = ib * s, (ib + 1) * s
                 # column factors e^(G_b - G_j) for j < jlim (at most e^80 inside the sub-chunk)
-                E = expo(one((ri < rr) & (rr <= bidx)) - one((bidx < rr) & (rr <= ri)))
+                E_CxK = expo(one((ri < rr) & (rr <= bidx)) - one((bidx < rr) & (rr <= ri)))
                 ok = rows_CxK < jlim
-                y = jnp.where(ok, k_s[...].astype(f32) * jnp.exp(jnp.where(ok, E, 0.0)), 0.0)
+                y_CxK = jnp.where(
+                    ok, k_s[...].astype(f32) * jnp.exp(jnp.where(ok, E_CxK, 0.0)), 0.0)
                 if interpret is None:
-                    y_s[...] = y.astype(bf16)
+                    y_s[...] = y_CxK.astype(bf16)
                     y_T = plgpu.transpose_ref(y_s, (1, 0))
                 else:  # the interpreter's wgmma takes no transposed view: store y^T [K, C]
-                    y_s[...] = y.T.astype(bf16)
+                    y_s[...] = y_CxK.T.astype(bf16)
                     y_T = y_s
                 plgpu.commit_smem()
-                Sq = dot([(xq_s, y_T)], (C, C))
-                Sk = dot([(xk_s, y_T)], (C, C))
+                Sq_CxC = dot([(xq_s, y_T)], (C, C))
+                Sk_CxC = dot([(xk_s, y_T)], (C, C))
                 mine = div(ri, s) == ib
-                Aqk, Akk = jnp.where(mine, Sq, Aqk), jnp.where(mine, Sk, Akk)
-            return Aqk, Akk
+                Aqk_CxC = jnp.where(mine, Sq_CxC, Aqk_CxC)
+                Akk_CxC = jnp.where(mine, Sk_CxC, Akk_CxC)
+            return Aqk_CxC, Akk_CxC
 
         y_shape = (C, K) if interpret is None else (K, C)
-        Aqk, Akk = pl.run_scoped(scores, _swizzled((C, K), bf16), _swizzled((C, K), bf16),
-                                 _swizzled(y_shape, bf16))
-        Akk = jnp.where(rr < ri, Akk, 0.0)
+        Aqk_CxC, Akk_CxC = pl.run_scoped(scores, _swizzled((C, K), bf16),
+                                         _swizzled((C, K), bf16), _swizzled(y_shape, bf16))
+        Akk_CxC = jnp.where(rr < ri, Akk_CxC, 0.0)
 
         def inverse(ahi_s, alo_s, bhi_s, blo_s, a_s, akk_s):
             """Phase 3: Aqk and Akk out, then (I + L)^-1, L = Diag(beta) Akk, as
             kda_body.tril_inverse."""
-            a_s[...] = jnp.where(rr <= ri, Aqk, 0.0).astype(bf16)
+            a_s[...] = jnp.where(rr <= ri, Aqk_CxC, 0.0).astype(bf16)
             store_out(a_s, Aqk_g)
             if residuals:
-                akk_s[...] = Akk
+                akk_s[...] = Akk_CxC
                 store_out(akk_s, res_g[1])
 
-            def mm(A, Bm):  # A @ B to ~16 mantissa bits: bf16 hi + lo of both operands
-                Ahi, Bhi = A.astype(bf16), Bm.astype(bf16)
-                ahi_s[...] = Ahi
-                alo_s[...] = (A - Ahi.astype(f32)).astype(bf16)
-                bhi_s[...] = Bhi
-                blo_s[...] = (Bm - Bhi.astype(f32)).astype(bf16)
+            def mm(A_CxC, B_CxC):  # A @ B to ~16 mantissa bits: bf16 hi + lo of both operands
+                Ahi_CxC, Bhi_CxC = A_CxC.astype(bf16), B_CxC.astype(bf16)
+                ahi_s[...] = Ahi_CxC
+                alo_s[...] = (A_CxC - Ahi_CxC.astype(f32)).astype(bf16)
+                bhi_s[...] = Bhi_CxC
+                blo_s[...] = (B_CxC - Bhi_CxC.astype(f32)).astype(bf16)
                 plgpu.commit_smem()
                 return dot([(ahi_s, bhi_s), (ahi_s, blo_s), (alo_s, bhi_s)], (C, C))
 
-            L = Akk * by_row(beta_C, (C, C))
+            L_CxC = Akk_CxC * by_row(beta_C, (C, C))
             hb = INVERSE_BLOCK
-            P = -jnp.where(div(ri, hb) == div(rr, hb), L, 0.0)
-            Tinv = one(ri == rr) + P
+            P_CxC = -jnp.where(div(ri, hb) == div(rr, hb), L_CxC, 0.0)
+            Tinv_CxC = one(ri == rr) + P_CxC
             m = 1
             while 2 * m < hb:
-                P = mm(P, P)
-                Tinv = Tinv + mm(Tinv, P)
+                P_CxC = mm(P_CxC, P_CxC)
+                Tinv_CxC = Tinv_CxC + mm(Tinv_CxC, P_CxC)
                 m *= 2
             while hb < C:  # merge pairs of hb-blocks: T <- T - T P T, P = L's lower-left block
                 pair = ((div(ri, 2 * hb) == div(rr, 2 * hb)) & (lax.rem(div(ri, hb), 2) == 1)
                         & (lax.rem(div(rr, hb), 2) == 0))
-                X = mm(Tinv, jnp.where(pair, L, 0.0))
-                Tinv = Tinv - mm(X, Tinv)
+                X_CxC = mm(Tinv_CxC, jnp.where(pair, L_CxC, 0.0))
+                Tinv_CxC = Tinv_CxC - mm(X_CxC, Tinv_CxC)
                 hb *= 2
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a_s, akk_s are freed next
-            return Tinv
+            return Tinv_CxC
 
-        Tinv = pl.run_scoped(inverse, *[_swizzled((C, C), bf16)] * 5, _swizzled((C, C), f32))
-        t_s[...] = Tinv.astype(bf16)
+        Tinv_CxC = pl.run_scoped(inverse, *[_swizzled((C, C), bf16)] * 5, _swizzled((C, C), f32))
+        t_s[...] = Tinv_CxC.astype(bf16)
         plgpu.commit_smem()
         if residuals:
             plgpu.copy_smem_to_gmem(t_s, res_g[2].at[bh, n])
         # Phase 4: W = T (beta k e^G) and U = T (beta v), each written over its right operand.
-        W = dot([(t_s, b1_s)], (C, K))
-        b1_s[...] = W.astype(bf16)
+        W_CxK = dot([(t_s, b1_s)], (C, K))
+        b1_s[...] = W_CxK.astype(bf16)
         store_out(b1_s, W_g)
         v_s[...] = (v_s[...].astype(f32) * by_row(beta_C, (C, V))).astype(bf16)
         plgpu.commit_smem()
-        U = dot([(t_s, v_s)], (C, V))
-        v_s[...] = U.astype(bf16)
+        U_CxV = dot([(t_s, v_s)], (C, V))
+        v_s[...] = U_CxV.astype(bf16)
         store_out(v_s, U_g)
         # Kg = k e^(G_last - G) in place of k (no longer read).
-        eD = jnp.exp(expo(one(rr > ri)))
-        k_s[...] = (k_s[...].astype(f32) * eD).astype(bf16)
+        eD_CxK = jnp.exp(expo(one(rr > ri)))
+        k_s[...] = (k_s[...].astype(f32) * eD_CxK).astype(bf16)
         store_out(k_s, Kg_g)
         plgpu.wait_smem_to_gmem(0)
 
