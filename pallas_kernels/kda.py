@@ -94,6 +94,12 @@ class KernelTuning:
     # pass. The GPU tests pass with either, and the three passes make intra_fwd markedly
     # slower (BENCHMARKS.md).
     inverse_x3: int = 0
+    # 1: intra_fwd runs the Mosaic GPU kernel (pallas_kernels/kda_mgpu.py) where it applies:
+    # backend "gpu" on a Hopper (sm_90) device, or "interpret" (its Mosaic GPU interpret
+    # mode), for the configs kda_mgpu.unsupported_reason accepts; everything else keeps the
+    # Triton kernel.
+    # Off until it is measured on the card.
+    hopper: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -140,6 +146,7 @@ _TUNING_RULES = {
     "warps_intra": _WARPS, "warps_seq": _WARPS, "warps_grad": _WARPS, "warps_chan": _WARPS,
     "stages_seq": _STAGES, "stages_intra": _STAGES,
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
+    "hopper": ("0 or 1", lambda x: x in (0, 1)),
 }
 
 
@@ -223,6 +230,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         stages_seq=tuning.stages_seq, stages_intra=tuning.stages_intra, poison=bool(poison),
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
+        hopper=bool(tuning.hopper),
     )
 
 

@@ -1,6 +1,7 @@
 """The four KDA pallas_calls, each with a GPU driver and a TPU driver around ``kda_body``.
 
-    intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk.
+    intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk. With
+                KernelTuning.hopper, the Mosaic GPU kernel of kda_mgpu where it applies.
     state_fwd   the state pass: O (and, for the backward, the states h and V' of every chunk).
     state_bwd   the reverse state pass: dh (gradient of each chunk's outgoing state) and dV'.
     intra_bwd   grid (B*HV, N), then (B*HV, N, K/BK), all parallel: dq, dk, dv, dg, dbeta.
@@ -29,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import kda_body as body
+from pallas_kernels import kda_mgpu
 from pallas_kernels.kda_body import KdaConfig
 
 # Optional backends: a JAX without one still runs the others (pallas_supported says which).
@@ -205,6 +207,20 @@ def _take_gate(cfg: KdaConfig, refs):
     return (refs[:2], refs[2:]) if cfg.gate != "given" else ((), refs)
 
 
+def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta) -> str | None:
+    """How intra_fwd runs the Mosaic GPU kernel (kda_mgpu) for this call: "compiled" (backend
+    "gpu" on a Hopper, sm_90, device), "interpret" (backend "interpret": Mosaic GPU interpret
+    mode), or None for the Triton kernel (cfg.hopper off, another backend or device, or a config the
+    Mosaic GPU kernel does not implement: kda_mgpu.unsupported_reason)."""
+    if not cfg.hopper or cfg.mode not in ("gpu", "interpret"):
+        return None
+    if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta) is not None:
+        return None
+    if cfg.mode == "gpu":
+        return "compiled" if kda_mgpu.is_hopper() else None
+    return "interpret" if kda_mgpu.interpret_params() is not None else None
+
+
 def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
               residuals: bool = False):
     """W, U, QG, Kg [B*HV, N, C, X] (cfg.cd), Aqk [B*HV, N, C, C] (cfg.cd), gam [B*HV, N, 1, K] f32
@@ -213,7 +229,15 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
     [B*HV, N, C, C] (cfg.cd).
 
     With the gate in the kernel (``cfg.gate`` not "given"), g holds the gate logits f and
-    ``gate_params`` = (A, dt_bias), each [HV, 1, K] float32."""
+    ``gate_params`` = (A, dt_bias), each [HV, 1, K] float32.
+
+    With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu) computes it where it applies
+    (``hopper_intra_mode``)."""
+    hopper = hopper_intra_mode(cfg, q, k, v, g, beta)
+    if hopper is not None:
+        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
+        return kda_mgpu.intra_fwd(cfg, q, k, v, g, beta, segs, gate_params,
+                                  residuals=residuals, interpret=interpret)
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk

@@ -1,0 +1,135 @@
+"""intra_fwd speed: the Mosaic GPU kernel (pallas_kernels/kda_mgpu.py) against the Triton one.
+
+    python benchmarks/kda_mgpu_intra.py                    # B=8, T=4096, H=HV=16, K=V=128 (H200)
+    python benchmarks/kda_mgpu_intra.py --forward          # + the whole kda_pallas forward
+    python benchmarks/kda_mgpu_intra.py --smoke            # tiny, interpret mode (any machine)
+
+Inputs as benchmarks/kda_kernel.py's: bf16 q, k (L2-normalised), v; beta = sigmoid(x) and the
+bounded gate g = -5 sigmoid(x) in --gate-dtype (float32 by default, what the model passes).
+Both kernels get the same padded kernel-layout arguments (kda._prep) and the same KdaConfig
+(default KernelTuning). Each time is the median (and min) of --iters device-synchronised calls
+(jax.block_until_ready) after --warmup calls; "max rel diff" is the largest over outputs of
+||mgpu - triton|| / ||triton||. Prints a markdown table. Needs a Hopper (sm_90) GPU (or --smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels import kda as pk
+from pallas_kernels import kda_calls as calls
+from pallas_kernels import kda_mgpu
+from pallas_kernels.kda import KernelTuning
+
+
+def make_inputs(B, T, H, D, gate_dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    shape = (B, T, H, D)
+
+    def unit(key):
+        x = jax.random.normal(key, shape, jnp.float32)
+        return (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+
+    q, k = unit(ks[0]), unit(ks[1])
+    v = jax.random.normal(ks[2], shape, jnp.bfloat16)
+    g = (-5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], shape, jnp.float32))).astype(gate_dtype)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], shape[:3], jnp.float32)).astype(gate_dtype)
+    return q, k, v, g, beta
+
+
+def timed(fn, args, warmup, iters):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3, min(ts) * 1e3
+
+
+@jax.jit
+def _rel(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+
+
+def rel(a, b):
+    """||a - b|| / ||b||, on the device (the outputs are GBs at the default shape)."""
+    return float(_rel(a, b))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--gate-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--forward", action="store_true",
+                    help="also time kda_pallas's forward (o, S) with hopper=0 and hopper=1")
+    ap.add_argument("--smoke", action="store_true",
+                    help="B=1, T=128, H=1, interpret modes, 1 iteration: checks the script runs")
+    args = ap.parse_args()
+    if args.smoke:
+        args.B, args.T, args.H, args.warmup, args.iters = 1, 128, 1, 0, 1
+        mode, interpret = "interpret", kda_mgpu.interpret_params()
+    else:
+        if not kda_mgpu.is_hopper():
+            sys.exit(f"needs a Hopper (sm_90) GPU, got {jax.devices()[0].device_kind} "
+                     "(--smoke runs it in interpret mode)")
+        mode, interpret = "gpu", None
+
+    q, k, v, g, beta = make_inputs(args.B, args.T, args.H, args.D, jnp.dtype(args.gate_dtype))
+    cfg = pk.make_config(q, v, scale=args.D ** -0.5, segment_ids=None, chunk_size=64,
+                         lower_bound=-5.0, mode=mode, tuning=pk.default_tuning())
+    kargs = pk._prep(q, k, v, g, beta, None, cfg)[:5]
+    why = kda_mgpu.unsupported_reason(cfg, *kargs)
+    if why is not None:
+        sys.exit(f"the Mosaic GPU kernel does not take this config: {why}")
+
+    rows = []
+    for residuals in (False, True):
+        tri = jax.jit(lambda *a, r=residuals: calls.intra_fwd(cfg, *a, (), residuals=r))
+        mg = jax.jit(lambda *a, r=residuals: kda_mgpu.intra_fwd(cfg, *a, residuals=r,
+                                                                  interpret=interpret))
+        t_tri = timed(tri, kargs, args.warmup, args.iters)
+        t_mg = timed(mg, kargs, args.warmup, args.iters)
+        diff = max(rel(a, b) for a, b in zip(mg(*kargs), tri(*kargs), strict=True))
+        tag = "+ residuals" if residuals else "no residuals"
+        rows.append((f"intra_fwd, {tag}", t_tri, t_mg, diff))
+
+    if args.forward:
+        def fwd(hopper):
+            return jax.jit(lambda q, k, v, g, beta: pk.kda_pallas(
+                q, k, v, g, beta, scale=args.D ** -0.5, initial_state=None, segment_ids=None,
+                chunk_size=64, lower_bound=-5.0, backend=mode,
+                tuning=KernelTuning(hopper=hopper)))
+        t_tri = timed(fwd(0), (q, k, v, g, beta), args.warmup, args.iters)
+        t_mg = timed(fwd(1), (q, k, v, g, beta), args.warmup, args.iters)
+        diff = rel(fwd(1)(q, k, v, g, beta)[0], fwd(0)(q, k, v, g, beta)[0])
+        rows.append(("kda_pallas forward (o, S)", t_tri, t_mg, diff))
+
+    dev = jax.devices()[0].device_kind
+    print(f"\nB={args.B} T={args.T} H=HV={args.H} K=V={args.D}, bf16 q/k/v, {args.gate_dtype} "
+          f"g/beta, C=64, {dev}, median (min) of {args.iters} after {args.warmup} warm-up\n")
+    print("| call | Triton ms | Mosaic GPU ms | speedup | max rel diff |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, (tm, tmin), (mm, mmin), diff in rows:
+        print(f"| {name} | {tm:.3f} ({tmin:.3f}) | {mm:.3f} ({mmin:.3f}) | {tm / mm:.2f}x "
+              f"| {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

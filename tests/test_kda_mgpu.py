@@ -1,0 +1,298 @@
+"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py) against the Triton one, and its dispatch.
+
+Where it runs: on CPU the Mosaic GPU kernel runs in Mosaic GPU interpret mode and the Triton
+kernel in Pallas interpret mode (both float32 dots on bf16 operands: they agree to rounding);
+on a Hopper (sm_90) GPU the Mosaic GPU kernel runs compiled (bf16 tensor cores, float32
+accumulation) against the Triton kernel in interpret mode, held to bf16 tolerances. Lowering for CUDA is
+checked on any machine (it needs no GPU).
+
+Inputs are fresh random bf16 per run (the ``rng`` fixture prints the seed of a failure). Sizes
+are small: interpret mode runs ~2-5 s per (head, chunk) program on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import kda as pk
+from pallas_kernels import kda_calls as calls
+from pallas_kernels import kda_mgpu
+from pallas_kernels.kda import KernelTuning, kda_pallas
+from tests.test_kda_pallas import numpy_kda, rel
+
+ON_GPU = jax.default_backend() == "gpu"
+HOPPER = ON_GPU and kda_mgpu.is_hopper()
+needs_mgpu = pytest.mark.skipif(not kda_mgpu.available(), reason="no Mosaic GPU Pallas")
+NAMES = ("W", "U", "QG", "Kg", "Aqk", "gam", "G", "Akk", "Tinv")
+# Relative errors (||x - ref|| / ||ref||). CPU: both interpreters take float32 dots of the same
+# bf16 operands, so only float32 summation order and bf16 re-rounding differ. GPU: bf16 tensor
+# cores against a float32 reference, and outputs stored in bf16.
+# G and gam: float32 sums of up to 64 gates in another order (|G| up to 64 |lower_bound|, so
+# ~1e-5 absolute; more with the tensor cores' accumulation), which e^G turns into relative
+# errors of that size.
+TOL = (dict.fromkeys(NAMES, 1e-2) | {"G": 1e-5, "gam": 1e-3} if ON_GPU
+       else dict.fromkeys(NAMES, 2e-3) | {"G": 1e-5, "gam": 3e-4})
+
+
+def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0, gate_dtype=jnp.float32):
+    """q, k unit rows, v normal (bf16); g in [lower_bound, 0] (K3's bounded gate) and beta in
+    (0, 1) in ``gate_dtype`` (the model passes float32 ones)."""
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    g = lower_bound / (1.0 + np.exp(-2.0 * rng.standard_normal((B, T, HV, K))))
+    arrs = (unit((B, T, H, K)), unit((B, T, H, K)), rng.standard_normal((B, T, HV, V)), g,
+            1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV)))))
+    return [jnp.asarray(x, jnp.bfloat16 if i < 3 else gate_dtype) for i, x in enumerate(arrs)]
+
+
+def config(q, v, *, mode, lower_bound=-5.0, chunk_size=64, hopper=1, seg=None):
+    return pk.make_config(q, v, scale=q.shape[-1] ** -0.5, segment_ids=seg,
+                          chunk_size=chunk_size, lower_bound=lower_bound, mode=mode,
+                          tuning=KernelTuning(hopper=hopper))
+
+
+def kernel_args(q, k, v, g, beta, cfg):
+    """The padded kernel-layout arguments intra_fwd takes (as kda._forward builds them)."""
+    return pk._prep(q, k, v, g, beta, None, cfg)[:5]
+
+
+@pytest.fixture
+def mgpu_calls(monkeypatch):
+    """Counts the calls of kda_mgpu.intra_fwd (to see which kernel intra_fwd dispatched to)."""
+    count = []
+    real = kda_mgpu.intra_fwd
+
+    def spy(*args, **kwargs):
+        count.append(kwargs.get("interpret"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kda_mgpu, "intra_fwd", spy)
+    return count
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+    yield
+    if not ON_GPU:  # after an exception the Mosaic GPU interpreter keeps stale state
+        try:
+            from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+            ipc.reset_gpu_interpret_mode_state()
+        except (ImportError, AttributeError):
+            pass
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+@needs_mgpu
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
+@pytest.mark.parametrize(("B", "T", "H", "HV", "lower_bound", "residuals", "gate_dtype"), [
+    pytest.param(1, 100, 1, 2, -5.0, True, jnp.float32, id="T100-grouped-sub16-residuals-g32"),
+    pytest.param(2, 40, 1, 1, -1.0, False, jnp.bfloat16, id="T40-sub64-no-residuals-g16"),
+])
+def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate_dtype):
+    """Every output of the Mosaic GPU intra_fwd against the Triton kernel's (interpret mode),
+    T not a multiple of C (a padded last chunk), one and four anchors per chunk, HV > H,
+    float32 g (three bf16 planes) and bf16 g (one)."""
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, lower_bound=lower_bound,
+                                   gate_dtype=gate_dtype)
+    cfg = config(q, v, mode="gpu" if ON_GPU else "interpret", lower_bound=lower_bound)
+    args = kernel_args(q, k, v, g, beta, cfg)
+    assert kda_mgpu.unsupported_reason(cfg, *args) is None
+    interpret = None if ON_GPU else kda_mgpu.interpret_params()
+    got = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals,
+                                                interpret=interpret))(*args)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    want = calls.intra_fwd(ref_cfg, *args, (), residuals=residuals)
+    assert len(got) == len(want) == (9 if residuals else 6)
+    for name, a, b in zip(NAMES[:len(got)], got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        err = rel(a, b)
+        assert err < TOL[name], f"{name}: rel err {err:.2e} > {TOL[name]}"
+
+
+@needs_mgpu
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
+def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
+    """kda_pallas with KernelTuning(hopper=1): the Mosaic GPU intra_fwd is the one taken, and the
+    output and final state match the float64 recurrence as closely as the Triton path's do."""
+    B, T, H, HV = 1, 80, 1, 1
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
+    backend = "gpu" if ON_GPU else "interpret"
+
+    def run(hopper):
+        return kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
+                          segment_ids=None, chunk_size=64, lower_bound=-5.0, backend=backend,
+                          tuning=KernelTuning(hopper=hopper), poison=True)
+
+    o, S = run(1)
+    assert len(mgpu_calls) == 1, "the Mosaic GPU intra_fwd was not used"
+    o_tri, S_tri = run(0)
+    assert len(mgpu_calls) == 1, "hopper=0 must keep the Triton intra_fwd"
+    o_ref, S_ref = numpy_kda(q, k, v, g, beta, 128 ** -0.5, h0)
+    for name, x, tri, ref in (("o", o, o_tri, o_ref), ("S", S, S_tri, S_ref)):
+        assert bool(jnp.all(jnp.isfinite(x))), f"{name} not finite"
+        err, err_tri = rel(x, ref), rel(tri, ref)
+        # bf16 inputs and bf16 intermediates: errors of ~4e-3 against float64 are rounding
+        assert err < max(2 * err_tri, 1e-2), f"{name}: {err:.2e} (Triton path {err_tri:.2e})"
+        assert rel(x, tri) < 1e-2, f"{name}: Mosaic GPU vs Triton path {rel(x, tri):.2e}"
+
+
+@needs_mgpu
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
+def test_gradient_with_mgpu_residuals(rng):
+    """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv): every gradient
+    with hopper=1 matches the all-Triton one's."""
+    B, T, H, HV = 1, 64, 1, 1
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, 128)), jnp.float32)
+    backend = "gpu" if ON_GPU else "interpret"
+
+    def loss(hopper):
+        def fn(q, k, v, g, beta, h0):
+            o, S = kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
+                              segment_ids=None, chunk_size=64, lower_bound=-5.0,
+                              backend=backend, tuning=KernelTuning(hopper=hopper))
+            return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
+        return jax.jit(jax.grad(fn, argnums=range(6)))
+
+    got, want = loss(1)(q, k, v, g, beta, h0), loss(0)(q, k, v, g, beta, h0)
+    # GPU: the two paths' Tinv differ (tf32 in Triton's, ~16 bits here) and dg, dbeta take
+    # differences of nearly equal terms (the GPU tests' tolerances are looser for them too)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    tols = (dict.fromkeys(names, 1e-2) | {"g": 3e-2, "beta": 3e-2} if ON_GPU
+            else dict.fromkeys(names, 1e-3))
+    for name, a, b in zip(names, got, want, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
+        assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+SMEM_PER_BLOCK = 227 * 1024  # sm_90's most dynamic shared memory per block
+
+
+@needs_mgpu
+@pytest.mark.parametrize(("residuals", "gate_dtype"), [
+    (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.float32), (True, jnp.float32)])
+def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
+    """The kernel lowers for CUDA (Mosaic GPU's frontend and layout checks) without a GPU, and
+    its shared memory (Pallas' own estimate, where this JAX exposes it) fits one sm_90 block."""
+    bf = jnp.bfloat16
+    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in (  # q, k, v, g, beta; H = 2, HV = 4
+        ((2, 256, 2, 128), bf), ((2, 256, 2, 128), bf), ((2, 256, 4, 128), bf),
+        ((2, 256, 4, 128), gate_dtype), ((2, 256, 4, 1), gate_dtype))]
+    cfg = config(args[0], args[2], mode="gpu")
+    smem = []
+    try:  # private: the lowering's resource estimate (run_scoped buffers at their peak)
+        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+        estimate = mgpu_lowering._estimate_resources
+
+        def spy(ctx, jaxpr):
+            out = estimate(ctx, jaxpr)
+            smem.append(out.smem_scratch_bytes)
+            return out
+
+        monkeypatch.setattr(mgpu_lowering, "_estimate_resources", spy)
+    except (ImportError, AttributeError):
+        pass
+    fn = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    if smem:
+        assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
+
+
+@needs_mgpu
+def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
+    """The whole kda_pallas forward and gradient with hopper=1 on backend "gpu", as if on sm_90
+    (the intra_fwd dispatch included), lower for CUDA."""
+    if calls.pl_triton is None:
+        pytest.skip("no Pallas-Triton in this JAX (the other kernels)")
+    monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: True)
+    shapes = ((1, 128, 1, 128), (1, 128, 1, 128), (1, 128, 2, 128), (1, 128, 2, 128),
+              (1, 128, 2))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+
+    def loss(q, k, v, g, beta):
+        o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=None, segment_ids=None,
+                          chunk_size=64, lower_bound=-5.0, backend="gpu",
+                          tuning=KernelTuning(hopper=1))
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
+
+    for fn in (loss, jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_hopper_is_off_by_default():
+    assert KernelTuning().hopper == 0
+    with pytest.raises(ValueError, match="KernelTuning.hopper must be 0 or 1"):
+        KernelTuning(hopper=2)
+
+
+@pytest.mark.parametrize("case", [
+    "hopper_off", "segments", "gate_in_kernel", "unbounded", "chunk32", "K64", "float32",
+    "tpu_interpret", "gpu_not_sm90",
+])
+def test_fallback_for_unsupported_configs(case, monkeypatch):
+    """hopper_intra_mode (intra_fwd's dispatch) gives None (the Triton kernel) for every config
+    the Mosaic GPU kernel does not implement, and "interpret" for the supported one."""
+    B, T, H, HV, K, V, dt = 1, 64, 1, 1, 128, 128, jnp.bfloat16
+    if case == "K64":
+        K = 64
+    if case == "float32":
+        dt = jnp.float32
+    q = jax.ShapeDtypeStruct((B, T, H, K), dt)
+    v = jax.ShapeDtypeStruct((B, T, HV, V), dt)
+    kw = dict(mode="interpret", lower_bound=-5.0, chunk_size=64, hopper=1, seg=None)
+    kw.update({"hopper_off": dict(hopper=0), "segments": dict(seg=jnp.zeros((B, T), jnp.int32)),
+               "unbounded": dict(lower_bound=None), "chunk32": dict(chunk_size=32),
+               "tpu_interpret": dict(mode="tpu_interpret"),
+               "gpu_not_sm90": dict(mode="gpu")}.get(case, {}))
+    cfg = config(q, v, **kw)
+    if case == "gate_in_kernel":
+        cfg = dataclasses.replace(cfg, gate="bounded", gate_bound=-5.0)
+    if case == "gpu_not_sm90":
+        monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: False)
+    x_k = jax.ShapeDtypeStruct((B, T, H, cfg.K), dt)
+    x_v = jax.ShapeDtypeStruct((B, T, HV, cfg.V), dt)
+    x_g = jax.ShapeDtypeStruct((B, T, HV, cfg.K), dt)
+    b = jax.ShapeDtypeStruct((B, T, HV, 1), dt)
+    assert calls.hopper_intra_mode(cfg, x_k, x_k, x_v, x_g, b) is None
+    supported = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16), mode="interpret")
+    x_k, x_v = (jax.ShapeDtypeStruct((B, T, n, 128), jnp.bfloat16) for n in (H, HV))
+    b = jax.ShapeDtypeStruct((B, T, HV, 1), jnp.bfloat16)
+    want = "interpret" if kda_mgpu.available() else None
+    assert calls.hopper_intra_mode(supported, x_k, x_k, x_v, x_v, b) == want
+
+
+def test_fallback_runs_the_triton_kernel(mgpu_calls):
+    """An unsupported call with hopper=1 (float32, K = 16, unbounded gate) runs end to end on the
+    Triton intra_fwd and never enters the Mosaic GPU one."""
+    rng = np.random.default_rng(0)
+    B, T, H, K = 1, 40, 1, 16
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, H, K)) / 4, jnp.float32) for _ in range(3))
+    g = jnp.asarray(-rng.random((B, T, H, K)), jnp.float32)
+    beta = jnp.asarray(rng.random((B, T, H)), jnp.float32)
+    o, S = kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=None, segment_ids=None,
+                      chunk_size=64, lower_bound=None, backend="interpret",
+                      tuning=KernelTuning(hopper=1))
+    assert not mgpu_calls
+    o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5)
+    assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
