@@ -283,6 +283,11 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
+def _all_ready(tree) -> bool:
+    """Whether every array of ``tree`` has been computed (without waiting for any)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if hasattr(x, "is_ready"))
+
+
 def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batch_sharding,
                       rules, limit: int | None = None) -> int:
     """``train.microbatch_size = 0``: the largest micro-batch (a multiple of data x fsdp x expert
@@ -709,8 +714,9 @@ def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preem
         if clock["t"] is not None:  # evaluation time is not training time
             clock["t"], clock["step"] = time.perf_counter(), step
 
-    def report(step, m):
-        """Host side of a finished step: NaN check, progress, periodic metrics."""
+    def report(step, m, newest, dispatched: int):
+        """Host side of a finished step: NaN check, progress, periodic metrics. ``newest`` is
+        the newest dispatched state and ``dispatched`` the steps dispatched so far."""
         m = jax.device_get(m)
         loss = float(m["loss"])
         latest = lambda: (None if ckpt.latest_step() is None
@@ -722,11 +728,17 @@ def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preem
             window["n"] += 1
         bar.start(step - 1)  # after the first step, so its rate and ETA leave out compilation
         bar.update(1, loss=loss)
+        log = step % tc.log_every == 0 or step == tc.steps
         now = time.perf_counter()
+        # The steps finished by now: this one, or also the newest dispatched one where dispatch
+        # ran synchronously (seen on the H200 with the 1B model's micro-batched step: the call
+        # for step + 1 returned when it had finished). Counting only ``step`` there read every
+        # window one step late and gave the last one a step it never timed.
+        done = dispatched if (clock["t"] is None or log) and _all_ready(newest) else step
         if clock["t"] is None:  # the first step includes compilation: time from its end
-            clock["t"], clock["step"] = now, step
-        if step % tc.log_every == 0 or step == tc.steps:
-            steps_timed = step - clock["step"]
+            clock["t"], clock["step"] = now, done
+        if log:
+            steps_timed = done - clock["step"]
             rec = {
                 "loss": window["loss"] / max(window["n"], 1),
                 "grad_norm": float(m["grad_norm"]),
@@ -739,7 +751,7 @@ def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preem
                 tps = steps_timed * B * T / dt
                 rec.update(step_time_s=dt / steps_timed, tokens_per_s=tps,
                            mfu=metrics_lib.mfu(fpt, tps, peak, jax.device_count()))
-                clock["t"], clock["step"] = now, step
+                clock["t"], clock["step"] = now, done
             if window["skipped"]:
                 rec["skipped_steps"] = window["skipped"]
             writer.write(step, rec)
@@ -760,17 +772,17 @@ def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preem
             state, m = setup.train_step(state, batch)
         step += 1
         if pending is not None:
-            report(*pending)
+            report(*pending, state, step)
         pending = (step, m)
         if ckpt.should_save(step):
             ckpt.save(step, state, it.state())
             saved_at = step
         if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-            report(*pending)
+            report(*pending, state, step)
             pending = None
             evaluate(step)
     if pending is not None:
-        report(*pending)
+        report(*pending, state, step)
         pending = None
     if step == tc.steps:
         if saved_at != step:

@@ -15,6 +15,7 @@ Subprocesses share a persistent compilation cache, so a program compiles once pe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -318,6 +319,37 @@ def run_standin(config, batches, model_cls=StandIn):
             state, m = setup.train_step(state, train_lib.global_batch(b, setup.batch_sharding, 8))
         history.append((jax.device_get(m), jax.device_get(state["params"])))
     return history
+
+
+def test_step_time_counts_the_steps_it_timed_when_dispatch_is_synchronous(tmp_path, monkeypatch):
+    """Where the call for a step returns only when it has finished (seen on the H200), every
+    log window must still divide its time by the steps it timed. A fake clock advances by one
+    second when a step finishes, so every window must read exactly 1 s per step (the old count
+    gave the last window one step it never timed: 0.5 s per step here)."""
+    from configs import load_config
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(train_lib.time, "perf_counter", lambda: clock["t"])
+    build = train_lib.build
+
+    def synchronous_build(spec, mesh):
+        setup = build(spec, mesh, model_fn=lambda seed: StandIn(seed, spec.model.vocab_size))
+
+        def step(state, batch):
+            out = jax.block_until_ready(setup.train_step(state, batch))
+            clock["t"] += 1.0
+            return out
+        return dataclasses.replace(setup, train_step=step)
+
+    monkeypatch.setattr(train_lib, "build", synchronous_build)
+    config = load_config("tiny.py")
+    config.data.seq_len, config.data.global_batch_size = 16, 8
+    config.train.steps, config.train.log_every, config.train.eval_every = 8, 3, 0
+    config.train.progress_bar, config.checkpoint.enabled = False, False
+    train_lib.train(config, str(tmp_path))
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    times = {r["step"]: r["step_time_s"] for r in records if r["split"] == "train"}
+    assert times == {3: 1.0, 6: 1.0, 8: 1.0}, times
 
 
 def test_gradient_accumulation_equals_the_one_shot_step():
