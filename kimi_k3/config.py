@@ -34,7 +34,6 @@ from kimi_k3 import dispatch
 
 # Named choices of the model section.
 GATES = ("bounded", "softplus")
-CONV_IMPLS = ("xla", "pallas")  # model.kda.conv_impl
 ATTN_RES_MODES = ("none", "full", "block")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Values the layers name with ``jax.ad_checkpoint.checkpoint_name`` for "dots_kernels" to keep:
@@ -131,9 +130,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     # instead of before it. Off by default until its training step is measured on the GPU
     # (BENCHMARKS.md, third pass).
     cfg.kda.gate_in_kernel = False
-    # The short convolutions' weight gradient: "xla" (a column sum XLA fuses as it likes) or
-    # "pallas" (its own kernel, pallas_kernels/short_conv.py; interpret mode off the GPU).
-    cfg.kda.conv_impl = "xla"
+    # The short convolutions' weight gradient: "auto" (the kernel on the GPU, XLA elsewhere),
+    # "xla" (a column sum XLA fuses as it likes) or "pallas" (its own kernel,
+    # pallas_kernels/short_conv.py; interpret mode off the GPU).
+    cfg.kda.conv_impl = "auto"
 
     cfg.mla = ml_collections.ConfigDict()
     cfg.mla.num_heads = 4  # MLA heads H
@@ -286,7 +286,7 @@ class KdaSpec:
     chunk_size: int  # tokens per chunk of the chunked forms
     impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
     gate_in_kernel: bool = False  # the decay gate computed inside the KDA op
-    conv_impl: str = "xla"  # the short convolutions' weight gradient: "xla" | "pallas"
+    conv_impl: str = "xla"  # the short convolutions' weight gradient: "xla" | "pallas" (resolved)
     norm_eps: float = 1e-6  # the output RMSNorm's epsilon: model.norm_eps (Kimi Linear's
     # rms_norm_eps reaches this norm too)
 
@@ -574,7 +574,9 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) ->
                    lower_bound=bound if gate == "bounded" else None, chunk_size=chunk,
                    impl=dispatch.choose_kda_impl(impl, backend),
                    gate_in_kernel=f.bool("gate_in_kernel"),
-                   conv_impl=f.choice("conv_impl", CONV_IMPLS), norm_eps=norm_eps)
+                   conv_impl=dispatch.choose_conv_impl(f.choice("conv_impl", dispatch.CONV_IMPLS),
+                                                       backend),
+                   norm_eps=norm_eps)
 
 
 def _mla_spec(cfg, d_model: int) -> MlaSpec:

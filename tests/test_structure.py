@@ -105,6 +105,19 @@ def test_the_config_is_checked_once_on_its_way_to_the_layers(monkeypatch):
     assert calls == [1]
     assert setup.spec.model.pattern == "KKKM" and setup.spec.model.scan_unit == "K"
     assert setup.spec.model.kda.impl in ("recurrent", "xla", "pallas")  # never "auto"
+    assert setup.spec.model.kda.conv_impl == "xla"  # "auto" on the CPU
+
+
+def test_conv_impl_auto_takes_the_kernel_on_the_gpu_only(monkeypatch):
+    assert dispatch.choose_conv_impl("auto", backend="gpu") == "pallas"
+    assert dispatch.choose_conv_impl("auto", backend="tpu") == "xla"
+    assert dispatch.choose_conv_impl("pallas", backend="cpu") == "pallas"  # interpret mode
+    monkeypatch.setattr(dispatch.short_conv_kernel, "pl_triton", None)  # a JAX without Triton
+    assert dispatch.choose_conv_impl("auto", backend="gpu") == "xla"
+    config = load_config("tiny.py")
+    config.model.kda.conv_impl = "triton"
+    with pytest.raises(ValueError, match=r"config.model.kda.conv_impl.*'triton'"):
+        config_lib.run_spec(config)
 
 
 def test_an_explicit_impl_never_falls_back(rng, monkeypatch):

@@ -54,7 +54,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import ATTN_RES_MODES
-from kimi_k3.ops.reductions import column_sum
 from kimi_k3.sharding import BTD, constrain, param
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -163,8 +162,17 @@ class DepthResidual:
 
     def _read_list(self, sources: tuple[jax.Array, ...], w_D: jax.Array) -> jax.Array:
         """The read over sources that all exist: n = len(sources) arrays [B, T, D]."""
-        h = _mix_sources(tuple(sources), w_D, self.eps)
-        return checkpoint_name(constrain(h, BTD), "attn_res_read")
+        w = w_D.astype(jnp.float32)
+        # One pass over each source gives both its dot with w and its RMS (a multi-output
+        # reduction); the key norm is computed here rather than stored, which costs no extra
+        # read of the source.
+        logits_NxBxT = jnp.stack([
+            jnp.sum(s.astype(jnp.float32) * w, axis=-1) * _inv_rms(s, self.eps) for s in sources])
+        a_NxBxT = checkpoint_name(jax.nn.softmax(logits_NxBxT, axis=0), "attn_res_weights")
+        h = a_NxBxT[0][..., None] * sources[0].astype(jnp.float32)
+        for i in range(1, len(sources)):
+            h = h + a_NxBxT[i][..., None] * sources[i].astype(jnp.float32)
+        return checkpoint_name(constrain(h.astype(sources[0].dtype), BTD), "attn_res_read")
 
     @jax.named_scope("attn_res")
     def write(self, state: dict[str, jax.Array], out_BxTxD: jax.Array) -> dict[str, jax.Array]:
@@ -192,59 +200,3 @@ class DepthResidual:
             "n": n + full.astype(jnp.int32),
             "count": jnp.where(full, 0, count),
         }
-
-
-# ----------------------------------------------------------------------------------------------
-# The read over a list of sources, with its own backward pass
-# ----------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _mix_sources(sources: tuple[jax.Array, ...], w_D: jax.Array, eps: float) -> jax.Array:
-    """h = sum_i a_i s_i in the sources' dtype, a = softmax_i(l_i), l_i = (s_i . w) r_i,
-    r_i = (mean(s_i^2) + eps)^-1/2; s_i [B, T, D], a and l [n, B, T] in float32.
-
-    Its own backward pass, so that the pseudo-query's gradient (a sum over every token) is a
-    ``column_sum`` and each source is read twice, not once per derivative term. With
-    dh the cotangent, da_i = dh . s_i, dl_i = a_i (da_i - sum_j a_j da_j):
-        ds_i = a_i dh + dl_i (r_i w - l_i r_i^2 s_i / D),
-        dw = sum over tokens of sum_i dl_i r_i s_i.
-    """
-    return _mix_fwd(sources, w_D, eps)[0]
-
-
-def _mix_fwd(sources, w_D, eps):
-    w = w_D.astype(jnp.float32)
-    # One pass over each source gives both its dot with w and its RMS (a multi-output
-    # reduction); the key norm is computed here rather than stored, which costs no extra read.
-    r_NxBxT = jnp.stack([_inv_rms(s, eps) for s in sources])
-    l_NxBxT = jnp.stack([jnp.sum(s.astype(jnp.float32) * w, axis=-1) for s in sources]) * r_NxBxT
-    a_NxBxT = checkpoint_name(jax.nn.softmax(l_NxBxT, axis=0), "attn_res_weights")
-    h = a_NxBxT[0][..., None] * sources[0].astype(jnp.float32)
-    for i in range(1, len(sources)):
-        h = h + a_NxBxT[i][..., None] * sources[i].astype(jnp.float32)
-    # The logits and norms are kept with the weights ([n, B, T] each, small beside a source).
-    res = (sources, w_D, a_NxBxT, checkpoint_name(l_NxBxT, "attn_res_weights"),
-           checkpoint_name(r_NxBxT, "attn_res_weights"))
-    return h.astype(sources[0].dtype), res
-
-
-def _mix_bwd(eps, res, dh_BxTxD):
-    sources, w_D, a, l, r = res
-    D = sources[0].shape[-1]
-    w = w_D.astype(jnp.float32)
-    dh = dh_BxTxD.astype(jnp.float32)
-    da_NxBxT = jnp.stack([jnp.sum(dh * s.astype(jnp.float32), axis=-1) for s in sources])
-    dl_NxBxT = a * (da_NxBxT - jnp.sum(a * da_NxBxT, axis=0, keepdims=True))
-    ds, dw_rows = [], None
-    for i, s in enumerate(sources):
-        sf = s.astype(jnp.float32)
-        dl_r = (dl_NxBxT[i] * r[i])[..., None]
-        ds.append((a[i][..., None] * dh + dl_r * w
-                   - (dl_r * l[i][..., None] * r[i][..., None] / D) * sf).astype(s.dtype))
-        dw_rows = dl_r * sf if dw_rows is None else dw_rows + dl_r * sf
-    dw = column_sum(dw_rows.reshape(-1, D))
-    return tuple(ds), dw.astype(w_D.dtype)
-
-
-_mix_sources.defvjp(_mix_fwd, _mix_bwd)

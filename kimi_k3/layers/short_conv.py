@@ -160,18 +160,16 @@ _depthwise_causal_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def _weight_grad_xla(x_ext, dy_BxTxC, masks, W: int, T: int):
-    """dw [W, *channels] float32, each tap one column sum over a [B T, C] view."""
+    """dw [W, *channels] float32, each tap one column sum over a [B T, C] view. (Neither
+    ops.reductions' two-stage column_sum (48 against 36 ms per 4 x 4096 rows) nor an
+    optimisation barrier before the sums (44.4 against 41.9 ms) made the 1B step's
+    convolutions faster on the H200; the Pallas kernel did: 38.8 ms, BENCHMARKS.md.)"""
     B, channels = dy_BxTxC.shape[0], dy_BxTxC.shape[2:]
-    # The sums read their own handles on x and dy: XLA otherwise fuses them with every
-    # elementwise consumer of the same arrays (the input gradient, the SiLU's backward and the
-    # recomputed forward of the convolution) into one multi-output reduction kernel, which ran
-    # at 3.9 ms per KDA layer in the 1B step. Behind the barrier they are a reduction alone.
-    x_w, dy_w = lax.optimization_barrier((x_ext, dy_BxTxC))
     dw = []
     for lag, same in enumerate(masks):
-        dy_lag = dy_w.astype(jnp.float32)
+        dy_lag = dy_BxTxC.astype(jnp.float32)
         dy_lag = dy_lag if same is None else jnp.where(same, dy_lag, 0.0)
-        x_lag = lax.slice_in_dim(x_w, W - 1 - lag, W - 1 - lag + T, axis=1)
+        x_lag = lax.slice_in_dim(x_ext, W - 1 - lag, W - 1 - lag + T, axis=1)
         prod = (x_lag.astype(jnp.float32) * dy_lag).reshape(B * T, -1)
         dw.append(jnp.sum(prod, axis=0).reshape(channels))
     return jnp.stack(dw[::-1])
