@@ -31,9 +31,34 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-@pytest.fixture(scope="session")
-def jax_cache(tmp_path_factory) -> str:
-    """A compilation cache shared by this session's subprocesses (and its xdist workers)."""
+def _cache_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.getbasetemp().parent / "kimi_k3_jax_cache"
     path.mkdir(exist_ok=True)
     return str(path)
+
+
+# The in-process programs that take this long to compile go to the session's cache as well:
+# under xdist a module's tests are spread over both workers, and each would compile the same
+# model programs (the module fixtures' shapes); the second reads them from disk instead.
+IN_PROCESS_CACHE_MIN_COMPILE_SECS = 0.5
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Points this process's JAX at the session cache before anything compiles (JAX reads the
+    folder once, at the first compile)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", _cache_dir(factory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      IN_PROCESS_CACHE_MIN_COMPILE_SECS)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def jax_cache(tmp_path_factory) -> str:
+    """A compilation cache shared by this session's subprocesses (and its xdist workers)."""
+    return _cache_dir(tmp_path_factory)

@@ -29,6 +29,7 @@ from kimi_k3 import eval_scoring, evaluation, passkey, train_lib
 from kimi_k3 import generate as generate_lib
 from kimi_k3.ops import kda
 from tests.kda_numpy import kda_numpy, rel_err
+from tests.test_eval import build
 from tests.test_kda_ops import make_inputs
 from tests.test_train import REPO, TINY, ckpt_steps, env, losses
 
@@ -253,7 +254,7 @@ def test_a_checkpoint_of_another_model_names_the_parameters_and_changes_nothing(
     config = tiny_config(corpus)
     other = tiny_config(corpus)
     other.model.d_model = 64
-    _, params, _ = train_lib.split_model(train_lib.make_model(other.model, 0))
+    _, params, _ = train_lib.split_model(build(other.model, 0))  # one jitted initialiser
     ck = ckpt_lib.Checkpointer(str(workdir / "checkpoints"), config.checkpoint)
     ck.save(3, {"params": params, "step": jnp.int32(3)}, {"position": 12})
     ck.close()

@@ -21,6 +21,7 @@ from kimi_k3.checkpoint import Checkpointer, restore_model_for_eval
 from kimi_k3.config import add_training_defaults, default_model_config
 from kimi_k3.model import HybridLM
 from kimi_k3.train_lib import split_model
+from tests.compile_options import fast_jit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +54,22 @@ class UniformModel:
         return jnp.zeros((*tokens_BxT.shape, self.vocab_size))
 
 
+def build(model_cfg, seed: int) -> HybridLM:
+    """A HybridLM with its initialiser's random weights, drawn with rbg keys in one jitted
+    program (as tests/test_model.py's build; the seed traced: one compile per config): the
+    initialiser op by op with threefry keys took ~20 s of XLA:CPU compiles, most of this
+    module's fixture."""
+    key = model_cfg.to_json_best_effort(sort_keys=True)
+    if key not in _INIT:
+        make = lambda s: HybridLM(model_cfg, rngs=nnx.Rngs(jax.random.key(s, impl="rbg")))
+        _INIT[key] = (fast_jit(lambda s: nnx.state(make(s))), nnx.graphdef(nnx.eval_shape(make, 0)))
+    init, graphdef = _INIT[key]
+    return nnx.merge(graphdef, init(jnp.int32(seed)))
+
+
+_INIT = {}  # config (as JSON) -> (jitted initialiser, graphdef)
+
+
 def random_docs(rng, lengths, vocab):
     return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
 
@@ -82,7 +99,7 @@ def tiny_model():
     shapes, so the jitted functions compile once (they are shared per architecture)."""
     cfg = tiny_config("KKM")
     tokens = np.random.default_rng(1).integers(0, cfg.model.vocab_size, (2, 49)).astype(np.int32)
-    return cfg, HybridLM(cfg.model, rngs=nnx.Rngs(1)), tokens
+    return cfg, build(cfg.model, 1), tokens
 
 
 def test_real_model_with_zero_weights_scores_vocab_size(tiny_model):
@@ -233,7 +250,7 @@ def test_plot_is_a_png_matplotlib_can_read(tmp_path):
 
 def _save_checkpoint(cfg, run_dir, step=3):
     """A checkpoint in the trainer's layout (<run>/checkpoints/<step>/state with "params")."""
-    graphdef, params, rest = split_model(HybridLM(cfg.model, rngs=nnx.Rngs(7)))
+    graphdef, params, rest = split_model(build(cfg.model, 7))
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint)
     ckpt.save(step, {"params": params, "step": jnp.asarray(step, jnp.int32)}, {"position": 0})
     ckpt.close()

@@ -14,8 +14,7 @@ from flax import nnx
 from kimi_k3 import generate as gen_lib
 from kimi_k3.data import TextTokenizer
 from kimi_k3.generate import Decoder, Sampling, generate, sample_tokens
-from kimi_k3.model import HybridLM
-from tests.test_eval import tiny_config
+from tests.test_eval import build, tiny_config
 
 # Lengths 8, 4 and 5 in pieces of 4: the batch shares a 4-token prefix; alone, the prompts
 # prefill in pieces of 4 (and 1). Every test here uses these shapes, so each function
@@ -29,7 +28,7 @@ NEW = 6
 def model():
     """A small byte-level HybridLM ("KKM": a scanned group and an unrolled tail layer)."""
     cfg = tiny_config("KKM", vocab=256)
-    return HybridLM(cfg.model, rngs=nnx.Rngs(jax.random.key(3, impl="rbg")))
+    return build(cfg.model, 3)  # rbg keys, one jitted initialiser
 
 
 @pytest.fixture(scope="module")

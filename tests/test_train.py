@@ -473,10 +473,12 @@ def test_metrics_files_and_mfu(tmp_path):
 
 def test_eval_restore_reads_the_parameters_of_a_checkpoint(tmp_path):
     from configs import load_config
+    from tests.test_eval import build
 
     config = load_config("tiny.py")
     config.model.num_layers, config.model.kda_per_mla = 2, 1
-    _, params, _ = train_lib.split_model(train_lib.make_model(config.model, 0))
+    # Random weights from one jitted initialiser (tests/test_eval.py), not op by op.
+    _, params, _ = train_lib.split_model(build(config.model, 0))
     ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), config.checkpoint)
     ck.save(7, {"params": params, "step": jnp.int32(7)}, {"position": 0})
     ck.close()
