@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.kda_kernel import make_inputs as kernel_inputs
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
 from pallas_kernels import kda_mgpu
@@ -32,18 +33,10 @@ from pallas_kernels.kda import KernelTuning
 
 
 def make_inputs(B, T, H, D, gate_dtype, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    shape = (B, T, H, D)
-
-    def unit(key):
-        x = jax.random.normal(key, shape, jnp.float32)
-        return (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-
-    q, k = unit(ks[0]), unit(ks[1])
-    v = jax.random.normal(ks[2], shape, jnp.bfloat16)
-    g = (-5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], shape, jnp.float32))).astype(gate_dtype)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], shape[:3], jnp.float32)).astype(gate_dtype)
-    return q, k, v, g, beta
+    """kda_kernel.py's inputs (q, k L2-normalised, v, the bounded gate g, beta), with g and beta
+    in ``gate_dtype``."""
+    q, k, v, g, beta, _ = kernel_inputs(B, T, H, D, seed)
+    return q, k, v, g.astype(gate_dtype), beta.astype(gate_dtype)
 
 
 def timed(fn, args, warmup, iters):
