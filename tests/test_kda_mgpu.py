@@ -27,7 +27,6 @@ from tests.test_kda_pallas import numpy_kda, rel
 
 ON_GPU = jax.default_backend() == "gpu"
 HOPPER = ON_GPU and kda_mgpu.is_hopper()
-needs_mgpu = pytest.mark.skipif(not kda_mgpu.available(), reason="no Mosaic GPU Pallas")
 NAMES = ("W", "U", "QG", "Kg", "Aqk", "gam", "G", "Akk", "Tinv")
 # Relative errors (||x - ref|| / ||ref||). CPU: both interpreters take float32 dots of the same
 # bf16 operands, so only float32 summation order and bf16 re-rounding differ. GPU: bf16 tensor
@@ -80,7 +79,7 @@ def mgpu_calls(monkeypatch):
 @pytest.fixture(autouse=True)
 def _reset_interpreter():
     yield
-    if not ON_GPU:  # after an exception the Mosaic GPU interpreter keeps stale state
+    if not HOPPER:  # after an exception the Mosaic GPU interpreter keeps stale state
         try:
             from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
             ipc.reset_gpu_interpret_mode_state()
@@ -91,8 +90,6 @@ def _reset_interpreter():
 # ----------------------------------------------------------------------------- numerics
 
 
-@needs_mgpu
-@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
 @pytest.mark.parametrize(("B", "T", "H", "HV", "lower_bound", "residuals", "gate_dtype"), [
     pytest.param(1, 100, 1, 2, -5.0, True, jnp.float32, id="T100-grouped-sub16-residuals-g32"),
     pytest.param(2, 40, 1, 1, -1.0, False, jnp.bfloat16, id="T40-sub64-no-residuals-g16"),
@@ -103,10 +100,10 @@ def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate
     float32 g (three bf16 planes) and bf16 g (one)."""
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, lower_bound=lower_bound,
                                    gate_dtype=gate_dtype)
-    cfg = config(q, v, mode="gpu" if ON_GPU else "interpret", lower_bound=lower_bound)
+    cfg = config(q, v, mode="gpu" if HOPPER else "interpret", lower_bound=lower_bound)
     args = kernel_args(q, k, v, g, beta, cfg)
     assert kda_mgpu.unsupported_reason(cfg, *args) is None
-    interpret = None if ON_GPU else kda_mgpu.interpret_params()
+    interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals,
                                                 interpret=interpret))(*args)
     ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
@@ -119,15 +116,13 @@ def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate
         assert err < TOL[name], f"{name}: rel err {err:.2e} > {TOL[name]}"
 
 
-@needs_mgpu
-@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
 def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
     """kda_pallas with KernelTuning(hopper=1): the Mosaic GPU intra_fwd is the one taken, and the
     output and final state match the float64 recurrence as closely as the Triton path's do."""
     B, T, H, HV = 1, 80, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
     h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
-    backend = "gpu" if ON_GPU else "interpret"
+    backend = "gpu" if HOPPER else "interpret"
 
     def run(hopper):
         return kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
@@ -147,8 +142,6 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
         assert rel(x, tri) < 1e-2, f"{name}: Mosaic GPU vs Triton path {rel(x, tri):.2e}"
 
 
-@needs_mgpu
-@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
 def test_gradient_with_mgpu_residuals(rng):
     """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv): every gradient
     with hopper=1 matches the all-Triton one's."""
@@ -156,7 +149,7 @@ def test_gradient_with_mgpu_residuals(rng):
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
     h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
     o_w = jnp.asarray(rng.standard_normal((B, T, HV, 128)), jnp.float32)
-    backend = "gpu" if ON_GPU else "interpret"
+    backend = "gpu" if HOPPER else "interpret"
 
     def loss(hopper):
         def fn(q, k, v, g, beta, h0):
@@ -186,7 +179,6 @@ def test_gradient_with_mgpu_residuals(rng):
 SMEM_PER_BLOCK = 227 * 1024  # sm_90's most dynamic shared memory per block
 
 
-@needs_mgpu
 @pytest.mark.parametrize(("residuals", "gate_dtype"), [
     (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.float32), (True, jnp.float32)])
 def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
@@ -217,12 +209,9 @@ def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
         assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
 
 
-@needs_mgpu
 def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
     """The whole kda_pallas forward and gradient with hopper=1 on backend "gpu", as if on sm_90
     (the intra_fwd dispatch included), lower for CUDA."""
-    if calls.pl_triton is None:
-        pytest.skip("no Pallas-Triton in this JAX (the other kernels)")
     monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: True)
     shapes = ((1, 128, 1, 128), (1, 128, 1, 128), (1, 128, 2, 128), (1, 128, 2, 128),
               (1, 128, 2))
@@ -281,8 +270,7 @@ def test_fallback_for_unsupported_configs(case, monkeypatch):
                        jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16), mode="interpret")
     x_k, x_v = (jax.ShapeDtypeStruct((B, T, n, 128), jnp.bfloat16) for n in (H, HV))
     b = jax.ShapeDtypeStruct((B, T, HV, 1), jnp.bfloat16)
-    want = "interpret" if kda_mgpu.available() else None
-    assert calls.hopper_intra_mode(supported, x_k, x_k, x_v, x_v, b) == want
+    assert calls.hopper_intra_mode(supported, x_k, x_k, x_v, x_v, b) == "interpret"
 
 
 def test_fallback_runs_the_triton_kernel(mgpu_calls):
