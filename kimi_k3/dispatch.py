@@ -81,10 +81,10 @@ def choose_conv_impl(requested: str, backend: str | None = None) -> str:
     kernel only runs in interpret mode)."""
     if requested not in CONV_IMPLS:
         raise ValueError(f"conv: impl must be one of {CONV_IMPLS}, got {requested!r}")
-    backend = backend or jax.default_backend()
     if requested != "auto":
         return requested
-    return "pallas" if backend == "gpu" and short_conv_kernel.available() else "xla"
+    on_gpu = (backend or jax.default_backend()) == "gpu"
+    return "pallas" if on_gpu and short_conv_kernel.available() else "xla"
 
 
 def choose_kda_impl(requested: str, backend: str | None = None) -> str:

@@ -247,8 +247,7 @@ def _unrolled_layers(spec: ModelSpec, rngs: nnx.Rngs) -> list[DecoderLayer]:
     the scan would initialise them: the repeating unit is built once for all its repeats under
     ``nnx.vmap`` (so its random initialisers compile once, not once per layer: the 1B model's
     initialiser compiles in 15-18 s instead of 51 s on CPU, benchmarks/init_compile.py) and
-    then cut into layers. The same
-    seed gives the scanned model's weights, layer for layer."""
+    then cut into layers. The same seed gives the scanned model's weights, layer for layer."""
     unit, repeats, tail = scan_plan(spec.pattern[len(spec.scan_prefix):], True)
     experts = spec.moe is not None
     layers = []

@@ -139,10 +139,11 @@ def _conv_bwd(impl, res, dy_BxTxC):
     channels = x_ext.shape[2:]
     w = w_WxC.astype(jnp.float32)
     dy = dy_BxTxC.astype(jnp.float32)
-    masks = _same_doc_masks(seg, W, (1,) * len(channels))
+    # dy_lag[t] = dy_t where x_{t-lag} is in token t's document, else 0
+    dy_lags = [dy if same is None else jnp.where(same, dy, 0.0)
+               for same in _same_doc_masks(seg, W, (1,) * len(channels))]
     dx = jnp.zeros(x_ext.shape, jnp.float32)
-    for lag, same in enumerate(masks):
-        dy_lag = dy if same is None else jnp.where(same, dy, 0.0)
+    for lag, dy_lag in enumerate(dy_lags):
         dx = dx + jnp.pad(dy_lag * w[W - 1 - lag],
                           [(0, 0), (W - 1 - lag, lag)] + [(0, 0)] * len(channels))
     if impl == "pallas":
@@ -151,7 +152,7 @@ def _conv_bwd(impl, res, dy_BxTxC):
             x_ext.reshape(B, -1, C), dy_BxTxC.reshape(B, T, C), seg, W)
         dw_WxC = dw_WxC.reshape(W, *channels).astype(w_WxC.dtype)
     else:
-        dw_WxC = _weight_grad_xla(x_ext, dy_BxTxC, masks, W, T).astype(w_WxC.dtype)
+        dw_WxC = _weight_grad_xla(x_ext, dy_lags, T).astype(w_WxC.dtype)
     seg_ct = np.zeros(seg.shape, jax.dtypes.float0)
     return dx.astype(x_ext.dtype), dw_WxC, seg_ct
 
@@ -159,19 +160,18 @@ def _conv_bwd(impl, res, dy_BxTxC):
 _depthwise_causal_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def _weight_grad_xla(x_ext, dy_BxTxC, masks, W: int, T: int):
-    """dw [W, *channels] float32, each tap one column sum over a [B T, C] view. (Neither
-    ops.reductions' two-stage column_sum (48 against 36 ms per 4 x 4096 rows) nor an
+def _weight_grad_xla(x_ext, dy_lags, T: int):
+    """dw [W, *channels] float32 from the masked float32 cotangents dy_lag [B, T, *channels]
+    (lag = 0..W-1), each tap one column sum over a [B T, C] view. (Neither ops.reductions'
+    two-stage column_sum (48 against 36 ms per 4 x 4096 rows) nor an
     optimisation barrier before the sums (44.4 against 41.9 ms) made the 1B step's
     convolutions faster on the H200; the Pallas kernel did: 38.8 ms, BENCHMARKS.md.)"""
-    B, channels = dy_BxTxC.shape[0], dy_BxTxC.shape[2:]
+    W, (B, _, *channels) = len(dy_lags), dy_lags[0].shape
     dw = []
-    for lag, same in enumerate(masks):
-        dy_lag = dy_BxTxC.astype(jnp.float32)
-        dy_lag = dy_lag if same is None else jnp.where(same, dy_lag, 0.0)
+    for lag, dy_lag in enumerate(dy_lags):
         x_lag = lax.slice_in_dim(x_ext, W - 1 - lag, W - 1 - lag + T, axis=1)
         prod = (x_lag.astype(jnp.float32) * dy_lag).reshape(B * T, -1)
-        dw.append(jnp.sum(prod, axis=0).reshape(channels))
+        dw.append(jnp.sum(prod, axis=0).reshape(*channels))
     return jnp.stack(dw[::-1])
 
 
