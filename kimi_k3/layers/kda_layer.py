@@ -31,6 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import KdaSpec
@@ -120,6 +121,11 @@ class KDALayer(nnx.Module):
             q, tail_q = self.q_conv(q, segment_ids_BxT, c.get("conv_q"))
             k, tail_k = self.k_conv(k, segment_ids_BxT, c.get("conv_k"))
             v, tail_v = self.v_conv(v, segment_ids_BxT, c.get("conv_v"))
+            # The convolutions' outputs are written before the SiLU and the q/k norms read
+            # them: in the unrolled 1B step XLA fused the three convolutions into the norms'
+            # row reduction, one kernel of 3.9 ms per layer where the scanned step's separate
+            # kernels take 0.4 ms (BENCHMARKS.md, fifth pass).
+            q, k, v = lax.optimization_barrier((q, k, v))
             q_BxTxHxK = constrain(l2_normalize(jax.nn.silu(q)).astype(self.dtype), BTHK)
             k_BxTxHxK = constrain(l2_normalize(jax.nn.silu(k)).astype(self.dtype), BTHK)
             v_BxTxHVxV = constrain(jax.nn.silu(v), BTHK)
