@@ -552,7 +552,8 @@ def scan_plan(pattern: str, scan_layers: bool = True) -> tuple[str, int, str]:
     return best
 
 
-def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) -> KdaSpec:
+def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6,
+              scanned: bool = True) -> KdaSpec:
     f, k = _Fields(cfg.kda, "config.model.kda."), cfg.kda
     H = _Fields(cfg, "config.model.").int("num_heads", 1)
     head_dim = f.int("head_dim", 0, "must be an integer >= 0 (0 = d_model // num_heads)")
@@ -575,7 +576,7 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) ->
                    impl=dispatch.choose_kda_impl(impl, backend),
                    gate_in_kernel=f.bool("gate_in_kernel"),
                    conv_impl=dispatch.choose_conv_impl(f.choice("conv_impl", dispatch.CONV_IMPLS),
-                                                       backend),
+                                                       backend, scanned),
                    norm_eps=norm_eps)
 
 
@@ -668,7 +669,8 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
     return ModelSpec(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
         pattern=pattern, scan_prefix=prefix, scan_unit=unit, scan_repeats=repeats,
-        scan_tail=tail, kda=_kda_spec(cfg, cfg.d_model, backend, norm_eps), mla=_mla_spec(cfg, cfg.d_model),
+        scan_tail=tail, kda=_kda_spec(cfg, cfg.d_model, backend, norm_eps, scanned=repeats > 1),
+        mla=_mla_spec(cfg, cfg.d_model),
         mlp_dim=cfg.mlp_dim, moe=moe, attn_res=f.choice("attn_res", ATTN_RES_MODES),
         attn_res_block_size=f.int("attn_res_block_size", 1,
                                   "must be a positive integer (sublayers per block)"),

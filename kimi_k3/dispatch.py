@@ -73,18 +73,22 @@ def kda_kernel_error(backend: str) -> str | None:
     return None
 
 
-def choose_conv_impl(requested: str, backend: str | None = None) -> str:
+def choose_conv_impl(requested: str, backend: str | None = None, scanned: bool = True) -> str:
     """Where the short convolutions' weight gradient is summed: "pallas" (its own kernel,
-    pallas_kernels/short_conv.py) or "xla". "auto" takes the kernel on the GPU, where it made
-    the 1B step's convolutions faster (38.8 against 41.9-44.4 ms per 4 x 4096 rows on the H200,
-    BENCHMARKS.md), when this JAX still has Pallas-Triton; XLA's sum elsewhere (on the CPU the
-    kernel only runs in interpret mode)."""
+    pallas_kernels/short_conv.py) or "xla". "auto" takes the kernel on the GPU for a model
+    whose layers are scanned, when this JAX still has Pallas-Triton, and XLA's sum otherwise.
+
+    Why it depends on the scan (1B step, 4 x 4096 rows, H200, BENCHMARKS.md): inside the
+    scanned layer XLA fuses the sum with the rest of the backward into a slow reduction (the
+    convolutions take 43.5 ms per step against 38.8 with the kernel); with the layers unrolled
+    it sums each convolution on its own, 10.3 ms for all 45 against the kernel's 16.8. On the
+    CPU the kernel only runs in interpret mode."""
     if requested not in CONV_IMPLS:
         raise ValueError(f"conv: impl must be one of {CONV_IMPLS}, got {requested!r}")
     if requested != "auto":
         return requested
     on_gpu = (backend or jax.default_backend()) == "gpu"
-    return "pallas" if on_gpu and short_conv_kernel.available() else "xla"
+    return "pallas" if scanned and on_gpu and short_conv_kernel.available() else "xla"
 
 
 def choose_kda_impl(requested: str, backend: str | None = None) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -256,6 +257,26 @@ def test_kda_layer_core_equals_recurrent_reference():
     out_rec, _ = apply(layer, x, seg)
     np.testing.assert_allclose(out_xla, out_rec, atol=2e-5)
     assert layer.spec.lower_bound == -5.0
+
+
+def test_kda_layer_writes_the_convolutions_before_the_norms_read_them():
+    """An optimisation barrier separates the short convolutions from the SiLU and q/k norms:
+    without it XLA fused the convolutions into the norms' row reduction on the GPU, 3.9 ms per
+    layer of the unrolled 1B step (BENCHMARKS.md). The barrier takes q, k and v together."""
+    layer = kda_layer("bounded")
+    x = normal(6, (1, 11, D))
+    graph, state = nnx.split(layer)
+    jaxpr = jax.make_jaxpr(lambda state, x: nnx.merge(graph, state)(x, None)[0])(state, x)
+
+    def barriers(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "optimization_barrier":
+                yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from barriers(sub)
+
+    found = list(barriers(jaxpr.jaxpr))
+    assert len(found) == 1 and len(found[0].invars) == 3, jaxpr
 
 
 def test_kda_layer_gate_in_kernel_equals_gate_before_the_op():
