@@ -364,19 +364,18 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
                 Tinv_CxC = Tinv_CxC - mm(X_CxC, Tinv_CxC)
                 hb *= 2
             t_s[...] = Tinv_CxC.astype(bf16)
-            plgpu.commit_smem()
-            if residuals:
-                plgpu.copy_smem_to_gmem(t_s, res_g[2].at[bh, n])
-            # W = T (beta k e^G) and U = T (beta v), each written over its right operand.
-            W_CxK = dot([(t_s, a_s)], (C, K))
-            a_s[...] = W_CxK.astype(bf16)
-            store_out(a_s, W_g)
             plgpu.barrier_wait(bars.at[4])
             v_s[...] = (v_s[...].astype(f32) * by_row(beta_C, (C, V))).astype(bf16)
             plgpu.commit_smem()
-            U_CxV = dot([(t_s, v_s)], (C, V))
+            if residuals:
+                plgpu.copy_smem_to_gmem(t_s, res_g[2].at[bh, n])
+            # W = T (beta k e^G) and U = T (beta v) together, each over its right operand.
+            W_CxK, U_CxV = dot2([(t_s, a_s)], [(t_s, v_s)], (C, K))
+            a_s[...] = W_CxK.astype(bf16)
             v_s[...] = U_CxV.astype(bf16)
-            store_out(v_s, U_g)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(a_s, W_g.at[bh, n])
+            plgpu.copy_smem_to_gmem(v_s, U_g.at[bh, n])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(inverse, _swizzled((C, V), bf16), *[_swizzled((C, C), bf16)] * 5,
