@@ -1,8 +1,10 @@
 """KDA's intra_fwd on Hopper (sm_90) in Pallas' Mosaic GPU backend: a drop-in for
-``kda_calls.intra_fwd`` in the case that matters (see ``supports``).
+``kda_calls.intra_fwd`` in the case that matters (see ``unsupported_reason``).
 
-One CTA of one warpgroup per (value head row bh, chunk n): grid (B*HV, N). Per chunk of C = 64
-rows (i, j, r = 0..C-1) and channels d (K = V = 128), with the notation of ``kda_body``:
+One CTA of one warpgroup per (value head row bh, chunk n): grid (B*HV, N), 106 KB of shared
+memory (Pallas' estimate), so two CTAs share an SM and one's TMA loads, elementwise work and
+wgmma waits overlap the other's. Per chunk of C = 64 rows (i, j, r = 0..C-1) and channels d
+(K = V = 128), with the notation of ``kda_body``:
 
     G_i   = sum_{r<=i} g_r                  (float32)
     Aqk   = tril(sum_d qs_id k_jd e^(G_id - G_jd)),   Akk = strict tril(same with k for qs)
@@ -10,28 +12,32 @@ rows (i, j, r = 0..C-1) and channels d (K = V = 128), with the notation of ``kda
     W     = T (beta * k * e^G),   U = T (beta * v)
     QG    = qs * e^G,   Kg = k * e^(G_last - G),   gam = e^(G_last)
 
-Every exponent is a tensor-core product of a constant 0/+-1 matrix M [C, C] (built from iota
-compares) with the chunk's g [C, K] in bf16: M has exact bf16 entries and each g_r enters with
-weight +-1, so the float32 accumulation gives the exponent to float32 rounding, with no
-cancellation between two large cumulative sums (an exact difference of partial sums instead of
-G_i - G_a). The matrices, with a(i) = s * floor(i / s) the anchor of row i's sub-chunk of s rows:
+G is one tensor-core product Ltri @ g, Ltri [i, r] = [r <= i] (exact bf16 entries): g bf16 is
+one plane; float32 g is split exactly into three bf16 planes hi + mid + lo (8 significand bits
+each) whose products the accumulator sums, so G is the float32 rounding of the exact sum (no
+order-dependent cumsum). G stays in SMEM (float32) through the scores; every other exponent is a
+difference of G with one of its rows, read back as a [K] vector broadcast over the rows:
 
-    Ltri [i, r] = [r <= i]                        -> G                          (QG, W, G, gam)
-    Dloc [i, r] = [a(i) < r <= i]                 -> G_i - G_a(i)   <= 0        (row factors)
-    Dcol_b[j, r] = [j < r <= b] - [b < r <= j]    -> G_b - G_j                  (column factors)
-    Dend [i, r] = [r > i]                         -> G_last - G_i   <= 0        (Kg)
+    G_i - G_a(i) <= 0   (row factors; a(i) = s floor(i / s) the anchor of row i's sub-chunk)
+    G_b - G_j           (column factors of sub-chunk b's anchor)
+    G_last - G_i <= 0   (Kg; gam = e^(G_last))
+
+(|G| <= 64 |lower_bound|, so a float32 difference is good to ~1e-5 absolute: relative 1e-5 in
+the factor, far below the bf16 rounding of every operand it scales.)
 
 The scores use the factored form of ``kda_body.decayed_scores`` (bounded gates only): for rows
 i of sub-chunk ib with anchor b = ib * s,
 
     A[i, j] = sum_d [x_id e^(G_id - G_bd)] [y_jd e^(G_bd - G_jd)],   j < (ib + 1) s,
 
-one [C, K] x [K, C] wgmma per sub-chunk over all rows (the rows of other sub-chunks are dropped
-by a row select afterwards: cheaper than re-staging a masked left operand). Within a sub-chunk
-the column factor is at most e^((s-1)|lower_bound|) <= e^80 (``kda._sub_rows`` picks s so).
+two [C, K] x [K, C] wgmmas (x = qs and x = k) per sub-chunk over all rows, waited together (the
+rows of other sub-chunks are dropped by a row select afterwards: cheaper than re-staging a
+masked left operand). Within a sub-chunk the column factor is at most e^((s-1)|lower_bound|) <=
+e^80 (``kda._sub_rows`` picks s so).
 
-The inverse follows ``kda_body.tril_inverse`` (8-row diagonal blocks by repeated squaring, then
-2 x 2 block merges 8 -> 16 -> 32 -> 64), each [C, C] product as three bf16 wgmmas on a hi + lo
+The inverse follows ``kda_body.tril_inverse``: the 8-row diagonal blocks as (I + P)(I + P^2)(I +
+P^4) (P^8 = 0) in three dependent product steps (P^2; then P^4 and (I + P) P^2 at once), then 2
+x 2 block merges 8 -> 16 -> 32 -> 64, each [C, C] product as three bf16 wgmmas on a hi + lo
 split of both operands (hi*hi + hi*lo + lo*hi: ~16 mantissa bits, at least Triton's tf32).
 W and U are single bf16 wgmmas with T rounded to bf16, as in the Triton kernel.
 
@@ -41,16 +47,17 @@ TMA box needs >= 16 contiguous bytes). Outputs W, U, QG, Kg [B*HV, N, C, X] bf16
 N, C, C] bf16, gam [B*HV, N, 1, K] f32; residuals G [B*HV, N, C, K] f32, Akk [B*HV, N, C, C]
 f32, Tinv [B*HV, N, C, C] bf16.
 
-g may be bf16 (one plane) or float32, split exactly into three bf16 planes hi + mid + lo (8
-significand bits each) that each exponent product sums, so G is float32-exact either way.
+SMEM (KB; nested run_scoped buffers reuse the same bytes in turn, peak 106 either g dtype):
 
-SMEM, as Pallas estimates it: 189 KB with bf16 g, 222 KB with float32 g (of sm_90's 227 KB):
-q, k, v, the g planes, beta k e^G (then W), the exponent matrix, Tinv and a float32 [C, K]
-staging buffer (g, then G, then e^G) live throughout; the score operands (Xq, Xk, Y) and then
-the inverse's operands with the Aqk/Akk staging are scoped in turn. One CTA per SM: no
-overlap of one chunk's loads with another's math yet (the next step if it is load-bound).
-Outputs are written in place of inputs no longer read (QG over q, W over beta k e^G, U over
-beta v, Kg over k) to fit.
+    throughout       q -> Xq -> beta k e^G -> W (16), Ltri -> Tinv (8), beta, gam
+    phases 1-2       G float32 (32; float32 g lands here first), and in turn:
+      G              the bf16 planes of g (16 or 48)
+      scores         k -> Kg (16), Xk (16), y (16; QG's staging before the first y)
+    phases 3-4       v -> beta v -> U (16; loaded under the inverse), the inverse's hi/lo
+                     operands (4 x 8), Aqk's staging (8), Akk's float32 staging (16)
+
+Outputs are written in place of buffers no longer read, and each TMA store is waited (read
+side) before its buffer's scope ends or the buffer is reused.
 """
 
 from __future__ import annotations
@@ -151,6 +158,7 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
 
     WG = plgpu.Layout.WGMMA
     ROW = WG.reduce(1)  # one value per row of a WGMMA-layout array
+    COL = WG.reduce(0)  # one value per column
 
     def iota(shape, dim):  # compiled: in the WGMMA layout (the interpreter has no layouts)
         if interpret is not None:
@@ -169,167 +177,215 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
             return acc[...]
         return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
 
+    def dot2(pairs_a, pairs_b, shape):
+        """Two independent ``dot``s issued together (one wait for both)."""
+        def scoped(acc_a, acc_b):
+            for acc, pairs in ((acc_a, pairs_a), (acc_b, pairs_b)):
+                for a, b in pairs:
+                    plgpu.wgmma(acc, a, b)
+            return acc_a[...], acc_b[...]
+        return pl.run_scoped(scoped, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
+
     def kernel(q_g, k_g, v_g, g_g, beta_g, *refs):
         n_out = len(out_shape)
-        outs, (q_s, k_s, v_s, planes, beta_s, b1_s, m_s, t_s, G_s, bars) = (
-            refs[:n_out], refs[n_out:])
+        outs, (a_s, t_s, beta_s, gam_s, bars) = refs[:n_out], refs[n_out:]
         W_g, U_g, QG_g, Kg_g, Aqk_g, gam_g, *res_g = outs
         bh, n = lax.axis_index("bh"), lax.axis_index("n")
         b, hv = div(bh, HV), lax.rem(bh, jnp.int32(HV))
         h = div(hv, G)
         tok = pl.ds(n * C, C)
 
-        loads = [(q_g.at[b, tok, h], q_s), (k_g.at[b, tok, h], k_s), (v_g.at[b, tok, hv], v_s),
-                 (g_g.at[b, tok, hv], g_dst(planes, G_s)), (beta_g.at[bh, tok], beta_s)]
-        for i, (src, dst) in enumerate(loads):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
-        for i in range(5):
-            plgpu.barrier_wait(bars.at[i])
-        if len(planes) == 3:
-            # float32 g = hi + mid + lo, three bf16 planes, exactly (8 + 8 + 8 significand bits)
-            g_CxK = G_s[...] if interpret is not None else plgpu.load(
-                G_s, (), layout=WG, optimized=False)
-            hi_CxK = g_CxK.astype(bf16)
-            r_CxK = g_CxK - hi_CxK.astype(f32)
-            mid_CxK = r_CxK.astype(bf16)
-            planes[0][...] = hi_CxK
-            planes[1][...] = mid_CxK
-            planes[2][...] = (r_CxK - mid_CxK.astype(f32)).astype(bf16)
-
         def store_out(src_s, dst_g):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(src_s, dst_g.at[bh, n])
 
-        def expo(m_CxC):
-            """m [C, C] (0/+-1, float32, WGMMA layout) @ g [C, K]: exact exponents, float32."""
-            m_s[...] = m_CxC.astype(bf16)
-            plgpu.commit_smem()
-            return dot([(m_s, p) for p in planes], (C, K))
+        def load_wg(ref):  # an f32 SMEM array in registers (the interpreter: a plain load)
+            if interpret is not None:
+                return ref[...]
+            return plgpu.load(ref, (), layout=WG, optimized=False)
 
         def one(cond):
             return jnp.where(cond, 1.0, 0.0).astype(f32)
 
         ri, rr = iota((C, C), 0), iota((C, C), 1)  # [C, C] row / column indices
         rows_CxK = iota((C, K), 0)
-        # The interpreter has no plgpu.load (and no layouts): a plain load there.
-        beta_C = beta_s[...] if interpret is not None else plgpu.load(beta_s, (), layout=ROW)
 
         def by_row(x_C, shape):  # a per-row vector broadcast along the columns
             return lax.broadcast_in_dim(x_C, shape, [0])
 
-        def scores(xq_s, xk_s, y_s):
-            """Phase 1 and 2: QG, gam, G, the score operands, then Aqk and Akk [C, C]."""
-            # Row factors e^(G_i - G_a(i)) <= 1: x operands qs e^(...) and k e^(...).
-            anchor = div(ri, s) * s
-            eR_CxK = jnp.exp(expo(one((anchor < rr) & (rr <= ri))))
-            xq_s[...] = (q_s[...].astype(f32) * (scale * eR_CxK)).astype(bf16)
-            xk_s[...] = (k_s[...].astype(f32) * eR_CxK).astype(bf16)
-            # G, QG (in place of q), beta k e^G (W's right operand), G and gam.
-            G_CxK = expo(one(rr <= ri))
-            eG_CxK = jnp.exp(G_CxK)
-            q_s[...] = (q_s[...].astype(f32) * (scale * eG_CxK)).astype(bf16)
-            store_out(q_s, QG_g)
-            b1_s[...] = (k_s[...].astype(f32) * eG_CxK * by_row(beta_C, (C, K))).astype(bf16)
-            if residuals:
-                G_s[...] = G_CxK
-                store_out(G_s, res_g[0])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            G_s[...] = eG_CxK  # gam = e^(G_last): row C-1 of e^G
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(G_s.at[pl.ds(C - 1, 1)], gam_g.at[bh, n])
+        # q (then Xq, then beta k e^G, then W) and beta now; g into its scope below.
+        plgpu.copy_gmem_to_smem(q_g.at[b, tok, h], a_s, bars.at[0])
+        plgpu.copy_gmem_to_smem(beta_g.at[bh, tok], beta_s, bars.at[1])
 
-            Aqk_CxC = Akk_CxC = jnp.zeros((C, C), f32)
-            for ib in range(nb):
-                bidx, jlim = ib * s, (ib + 1) * s
-                # column factors e^(G_b - G_j) for j < jlim (at most e^80 inside the sub-chunk)
-                E_CxK = expo(one((ri < rr) & (rr <= bidx)) - one((bidx < rr) & (rr <= ri)))
-                ok = rows_CxK < jlim
-                y_CxK = jnp.where(
-                    ok, k_s[...].astype(f32) * jnp.exp(jnp.where(ok, E_CxK, 0.0)), 0.0)
-                if interpret is None:
-                    y_s[...] = y_CxK.astype(bf16)
-                    y_T = plgpu.transpose_ref(y_s, (1, 0))
-                else:  # the interpreter's wgmma takes no transposed view: store y^T [K, C]
-                    y_s[...] = y_CxK.T.astype(bf16)
-                    y_T = y_s
+        def main(G_s):
+            """Phases 1 and 2 with G [C, K] float32 in SMEM: G, QG, gam, Kg, the scores."""
+            def cumulative(*planes):
+                """G = Ltri @ g, Ltri [i, r] = [r <= i]: one wgmma per bf16 plane of g."""
+                plgpu.copy_gmem_to_smem(g_g.at[b, tok, hv], g_dst(planes, G_s), bars.at[2])
+                t_s[...] = one(rr <= ri).astype(bf16)  # Ltri, in Tinv's buffer (free till then)
+                plgpu.barrier_wait(bars.at[2])
+                if len(planes) == 3:
+                    # float32 g = hi + mid + lo in bf16, exactly (8 + 8 + 8 significand bits)
+                    g_CxK = load_wg(G_s)
+                    hi_CxK = g_CxK.astype(bf16)
+                    r_CxK = g_CxK - hi_CxK.astype(f32)
+                    mid_CxK = r_CxK.astype(bf16)
+                    planes[0][...] = hi_CxK
+                    planes[1][...] = mid_CxK
+                    planes[2][...] = (r_CxK - mid_CxK.astype(f32)).astype(bf16)
                 plgpu.commit_smem()
-                Sq_CxC = dot([(xq_s, y_T)], (C, C))
-                Sk_CxC = dot([(xk_s, y_T)], (C, C))
-                mine = div(ri, s) == ib
-                Aqk_CxC = jnp.where(mine, Sq_CxC, Aqk_CxC)
-                Akk_CxC = jnp.where(mine, Sk_CxC, Akk_CxC)
-            return Aqk_CxC, Akk_CxC
+                return dot([(t_s, p) for p in planes], (C, K))
 
-        y_shape = (C, K) if interpret is None else (K, C)
-        Aqk_CxC, Akk_CxC = pl.run_scoped(scores, _swizzled((C, K), bf16),
-                                         _swizzled((C, K), bf16), _swizzled(y_shape, bf16))
+            G_CxK = pl.run_scoped(cumulative, *[_swizzled((C, K), bf16)] * n_planes)
+            G_s[...] = G_CxK  # the split planes are read (dot waited): G_s is free
+            plgpu.barrier_wait(bars.at[1])
+            beta_C = beta_s[...] if interpret is not None else plgpu.load(
+                beta_s, (), layout=ROW)
+
+            def scores(k_s, xk_s, y_s, *qg):
+                qg_s = qg[0] if qg else y_s  # QG's staging (the interpreter's y_s is y^T)
+                plgpu.copy_gmem_to_smem(k_g.at[b, tok, h], k_s, bars.at[3])
+                plgpu.commit_smem()
+                if residuals:
+                    plgpu.copy_smem_to_gmem(G_s, res_g[0].at[bh, n])
+
+                def g_row(r: int):  # G's row r [K], broadcast over the C rows
+                    if interpret is not None:
+                        x_K = G_s[r]
+                    else:
+                        x_K = plgpu.load(G_s.at[r], (), layout=COL, optimized=False)
+                    return lax.broadcast_in_dim(x_K, (C, K), [1])
+
+                # gam = e^(G_last): one row, from its own small buffer
+                gl_K = G_s[C - 1] if interpret is not None else plgpu.load(
+                    G_s.at[C - 1], (), layout=COL, optimized=False)
+                gam_s[0] = jnp.exp(gl_K)
+                store_out(gam_s, gam_g)
+                # Row factors e^(G_i - G_a(i)) <= 1 (a(i) = s floor(i / s), G_a from G's row).
+                Ga_CxK = g_row(0)
+                for ib in range(1, nb):
+                    Ga_CxK = jnp.where(rows_CxK >= ib * s, g_row(ib * s), Ga_CxK)
+                eR_CxK = jnp.exp(G_CxK - Ga_CxK)
+                eG_CxK = jnp.exp(G_CxK)
+                plgpu.barrier_wait(bars.at[0])
+                q_CxK = a_s[...].astype(f32)
+                qg_s[...] = (q_CxK * (scale * eG_CxK)).astype(bf16)  # QG, staged in y_s
+                store_out(qg_s, QG_g)
+                a_s[...] = (q_CxK * (scale * eR_CxK)).astype(bf16)  # Xq over q
+                plgpu.barrier_wait(bars.at[3])
+                k_CxK = k_s[...].astype(f32)
+                xk_s[...] = (k_CxK * eR_CxK).astype(bf16)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # y_s (QG) read: reuse it
+
+                Aqk_CxC = Akk_CxC = jnp.zeros((C, C), f32)
+                for ib in range(nb):
+                    bidx, jlim = ib * s, (ib + 1) * s
+                    # column factors e^(G_b - G_j), j < jlim (at most e^80 in the sub-chunk)
+                    ok = rows_CxK < jlim
+                    E_CxK = jnp.where(ok, g_row(bidx) - load_wg(G_s), 0.0)
+                    y_CxK = jnp.where(ok, k_s[...].astype(f32) * jnp.exp(E_CxK), 0.0)
+                    if interpret is None:
+                        y_s[...] = y_CxK.astype(bf16)
+                        y_T = plgpu.transpose_ref(y_s, (1, 0))
+                    else:  # the interpreter's wgmma takes no transposed view: store y^T
+                        y_s[...] = y_CxK.T.astype(bf16)
+                        y_T = y_s
+                    plgpu.commit_smem()
+                    Sq_CxC, Sk_CxC = dot2([(a_s, y_T)], [(xk_s, y_T)], (C, C))
+                    mine = div(ri, s) == ib
+                    Aqk_CxC = jnp.where(mine, Sq_CxC, Aqk_CxC)
+                    Akk_CxC = jnp.where(mine, Sk_CxC, Akk_CxC)
+                # Xq is read: beta k e^G (W's right operand) over it; Kg = k e^(G_last - G).
+                # G and e^G are re-read and recomputed rather than held in registers through
+                # the loop (64 float32 registers per thread each: spills).
+                G2_CxK = load_wg(G_s)
+                k_CxK = k_s[...].astype(f32)
+                a_s[...] = (k_CxK * jnp.exp(G2_CxK) * by_row(beta_C, (C, K))).astype(bf16)
+                k_s[...] = (k_CxK * jnp.exp(g_row(C - 1) - G2_CxK)).astype(bf16)
+                store_out(k_s, Kg_g)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # k_s, G_s freed next
+                return Aqk_CxC, Akk_CxC, beta_C
+
+            if interpret is None:
+                return pl.run_scoped(scores, *[_swizzled((C, K), bf16)] * 3)
+            return pl.run_scoped(scores, *[_swizzled((C, K), bf16)] * 2,
+                                 _swizzled((K, C), bf16), _swizzled((C, K), bf16))
+
+        Aqk_CxC, Akk_CxC, beta_C = pl.run_scoped(main, plgpu.SMEM((C, K), f32))
         Akk_CxC = jnp.where(rr < ri, Akk_CxC, 0.0)
 
-        def inverse(ahi_s, alo_s, bhi_s, blo_s, a_s, akk_s):
+        def inverse(v_s, ahi_s, alo_s, bhi_s, blo_s, x_s, akk_s):
             """Phase 3: Aqk and Akk out, then (I + L)^-1, L = Diag(beta) Akk, as
-            kda_body.tril_inverse."""
-            a_s[...] = jnp.where(rr <= ri, Aqk_CxC, 0.0).astype(bf16)
-            store_out(a_s, Aqk_g)
+            kda_body.tril_inverse; then phase 4: W = T (beta k e^G), U = T (beta v)."""
+            plgpu.copy_gmem_to_smem(v_g.at[b, tok, hv], v_s, bars.at[4])  # under the inverse
+            x_s[...] = jnp.where(rr <= ri, Aqk_CxC, 0.0).astype(bf16)
+            store_out(x_s, Aqk_g)
             if residuals:
                 akk_s[...] = Akk_CxC
                 store_out(akk_s, res_g[1])
 
-            def mm(A_CxC, B_CxC):  # A @ B to ~16 mantissa bits: bf16 hi + lo of both operands
-                Ahi_CxC, Bhi_CxC = A_CxC.astype(bf16), B_CxC.astype(bf16)
-                ahi_s[...] = Ahi_CxC
-                alo_s[...] = (A_CxC - Ahi_CxC.astype(f32)).astype(bf16)
-                bhi_s[...] = Bhi_CxC
-                blo_s[...] = (B_CxC - Bhi_CxC.astype(f32)).astype(bf16)
-                plgpu.commit_smem()
-                return dot([(ahi_s, bhi_s), (ahi_s, blo_s), (alo_s, bhi_s)], (C, C))
+            def split(X_CxC, hi_s, lo_s):  # X = hi + lo in bf16 (~16 mantissa bits)
+                Xhi_CxC = X_CxC.astype(bf16)
+                hi_s[...] = Xhi_CxC
+                lo_s[...] = (X_CxC - Xhi_CxC.astype(f32)).astype(bf16)
 
-            L_CxC = Akk_CxC * by_row(beta_C, (C, C))
+            def prod(a, b):  # hi*hi + hi*lo + lo*hi of SMEM (hi, lo) pairs a and b
+                return [(a[0], b[0]), (a[0], b[1]), (a[1], b[0])]
+
+            a, bb = (ahi_s, alo_s), (bhi_s, blo_s)
+
+            def mm(A_CxC, B_CxC):  # A @ B to ~16 mantissa bits
+                split(A_CxC, *a)
+                split(B_CxC, *bb)
+                plgpu.commit_smem()
+                return dot(prod(a, bb), (C, C))
+
+            beta_CxC = by_row(beta_C, (C, C))
+            L_CxC = Akk_CxC * beta_CxC
             hb = INVERSE_BLOCK
+            assert hb == 8  # P^8 = 0 below: (I - P)^-1 = (I + P)(I + P^2)(I + P^4)
             P_CxC = -jnp.where(div(ri, hb) == div(rr, hb), L_CxC, 0.0)
             Tinv_CxC = one(ri == rr) + P_CxC
-            m = 1
-            while 2 * m < hb:
-                P_CxC = mm(P_CxC, P_CxC)
-                Tinv_CxC = Tinv_CxC + mm(Tinv_CxC, P_CxC)
-                m *= 2
+            # Three dependent steps: P^2; then P^4 and (I + P) P^2 together (both read P^2);
+            # then T (I + P^4). One SMEM copy of P and of P^2 serves as either operand.
+            split(P_CxC, *a)
+            plgpu.commit_smem()
+            P2_CxC = dot(prod(a, a), (C, C))
+            split(P2_CxC, *a)
+            split(Tinv_CxC, *bb)
+            plgpu.commit_smem()
+            P4_CxC, TP2_CxC = dot2(prod(a, a), prod(bb, a), (C, C))
+            Tinv_CxC = Tinv_CxC + TP2_CxC
+            Tinv_CxC = Tinv_CxC + mm(Tinv_CxC, P4_CxC)
             while hb < C:  # merge pairs of hb-blocks: T <- T - T P T, P = L's lower-left block
                 pair = ((div(ri, 2 * hb) == div(rr, 2 * hb)) & (lax.rem(div(ri, hb), 2) == 1)
                         & (lax.rem(div(rr, hb), 2) == 0))
                 X_CxC = mm(Tinv_CxC, jnp.where(pair, L_CxC, 0.0))
                 Tinv_CxC = Tinv_CxC - mm(X_CxC, Tinv_CxC)
                 hb *= 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a_s, akk_s are freed next
-            return Tinv_CxC
+            t_s[...] = Tinv_CxC.astype(bf16)
+            plgpu.barrier_wait(bars.at[4])
+            v_s[...] = (v_s[...].astype(f32) * by_row(beta_C, (C, V))).astype(bf16)
+            plgpu.commit_smem()
+            if residuals:
+                plgpu.copy_smem_to_gmem(t_s, res_g[2].at[bh, n])
+            # W = T (beta k e^G) and U = T (beta v) together, each over its right operand.
+            W_CxK, U_CxV = dot2([(t_s, a_s)], [(t_s, v_s)], (C, K))
+            a_s[...] = W_CxK.astype(bf16)
+            v_s[...] = U_CxV.astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(a_s, W_g.at[bh, n])
+            plgpu.copy_smem_to_gmem(v_s, U_g.at[bh, n])
+            plgpu.wait_smem_to_gmem(0)
 
-        Tinv_CxC = pl.run_scoped(inverse, *[_swizzled((C, C), bf16)] * 5, _swizzled((C, C), f32))
-        t_s[...] = Tinv_CxC.astype(bf16)
-        plgpu.commit_smem()
-        if residuals:
-            plgpu.copy_smem_to_gmem(t_s, res_g[2].at[bh, n])
-        # Phase 4: W = T (beta k e^G) and U = T (beta v), each written over its right operand.
-        W_CxK = dot([(t_s, b1_s)], (C, K))
-        b1_s[...] = W_CxK.astype(bf16)
-        store_out(b1_s, W_g)
-        v_s[...] = (v_s[...].astype(f32) * by_row(beta_C, (C, V))).astype(bf16)
-        plgpu.commit_smem()
-        U_CxV = dot([(t_s, v_s)], (C, V))
-        v_s[...] = U_CxV.astype(bf16)
-        store_out(v_s, U_g)
-        # Kg = k e^(G_last - G) in place of k (no longer read).
-        eD_CxK = jnp.exp(expo(one(rr > ri)))
-        k_s[...] = (k_s[...].astype(f32) * eD_CxK).astype(bf16)
-        store_out(k_s, Kg_g)
-        plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(inverse, _swizzled((C, V), bf16), *[_swizzled((C, C), bf16)] * 5,
+                      _swizzled((C, C), f32))
 
     scratch = (
-        _swizzled((C, K), bf16), _swizzled((C, K), bf16), _swizzled((C, V), bf16),  # q k v
-        [_swizzled((C, K), bf16)] * n_planes,  # g as bf16 planes (g = their sum)
+        _swizzled((C, K), bf16),  # q, then Xq, then beta k e^G, then W
+        _swizzled((C, C), bf16),  # Ltri (for G), then Tinv
         plgpu.SMEM((C,), f32),  # beta
-        _swizzled((C, K), bf16),  # beta k e^G, then W
-        _swizzled((C, C), bf16),  # the exponent matrix
-        _swizzled((C, C), bf16),  # Tinv
-        # float32 g as loaded, then G, then e^G (untiled: gam is one row of it)
-        plgpu.SMEM((C, K), f32),
+        plgpu.SMEM((1, K), f32),  # gam
         plgpu.Barrier(num_barriers=5),
     )
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)

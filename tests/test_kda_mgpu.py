@@ -176,14 +176,17 @@ def test_gradient_with_mgpu_residuals(rng):
 # ----------------------------------------------------------------------------- lowering
 
 
-SMEM_PER_BLOCK = 227 * 1024  # sm_90's most dynamic shared memory per block
+# sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per block: two blocks per SM (the
+# overlap the kernel relies on) if each takes at most 113 KB.
+SMEM_TWO_BLOCKS = 113 * 1024
 
 
 @pytest.mark.parametrize(("residuals", "gate_dtype"), [
     (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.float32), (True, jnp.float32)])
 def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
     """The kernel lowers for CUDA (Mosaic GPU's frontend and layout checks) without a GPU, and
-    its shared memory (Pallas' own estimate, where this JAX exposes it) fits one sm_90 block."""
+    its shared memory (Pallas' own estimate, where this JAX exposes it) lets two blocks share
+    an sm_90 SM."""
     bf = jnp.bfloat16
     args = [jax.ShapeDtypeStruct(s, dt) for s, dt in (  # q, k, v, g, beta; H = 2, HV = 4
         ((2, 256, 2, 128), bf), ((2, 256, 2, 128), bf), ((2, 256, 4, 128), bf),
@@ -206,7 +209,7 @@ def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     if smem:
-        assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
+        assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
 
 
 def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
