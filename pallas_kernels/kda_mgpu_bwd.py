@@ -1,0 +1,274 @@
+"""KDA's intra_bwd_channels on Hopper (sm_90) in Pallas' Mosaic GPU backend: a drop-in for
+``kda_calls.intra_bwd_channels`` in the case kda_mgpu.intra_fwd supports (no packed segments,
+given bounded gate, C = 64, K = V = 128, bf16; ``kda_mgpu.unsupported_reason``).
+
+One CTA of one warpgroup per (value head row bh, chunk n, K slice s of BK = 64 channels): grid
+(B*HV, N, K/BK). A slice of 64 bf16 channels is one 128-byte swizzle row, and [C, BK] float32
+tiles are 32 registers a thread, so the whole chunk's accumulators fit without spills. With the
+notation of ``kda_body`` (rows i, j of the chunk; d a channel of the slice; qs = scale q):
+
+State part (``kda_body.bwd_intra_channels``' V loop, one wgmma each over all of V = 128):
+
+    dQG = dO St,   dKg = V' dSt,   dW = -dV' St          [C, V] x [V, BK]
+    dKGa = Diag(beta) Tinv^T dW                          (Tinv^T: a transposed SMEM view)
+    dgam_d = sum_v St_vd dSt_vd                          (a wgmma by a ones [C, V] matrix on
+                                                          the exact hi + lo bf16 split of St*dSt)
+
+Score part (``kda_body.pair_grads``, bounded gate), for each sub-chunk ib of s rows with row
+anchor a = ib s and column anchor b = ib s + s - 1:
+
+    rq_i = e^(G_i - G_a) sum_j dAqk_ij  k_j e^(G_a - G_j)     rows i of sub-chunk ib, j < a + s
+    rk_i = same with dAkk
+    cq_j = e^(G_b - G_j) sum_i dAqkT_ji qs_i e^(G_i - G_b)     rows j of sub-chunk ib, i >= a
+    ck_j = same with dAkkT and k
+
+Each sum is one [C, C] x [C, BK] wgmma pair over all rows (the other sub-chunks' rows dropped
+by a select after) on a bf16 hi + lo split of the right operand (``mm(split_b=True)``: dG takes
+the difference of row and column sides, which cancel up to rounding). Padded rows past the
+last token have g = 0, so G there equals G at the last token and the unclamped anchors give
+the Triton kernel's min(anchor, last valid row).
+
+Then, with Gam = e^G, eD = e^(G_last - G), gam = e^(G_last):
+
+    dq  = scale (dQG Gam + rq)
+    dk  = cq + rk + ck + dKGa Gam + dKg eD
+    dG  = qs rq + k (rk - cq - ck) + dQG qs Gam + dKGa k Gam - P,    P = dKg k eD
+    dG_last += sum_i P_i + dgam gam                       (added to row C-1 of dG)
+    dg_i = sum_{r >= i} dG_r                              (Utri [C, C] @ dG)
+
+The column sum of P (a ones [C, C] matrix) and the reverse cumsum are wgmmas on an exact
+three-plane bf16 split (hi + mid + lo, 8 significand bits each) of the float32 operand.
+
+Shapes (HBM): as ``kda_calls.intra_bwd_channels``: q, k [B, Tp, H, K] bf16; G [B*HV, N, C,
+K] f32; beta [B, Tp, HV, 1] (transposed here to [B*HV, Tp] float32: a TMA box needs >= 16
+contiguous bytes); dA = (dAqk, dAkk, dAqkT, dAkkT) and Tinv [B*HV, N, C, C] bf16; h, dh
+[B*HV, N, V, K] bf16; Vp, dVp [B*HV, N, C, V] bf16; dO [B, Tp, HV, V] bf16. Outputs dq, dk
+[B, Tp, HV, K] (dqk_dtype) and dg [B, Tp, HV, K] (dg_dtype), bf16 or float32.
+
+SMEM: q, k, G, the four dA, Tinv and four [C, BK] / [C, C] staging buffers live throughout
+(~104 KB); the state operands St, dSt, V', dV', dO (80 KB) are scoped to the state part, the
+output staging (<= 48 KB) to the end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda_body import KdaConfig
+from pallas_kernels.kda_mgpu import CHUNK, _swizzled, plgpu
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+BK = 64  # channels per CTA: one 128-byte swizzle row of bf16
+
+
+def unsupported_reason(cfg: KdaConfig, dqk_dtype, dg_dtype) -> str | None:
+    """Beyond ``kda_mgpu.unsupported_reason`` (checked by the caller): the output dtypes."""
+    for name, dt in (("dq/dk", dqk_dtype), ("dg", dg_dtype)):
+        if jnp.dtype(dt) not in (jnp.dtype(bf16), jnp.dtype(f32)):
+            return f"{name} dtype {dt}"
+    if cfg.K % BK:
+        return f"K = {cfg.K} not a multiple of {BK}"
+    return None
+
+
+def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO,
+                       f=None, gate_params=(), *, dqk_dtype, dg_dtype, interpret=None):
+    """``kda_calls.intra_bwd_channels`` on Mosaic GPU (same arguments and outputs, for the
+    configs ``kda_mgpu.unsupported_reason`` and ``unsupported_reason`` accept). ``interpret``:
+    Mosaic GPU interpret params (CPU), None compiles for sm_90."""
+    del segs, f, gate_params  # no packed segments, no gate in the kernel (unsupported here)
+    B, HV, G_ = cfg.B, cfg.HV, cfg.G
+    C, K, V, N, s = cfg.C, cfg.K, cfg.V, cfg.N, cfg.sub
+    assert C == CHUNK
+    BHV, Tp, nb, nk = B * HV, cfg.N * cfg.C, cfg.C // cfg.sub, cfg.K // BK
+    scale = cfg.scale
+    beta_BHVxTp = jnp.transpose(beta[..., 0].astype(f32), (0, 2, 1)).reshape(BHV, Tp)
+    out_dts = (jnp.dtype(dqk_dtype), jnp.dtype(dqk_dtype), jnp.dtype(dg_dtype))
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, K), dt) for dt in out_dts]
+
+    WG = plgpu.Layout.WGMMA
+    ROW, COL = WG.reduce(1), WG.reduce(0)  # per-row / per-column vectors of a WGMMA array
+    compiled = interpret is None
+
+    def iota(shape, dim):  # compiled: in the WGMMA layout (the interpreter has no layouts)
+        if not compiled:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
+
+    def one(cond):
+        return jnp.where(cond, 1.0, 0.0).astype(f32)
+
+    def dot(pairs, shape):
+        """sum(a @ b for a, b in pairs), float32, on the tensor cores (reading the accumulator
+        waits for the wgmmas: their operands may be overwritten after)."""
+        def scoped(acc):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+            return acc[...]
+        return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
+
+    def planes(x, dsts):
+        """Stores float32 x as len(dsts) bf16 planes summing to it (2: 16 significand bits, 3:
+        exact), so a wgmma of each plane sums to a float32-accurate product."""
+        r = x
+        for i, d in enumerate(dsts):
+            p = r.astype(bf16)
+            d[...] = p
+            if i + 1 < len(dsts):
+                r = r - p.astype(f32)
+        plgpu.commit_smem()
+
+    def kernel(q_g, k_g, G_g, beta_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g, T_g, h_g, dh_g, Vp_g,
+               dVp_g, dO_g, dq_g, dk_g, dg_g,
+               q_s, k_s, G_s, beta_s, dAqk_s, dAkk_s, dAqkT_s, dAkkT_s, T_s, x1_s, x2_s, x3_s,
+               m_s, bars):
+        bh, n, sk = lax.axis_index("bh"), lax.axis_index("n"), lax.axis_index("s")
+        b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
+        hq = lax.div(hv, jnp.int32(G_))
+        tok, ch = pl.ds(n * C, C), pl.ds(sk * BK, BK)
+
+        loads = [(q_g.at[b, tok, hq, ch], q_s), (k_g.at[b, tok, hq, ch], k_s),
+                 (G_g.at[bh, n, :, ch], G_s), (beta_g.at[bh, tok], beta_s),
+                 (dAqk_g.at[bh, n], dAqk_s), (dAkk_g.at[bh, n], dAkk_s),
+                 (dAqkT_g.at[bh, n], dAqkT_s), (dAkkT_g.at[bh, n], dAkkT_s), (T_g.at[bh, n], T_s)]
+        for i, (src, dst) in enumerate(loads):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+
+        rows = iota((C, BK), 0)
+        ri, rr = iota((C, C), 0), iota((C, C), 1)
+
+        def G_row(r: int):
+            """Row r of G broadcast over the rows: [C, BK]."""
+            if not compiled:
+                return jnp.broadcast_to(G_s[pl.ds(r, 1), :], (C, BK))
+            g_BK = plgpu.load(G_s.at[r], (), layout=COL, optimized=False)
+            return lax.broadcast_in_dim(g_BK, (C, BK), [1])
+
+        def load_G():
+            return G_s[...] if not compiled else plgpu.load(G_s, (), layout=WG, optimized=False)
+
+        def by_row(x_C):
+            return lax.broadcast_in_dim(x_C, (C, BK), [0])
+
+        def state_part(h_s, dh_s, Vp_s, dVp_s, dO_s, sbars):
+            """dQG, dKg, dKGa, then the chunk's dq, dk, dG before the score part."""
+            st = [(h_g.at[bh, n, :, ch], h_s), (dh_g.at[bh, n, :, ch], dh_s),
+                  (Vp_g.at[bh, n], Vp_s), (dVp_g.at[bh, n], dVp_s), (dO_g.at[b, tok, hv], dO_s)]
+            for i, (src, dst) in enumerate(st):
+                plgpu.copy_gmem_to_smem(src, dst, sbars.at[i])
+            for i in range(len(loads)):
+                plgpu.barrier_wait(bars.at[i])
+            for i in range(len(st)):
+                plgpu.barrier_wait(sbars.at[i])
+            beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
+            if not compiled:  # the interpreter's wgmma takes no transposed view: store T^T
+                T_s[...] = T_s[...].T
+                T_t = T_s
+            else:
+                T_t = plgpu.transpose_ref(T_s, (1, 0))
+            # dW = -dV' St (bf16, Tinv^T's right operand), dKGa = Diag(beta) Tinv^T dW
+            x1_s[...] = (-dot([(dVp_s, h_s)], (C, BK))).astype(bf16)
+            plgpu.commit_smem()
+            dKGa_CxBK = by_row(beta_C) * dot([(T_t, x1_s)], (C, BK))
+            dQG_CxBK = dot([(dO_s, h_s)], (C, BK))
+            dKg_CxBK = dot([(Vp_s, dh_s)], (C, BK))
+            # dgam: St * dSt is exact in float32 and exactly hi + lo in bf16; over St, dSt
+            # (their wgmmas are done) and a ones [C, V] over dO
+            hd_VxBK = h_s[...].astype(f32) * dh_s[...].astype(f32)
+            planes(hd_VxBK, (h_s, dh_s))
+            dO_s[...] = one(iota((C, V), 0) >= 0).astype(bf16)
+            plgpu.commit_smem()
+            dgam_CxBK = dot([(dO_s, h_s), (dO_s, dh_s)], (C, BK))
+
+            G_CxBK = load_G()
+            Gl_CxBK = G_row(C - 1)
+            Gam_CxBK = jnp.exp(G_CxBK)
+            eD_CxBK = jnp.exp(Gl_CxBK - G_CxBK)
+            qs_CxBK = q_s[...].astype(f32) * scale
+            k_CxBK = k_s[...].astype(f32)
+            P_CxBK = dKg_CxBK * k_CxBK * eD_CxBK  # dKg * Kg
+            DQ_CxBK = dQG_CxBK * Gam_CxBK
+            DK_CxBK = dKGa_CxBK * Gam_CxBK + dKg_CxBK * eD_CxBK
+            DG_CxBK = (dQG_CxBK * qs_CxBK + dKGa_CxBK * k_CxBK) * Gam_CxBK - P_CxBK
+            # dG_last += sum_i P_i + dgam gam: every row of Ones @ P holds the column sum
+            planes(P_CxBK, (x1_s, x2_s, x3_s))
+            m_s[...] = one(ri >= 0).astype(bf16)
+            plgpu.commit_smem()
+            Psum_CxBK = dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
+            last = Psum_CxBK + dgam_CxBK * jnp.exp(Gl_CxBK)
+            DG_CxBK = DG_CxBK + jnp.where(rows == C - 1, last, 0.0)
+            return DQ_CxBK, DK_CxBK, DG_CxBK
+
+        DQ_CxBK, DK_CxBK, DG_CxBK = pl.run_scoped(
+            state_part, _swizzled((V, BK), bf16), _swizzled((V, BK), bf16),
+            _swizzled((C, V), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16),
+            plgpu.Barrier(num_barriers=5))
+
+        # Score part: one pass per sub-chunk ib (static: the anchors are static rows).
+        G_CxBK = load_G()
+        qs_CxBK = q_s[...].astype(f32) * scale
+        k_CxBK = k_s[...].astype(f32)
+        blk = lax.div(rows, jnp.int32(s))
+        for ib in range(nb):
+            a, bb = ib * s, ib * s + s - 1
+            mine = blk == ib
+            Ga_CxBK = G_row(a)
+            # row side: X_j = k_j e^(G_a - G_j), j < a + s (<= e^((s-1)|lower_bound|))
+            ok = rows < a + s
+            X_CxBK = jnp.where(ok, k_CxBK * jnp.exp(jnp.where(ok, Ga_CxBK - G_CxBK, 0.0)), 0.0)
+            planes(X_CxBK, (x1_s, x2_s))
+            Rq_CxBK = dot([(dAqk_s, x1_s), (dAqk_s, x2_s)], (C, BK))
+            Rk_CxBK = dot([(dAkk_s, x1_s), (dAkk_s, x2_s)], (C, BK))
+            eR_CxBK = jnp.where(mine, jnp.exp(jnp.where(mine, G_CxBK - Ga_CxBK, 0.0)), 0.0)
+            rq_CxBK, rk_CxBK = eR_CxBK * Rq_CxBK, eR_CxBK * Rk_CxBK
+            DQ_CxBK = DQ_CxBK + rq_CxBK
+            DK_CxBK = DK_CxBK + rk_CxBK
+            DG_CxBK = DG_CxBK + qs_CxBK * rq_CxBK + k_CxBK * rk_CxBK
+            # column side: Y_i = x_i e^(G_i - G_b), i >= a (rows i < j of the block meet dA = 0)
+            Gb_CxBK = G_row(bb)
+            ok = rows >= a
+            eB_CxBK = jnp.where(ok, jnp.exp(jnp.where(ok, G_CxBK - Gb_CxBK, 0.0)), 0.0)
+            planes(qs_CxBK * eB_CxBK, (x1_s, x2_s))
+            Cq_CxBK = dot([(dAqkT_s, x1_s), (dAqkT_s, x2_s)], (C, BK))
+            planes(k_CxBK * eB_CxBK, (x1_s, x2_s))
+            Ck_CxBK = dot([(dAkkT_s, x1_s), (dAkkT_s, x2_s)], (C, BK))
+            eC_CxBK = jnp.where(mine, jnp.exp(jnp.where(mine, Gb_CxBK - G_CxBK, 0.0)), 0.0)
+            c_CxBK = eC_CxBK * (Cq_CxBK + Ck_CxBK)
+            DK_CxBK = DK_CxBK + c_CxBK
+            DG_CxBK = DG_CxBK - k_CxBK * c_CxBK
+
+        # dg_i = sum_{r >= i} dG_r: Utri @ dG on its exact three-plane split
+        planes(DG_CxBK, (x1_s, x2_s, x3_s))
+        m_s[...] = one(rr >= ri).astype(bf16)
+        plgpu.commit_smem()
+        dg_CxBK = dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
+
+        def store(dq_s, dk_s, dg_s):
+            for val, src, dst in ((DQ_CxBK * scale, dq_s, dq_g), (DK_CxBK, dk_s, dk_g),
+                                  (dg_CxBK, dg_s, dg_g)):
+                src[...] = val.astype(src.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(src, dst.at[b, tok, hv, ch])
+            plgpu.wait_smem_to_gmem(0)
+
+        def stage(dt):  # bf16: swizzled (conflict-free WGMMA-layout stores); float32: plain
+            return _swizzled((C, BK), dt) if dt == jnp.dtype(bf16) else plgpu.SMEM((C, BK), dt)
+
+        pl.run_scoped(store, *[stage(dt) for dt in out_dts])
+
+    scratch = (
+        _swizzled((C, BK), bf16), _swizzled((C, BK), bf16),  # q, k (this slice)
+        plgpu.SMEM((C, BK), f32),  # G (untiled float32: rows are read one at a time)
+        plgpu.SMEM((C,), f32),  # beta
+        *[_swizzled((C, C), bf16)] * 5,  # dAqk, dAkk, dAqkT, dAkkT, Tinv
+        *[_swizzled((C, BK), bf16)] * 3,  # wgmma right operands: dW, planes of X, Y, P, dG
+        _swizzled((C, C), bf16),  # the constant ones / Utri matrix
+        plgpu.Barrier(num_barriers=9),
+    )
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N, nk), grid_names=("bh", "n", "s"),
+                      scratch_types=scratch, compiler_params=params, interpret=interpret)
+    return tuple(fn(q, k, G, beta_BHVxTp, *dA, Tinv, h, dh, Vp, dVp, dO))
