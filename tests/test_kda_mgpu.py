@@ -1,4 +1,5 @@
-"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py) against the Triton one, and its dispatch.
+"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py) and intra_bwd_channels
+(pallas_kernels/kda_mgpu_bwd.py) against the Triton ones, and their dispatch.
 
 Where it runs: on CPU the Mosaic GPU kernel runs in Mosaic GPU interpret mode and the Triton
 kernel in Pallas interpret mode (both float32 dots on bf16 operands: they agree to rounding);
@@ -21,7 +22,7 @@ import pytest
 
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
-from pallas_kernels import kda_mgpu
+from pallas_kernels import kda_mgpu, kda_mgpu_bwd
 from pallas_kernels.kda import KernelTuning, kda_pallas
 from tests.test_kda_pallas import numpy_kda, rel
 
@@ -74,6 +75,20 @@ def mgpu_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kda_mgpu, "intra_fwd", spy)
+    return count
+
+
+@pytest.fixture
+def mgpu_bwd_calls(monkeypatch):
+    """Counts the calls of kda_mgpu_bwd.intra_bwd_channels (which kernel the backward took)."""
+    count = []
+    real = kda_mgpu_bwd.intra_bwd_channels
+
+    def spy(*args, **kwargs):
+        count.append(kwargs.get("interpret"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kda_mgpu_bwd, "intra_bwd_channels", spy)
     return count
 
 
@@ -149,9 +164,9 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
 
 @needs_mgpu
 @pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
-def test_gradient_with_mgpu_residuals(rng):
-    """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv): every gradient
-    with hopper=1 matches the all-Triton one's."""
+def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
+    """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv) and runs the
+    Mosaic GPU intra_bwd_channels: every gradient with hopper=1 matches the all-Triton one's."""
     B, T, H, HV = 1, 64, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
     h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
@@ -166,7 +181,10 @@ def test_gradient_with_mgpu_residuals(rng):
             return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
         return jax.jit(jax.grad(fn, argnums=range(6)))
 
-    got, want = loss(1)(q, k, v, g, beta, h0), loss(0)(q, k, v, g, beta, h0)
+    got = loss(1)(q, k, v, g, beta, h0)
+    assert len(mgpu_bwd_calls) == 1, "the Mosaic GPU intra_bwd_channels was not used"
+    want = loss(0)(q, k, v, g, beta, h0)
+    assert len(mgpu_bwd_calls) == 1, "hopper=0 must keep the Triton intra_bwd_channels"
     # GPU: the two paths' Tinv differ (tf32 in Triton's, ~16 bits here) and dg, dbeta take
     # differences of nearly equal terms (the GPU tests' tolerances are looser for them too)
     names = ("q", "k", "v", "g", "beta", "h0")
@@ -175,6 +193,50 @@ def test_gradient_with_mgpu_residuals(rng):
     for name, a, b in zip(names, got, want, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
         assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
+
+
+def channels_args(rng, B, T, H, HV, gate_dtype=jnp.float32):
+    """(cfg, the arguments of intra_bwd_channels after cfg): q, k, beta and the forward's G and
+    Tinv from real inputs (the Triton intra_fwd, interpret mode); the state-pass tensors h, dh,
+    V', dV', dO and the score gradients dAqk (lower triangle), dAkk (strict) and their
+    transposes random bf16."""
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, gate_dtype=gate_dtype)
+    cfg = config(q, v, mode="gpu" if ON_GPU else "interpret")
+    qp, kp, vp, gp, bp = kernel_args(q, k, v, g, beta, cfg)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    *_, G, _, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    BHV, N, C = B * HV, cfg.N, cfg.C
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    dA = [jnp.tril(rand(BHV, N, C, C), -i) for i in (0, 1)]
+    dA += [jnp.swapaxes(x, -1, -2) for x in dA]
+    rest = (rand(BHV, N, 128, 128), rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
+            rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
+    return cfg, (qp, kp, G, bp, (), dA, Tinv, *rest)
+
+
+@needs_mgpu
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
+def test_intra_bwd_channels_matches_triton(rng):
+    """dq, dk, dg of the Mosaic GPU intra_bwd_channels against the Triton kernel's (interpret
+    mode): T not a multiple of C (a padded last chunk), two chunks, two K slices, four anchors
+    per chunk (sub 16), HV > H (grouped: float32 dq, dk), float32 g."""
+    cfg, args = channels_args(rng, B=1, T=100, H=1, HV=2)
+    kw = dict(dqk_dtype=jnp.float32, dg_dtype=jnp.float32)
+    assert cfg.sub == 16 and kda_mgpu_bwd.unsupported_reason(cfg, **kw) is None
+    interpret = None if ON_GPU else kda_mgpu.interpret_params()
+    got = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
+                  static_argnums=4)(*args)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    want = calls.intra_bwd_channels(ref_cfg, *args, **kw)
+    # CPU: both take the same bf16 products (hi + lo splits included) in float32
+    tol = 1e-2 if ON_GPU else 1e-5
+    for name, a, b in zip(("dq", "dk", "dg"), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -209,6 +271,45 @@ def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
         pass
     fn = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    if smem:
+        assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
+
+
+@needs_mgpu
+@pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [
+    (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
+def test_cuda_lowering_of_intra_bwd_channels(dqk_dtype, dg_dtype, monkeypatch):
+    """intra_bwd_channels lowers for CUDA without a GPU and fits one sm_90 block's SMEM
+    (Pallas' estimate), with bf16 and float32 outputs."""
+    bf = jnp.bfloat16
+    B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
+    cfg = config(jax.ShapeDtypeStruct((B, Tp, H, 128), bf),
+                 jax.ShapeDtypeStruct((B, Tp, HV, 128), bf), mode="gpu")
+    cc, st, cv = (B * HV, N, C, C), (B * HV, N, 128, 128), (B * HV, N, C, 128)
+    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        ((B, Tp, H, 128), bf), ((B, Tp, H, 128), bf), ((B * HV, N, C, 128), jnp.float32),
+        ((B, Tp, HV, 1), jnp.float32), *[(cc, bf)] * 5, (st, bf), (st, bf), (cv, bf), (cv, bf),
+        ((B, Tp, HV, 128), bf))]
+    smem = []
+    try:  # private: the lowering's resource estimate (run_scoped buffers at their peak)
+        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+        estimate = mgpu_lowering._estimate_resources
+
+        def spy(ctx, jaxpr):
+            out = estimate(ctx, jaxpr)
+            smem.append(out.smem_scratch_bytes)
+            return out
+
+        monkeypatch.setattr(mgpu_lowering, "_estimate_resources", spy)
+    except (ImportError, AttributeError):
+        pass
+
+    def fn(q, k, G, beta, d0, d1, d2, d3, *rest):
+        return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, beta, (), (d0, d1, d2, d3), *rest,
+                                               dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
+
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     if smem:
         assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
@@ -296,3 +397,34 @@ def test_fallback_runs_the_triton_kernel(mgpu_calls):
     assert not mgpu_calls
     o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5)
     assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["supported", "hopper_off", "K64", "segments", "dq_float16"])
+def test_channels_dispatch(case, mgpu_bwd_calls):
+    """intra_bwd_channels (traced only: jax.eval_shape) takes the Mosaic GPU kernel for the
+    supported config and the Triton kernel otherwise: hopper=0, any config hopper_intra_mode
+    turns down (the forward's checks: K = 64, packed segments, ...), or an output dtype other
+    than bf16 / float32 (kda_mgpu_bwd.unsupported_reason)."""
+    if not kda_mgpu.available():
+        pytest.skip("no Mosaic GPU Pallas")
+    B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
+    x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    seg = jnp.zeros((B, T), jnp.int32) if case == "segments" else None
+    cfg = config(x, x, mode="interpret", hopper=int(case != "hopper_off"), seg=seg)
+    N, C, K, V = cfg.N, cfg.C, cfg.K, cfg.V
+
+    def sds(*shape, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    segs = tuple(jnp.zeros((B, N, C, 1), jnp.float32) for _ in range(3)) + (
+        jnp.zeros((B, N, 1, C), jnp.float32),) if cfg.has_seg else ()
+    dA = [sds(B * H, N, C, C)] * 4
+    args = (sds(B, T, H, K), sds(B, T, H, K), sds(B * H, N, C, K, dt=jnp.float32),
+            sds(B, T, H, 1, dt=jnp.float32))
+    rest = (sds(B * H, N, C, C), sds(B * H, N, V, K), sds(B * H, N, V, K), sds(B * H, N, C, V),
+            sds(B * H, N, C, V), sds(B, T, H, V))
+    dqk = jnp.float16 if case == "dq_float16" else jnp.float32
+    jax.eval_shape(lambda a, d, r: calls.intra_bwd_channels(
+        cfg, *a, segs, d, *r, dqk_dtype=dqk, dg_dtype=jnp.float32), args, dA, rest)
+    assert len(mgpu_bwd_calls) == (case == "supported"), case
+
