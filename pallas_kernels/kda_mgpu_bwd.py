@@ -272,3 +272,167 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N, nk), grid_names=("bh", "n", "s"),
                       scratch_types=scratch, compiler_params=params, interpret=interpret)
     return tuple(fn(q, k, G, beta_BHVxTp, *dA, Tinv, h, dh, Vp, dVp, dO))
+
+
+def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
+                     dv_dtype, interpret=None):
+    """``kda_calls.intra_bwd_scores`` on Mosaic GPU: one CTA of one warpgroup per (bh, chunk n),
+    grid (B*HV, N), all of K = V = 128 at once. With ``kda_body.bwd_intra_scores``' notation:
+
+        dAqk = tril(dO V'^T)                             [C, V] x [V, C]
+        dRv  = Tinv^T dV',   dv = Diag(beta) dRv,   dbeta = rowsum(dRv * v)
+        dW   = -dV' St,      dRk = Tinv^T dW            [C, V] x [V, K], then [C, C] x [C, K]
+        dL   = strict tril(-dRv U^T - dRk W^T)
+        dbeta += rowsum(dRk * k e^G) + rowsum(dL * Akk),   dAkk = Diag(beta) dL
+
+    Every product is one bf16 wgmma (dRv, dW, dRk rounded to bf16 first, as the Triton kernel's
+    ``mm`` does); transposed operands are transposed SMEM views. dAqk^T and dAkk^T are exact:
+    a wgmma of the transposed view of the stored bf16 matrix with the identity.
+
+    Shapes (HBM) as ``kda_calls.intra_bwd_scores``: dv [B, Tp, HV, V] (dv_dtype: bf16 here),
+    dbeta [B, Tp, HV, 1] float32 (written [B*HV, Tp] here: a TMA box needs >= 16 contiguous
+    bytes), dAqk, dAkk, dAqkT, dAkkT [B*HV, N, C, C] bf16. SMEM: k, G, Akk, Tinv, dV' and the
+    bf16 dRv, dRk live throughout (~120 KB); St, dO, V', v are scoped to the first part (80 KB),
+    U, W and the output staging to the second (~72 KB).
+    """
+    del segs
+    B, HV = cfg.B, cfg.HV
+    C, K, V, N = cfg.C, cfg.K, cfg.V, cfg.N
+    assert C == CHUNK and jnp.dtype(dv_dtype) == jnp.dtype(bf16)
+    BHV, Tp = B * HV, N * C
+    beta_BHVxTp = jnp.transpose(beta[..., 0].astype(f32), (0, 2, 1)).reshape(BHV, Tp)
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, V), bf16),
+                 jax.ShapeDtypeStruct((BHV, Tp), f32),
+                 *[jax.ShapeDtypeStruct((BHV, N, C, C), bf16)] * 4]
+    WG = plgpu.Layout.WGMMA
+    ROW = WG.reduce(1)
+    compiled = interpret is None
+
+    def iota(shape, dim):
+        if not compiled:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
+
+    def one(cond):
+        return jnp.where(cond, 1.0, 0.0).astype(f32)
+
+    def dot(pairs, shape):
+        def scoped(acc):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+            return acc[...]
+        return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
+
+    def ld(ref):  # float32 untiled SMEM into the WGMMA layout
+        return ref[...] if not compiled else plgpu.load(ref, (), layout=WG, optimized=False)
+
+    def tview(ref, tbuf):
+        """ref^T as a wgmma operand: a transposed view; the interpreter's wgmma takes none, so
+        there ref^T is stored into tbuf (a buffer of the transposed shape)."""
+        if compiled:
+            return plgpu.transpose_ref(ref, (1, 0))
+        tbuf[...] = ref[...].T
+        return tbuf
+
+    def rowsum(x):
+        return jnp.sum(x, axis=1)
+
+    def kernel(k_g, v_g, G_g, beta_g, W_g, U_g, Akk_g, T_g, h_g, Vp_g, dVp_g, dO_g,
+               dv_g, db_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g,
+               k_s, G_s, beta_s, Akk_s, T_s, dVp_s, dRv_s, dRk_s, vec_s, bars, *tbufs):
+        bh, n = lax.axis_index("bh"), lax.axis_index("n")
+        b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
+        hq = lax.div(hv, jnp.int32(cfg.G))
+        tok = pl.ds(n * C, C)
+        loads = [(k_g.at[b, tok, hq], k_s), (G_g.at[bh, n], G_s), (beta_g.at[bh, tok], beta_s),
+                 (Akk_g.at[bh, n], Akk_s), (T_g.at[bh, n], T_s), (dVp_g.at[bh, n], dVp_s)]
+        for i, (src, dst) in enumerate(loads):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        ri, rr = iota((C, C), 0), iota((C, C), 1)
+        tb = dict(zip(("VpT", "UT", "WT"), tbufs, strict=True)) if tbufs else {}
+
+        def part_a(h_s, dO_s, Vp_s, v_s, abars):
+            """dAqk, dv, the v and k parts of dbeta; dRv and dRk into SMEM (bf16)."""
+            st = [(h_g.at[bh, n], h_s), (dO_g.at[b, tok, hv], dO_s), (Vp_g.at[bh, n], Vp_s),
+                  (v_g.at[b, tok, hv], v_s)]
+            for i, (src, dst) in enumerate(st):
+                plgpu.copy_gmem_to_smem(src, dst, abars.at[i])
+            for i in range(len(loads)):
+                plgpu.barrier_wait(bars.at[i])
+            for i in range(len(st)):
+                plgpu.barrier_wait(abars.at[i])
+            beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
+            T_t = tview(T_s, T_s)  # interpreter: T^T in place (T is read only as T^T)
+            dAqk_CxC = dot([(dO_s, tview(Vp_s, tb.get("VpT")))], (C, C))
+            dRv_CxV = dot([(T_t, dVp_s)], (C, V))
+            dRv_s[...] = dRv_CxV.astype(bf16)
+            dbeta_C = rowsum(dRv_CxV * v_s[...].astype(f32))
+            dO_s[...] = (dRv_CxV * lax.broadcast_in_dim(beta_C, (C, V), [0])).astype(bf16)
+            plgpu.commit_smem()  # dv from dO's buffer (read above: dAqk's wgmma is done)
+            plgpu.copy_smem_to_gmem(dO_s, dv_g.at[b, tok, hv])
+            dRk_s[...] = (-dot([(dVp_s, h_s)], (C, K))).astype(bf16)  # dW
+            plgpu.commit_smem()
+            dRk_CxK = dot([(T_t, dRk_s)], (C, K))
+            dRk_s[...] = dRk_CxK.astype(bf16)
+            plgpu.commit_smem()
+            KGa_CxK = k_s[...].astype(f32) * jnp.exp(ld(G_s))
+            dbeta_C = dbeta_C + rowsum(dRk_CxK * KGa_CxK)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dv's staging is freed next
+            return dAqk_CxC, dbeta_C, beta_C
+
+        dAqk_CxC, dbeta_C, beta_C = pl.run_scoped(
+            part_a, _swizzled((V, K), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16),
+            _swizzled((C, V), bf16), plgpu.Barrier(num_barriers=4))
+
+        def part_b(U_s, W_s, eye_s, a1_s, a2_s, a3_s, a4_s, bbars):
+            """dL, dbeta's Akk part, dAkk; the four [C, C] outputs and dbeta."""
+            plgpu.copy_gmem_to_smem(U_g.at[bh, n], U_s, bbars.at[0])
+            plgpu.copy_gmem_to_smem(W_g.at[bh, n], W_s, bbars.at[1])
+            eye_s[...] = one(ri == rr).astype(bf16)
+            a1_s[...] = jnp.where(rr <= ri, dAqk_CxC, 0.0).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(a1_s, dAqk_g.at[bh, n])
+            plgpu.barrier_wait(bbars.at[0])
+            plgpu.barrier_wait(bbars.at[1])
+            dL_CxC = -dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
+                          (C, C))
+            dL_CxC = jnp.where(rr < ri, dL_CxC, 0.0)
+            vec_s[...] = dbeta_C + rowsum(dL_CxC * ld(Akk_s))
+            a2_s[...] = (dL_CxC * lax.broadcast_in_dim(beta_C, (C, C), [0])).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(vec_s, db_g.at[bh, tok])
+            plgpu.copy_smem_to_gmem(a2_s, dAkk_g.at[bh, n])
+            # the transposes, exactly: (stored bf16 matrix)^T @ I
+            for src, dst, dst_g in ((a1_s, a3_s, dAqkT_g), (a2_s, a4_s, dAkkT_g)):
+                if compiled:
+                    dst[...] = dot([(plgpu.transpose_ref(src, (1, 0)), eye_s)],
+                                   (C, C)).astype(bf16)
+                else:
+                    dst[...] = src[...].T
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dst, dst_g.at[bh, n])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(part_b, _swizzled((C, V), bf16), _swizzled((C, K), bf16),
+                      *[_swizzled((C, C), bf16)] * 5, plgpu.Barrier(num_barriers=2))
+
+    scratch = [
+        _swizzled((C, K), bf16),  # k
+        plgpu.SMEM((C, K), f32),  # G
+        plgpu.SMEM((C,), f32),  # beta
+        plgpu.SMEM((C, C), f32),  # Akk
+        _swizzled((C, C), bf16),  # Tinv
+        _swizzled((C, V), bf16),  # dV'
+        _swizzled((C, V), bf16),  # dRv (bf16)
+        _swizzled((C, K), bf16),  # dW, then dRk (bf16)
+        plgpu.SMEM((C,), f32),  # dbeta staging
+        plgpu.Barrier(num_barriers=6),
+    ]
+    if not compiled:  # explicit transposes for the interpreter: V'^T, U^T, W^T
+        scratch += [_swizzled((V, C), bf16), _swizzled((V, C), bf16), _swizzled((K, C), bf16)]
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N), grid_names=("bh", "n"),
+                      scratch_types=tuple(scratch), compiler_params=params, interpret=interpret)
+    dv, db_BHVxTp, *dA = fn(k, v, G, beta_BHVxTp, W, U, Akk, Tinv, h, Vp, dVp, dO)
+    db = jnp.transpose(db_BHVxTp.reshape(B, HV, Tp), (0, 2, 1))[..., None]
+    return (dv, db, *dA)
