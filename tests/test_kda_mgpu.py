@@ -1,5 +1,5 @@
-"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py) and intra_bwd_channels
-(pallas_kernels/kda_mgpu_bwd.py) against the Triton ones, and their dispatch.
+"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py), intra_bwd_scores and
+intra_bwd_channels (pallas_kernels/kda_mgpu_bwd.py) against the Triton ones, and their dispatch.
 
 Where it runs: on CPU the Mosaic GPU kernel runs in Mosaic GPU interpret mode and the Triton
 kernel in Pallas interpret mode (both float32 dots on bf16 operands: they agree to rounding);
@@ -80,16 +80,20 @@ def mgpu_calls(monkeypatch):
 
 @pytest.fixture
 def mgpu_bwd_calls(monkeypatch):
-    """Counts the calls of kda_mgpu_bwd.intra_bwd_channels (which kernel the backward took)."""
-    count = []
-    real = kda_mgpu_bwd.intra_bwd_channels
+    """Names of the kda_mgpu_bwd kernels called (which kernels the backward took)."""
+    calls_made = []
 
-    def spy(*args, **kwargs):
-        count.append(kwargs.get("interpret"))
-        return real(*args, **kwargs)
+    def spy_on(name):
+        real = getattr(kda_mgpu_bwd, name)
 
-    monkeypatch.setattr(kda_mgpu_bwd, "intra_bwd_channels", spy)
-    return count
+        def spy(*args, **kwargs):
+            calls_made.append(name)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(kda_mgpu_bwd, name, spy)
+
+    for name in ("intra_bwd_scores", "intra_bwd_channels"):
+        spy_on(name)
+    return calls_made
 
 
 @pytest.fixture(autouse=True)
@@ -166,7 +170,8 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
 @pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
 def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
     """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv) and runs the
-    Mosaic GPU intra_bwd_channels: every gradient with hopper=1 matches the all-Triton one's."""
+    Mosaic GPU intra_bwd_scores and intra_bwd_channels: every gradient with hopper=1 matches
+    the all-Triton one's."""
     B, T, H, HV = 1, 64, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
     h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
@@ -182,9 +187,10 @@ def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
         return jax.jit(jax.grad(fn, argnums=range(6)))
 
     got = loss(1)(q, k, v, g, beta, h0)
-    assert len(mgpu_bwd_calls) == 1, "the Mosaic GPU intra_bwd_channels was not used"
+    bwd = ["intra_bwd_scores", "intra_bwd_channels"]
+    assert mgpu_bwd_calls == bwd, f"Mosaic GPU backward kernels used: {mgpu_bwd_calls}"
     want = loss(0)(q, k, v, g, beta, h0)
-    assert len(mgpu_bwd_calls) == 1, "hopper=0 must keep the Triton intra_bwd_channels"
+    assert mgpu_bwd_calls == bwd, "hopper=0 must keep the Triton backward kernels"
     # GPU: the two paths' Tinv differ (tf32 in Triton's, ~16 bits here) and dg, dbeta take
     # differences of nearly equal terms (the GPU tests' tolerances are looser for them too)
     names = ("q", "k", "v", "g", "beta", "h0")
@@ -222,8 +228,9 @@ def channels_args(rng, B, T, H, HV, gate_dtype=jnp.float32):
 def test_intra_bwd_channels_matches_triton(rng):
     """dq, dk, dg of the Mosaic GPU intra_bwd_channels against the Triton kernel's (interpret
     mode): T not a multiple of C (a padded last chunk), two chunks, two K slices, four anchors
-    per chunk (sub 16), HV > H (grouped: float32 dq, dk), float32 g."""
-    cfg, args = channels_args(rng, B=1, T=100, H=1, HV=2)
+    per chunk (sub 16), float32 dq, dk (as for HV > H) and g. (HV > H: the scores test and
+    the gradient's lowering; the head indexing is the same.)"""
+    cfg, args = channels_args(rng, B=1, T=100, H=1, HV=1)
     kw = dict(dqk_dtype=jnp.float32, dg_dtype=jnp.float32)
     assert cfg.sub == 16 and kda_mgpu_bwd.unsupported_reason(cfg, **kw) is None
     interpret = None if ON_GPU else kda_mgpu.interpret_params()
@@ -237,6 +244,42 @@ def test_intra_bwd_channels_matches_triton(rng):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
         assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
         assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+
+
+@needs_mgpu
+@pytest.mark.skipif(ON_GPU and not HOPPER, reason="GPU not Hopper (sm_90)")
+def test_intra_bwd_scores_matches_triton(rng):
+    """dv, dbeta, dAqk, dAkk and their transposes from the Mosaic GPU intra_bwd_scores against
+    the Triton kernel's (interpret mode): T not a multiple of C, two chunks, HV > H. Inputs:
+    the forward's G, Akk, Tinv, W, U (Triton, interpret), random h, V', dV', dO."""
+    B, T, H, HV = 1, 100, 1, 2
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    cfg = config(q, v, mode="gpu" if ON_GPU else "interpret")
+    qp, kp, vp, gp, bp = kernel_args(q, k, v, g, beta, cfg)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (),
+                                                      residuals=True)
+    BHV, N, C = B * HV, cfg.N, cfg.C
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    args = (kp, vp, G, bp, (), W, U, Akk, Tinv, rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
+            rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
+    interpret = None if ON_GPU else kda_mgpu.interpret_params()
+    got = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(
+        cfg, *a, dv_dtype=jnp.bfloat16, interpret=interpret), static_argnums=4)(*args)
+    want = calls.intra_bwd_scores(ref_cfg, *args, dv_dtype=jnp.bfloat16)
+    # CPU: the same bf16 products in float32; dAkk (bf16) may differ in the last bit where
+    # the two kernels sum dL in another order
+    tol = 1e-2 if ON_GPU else 3e-4
+    for name, a, b in zip(("dv", "dbeta", *calls.DA_NAMES), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+    # the transposes are exact
+    for x, xt in ((got[2], got[4]), (got[3], got[5])):
+        np.testing.assert_array_equal(np.asarray(x), np.swapaxes(np.asarray(xt), -1, -2))
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -279,9 +322,9 @@ def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
 @needs_mgpu
 @pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [
     (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
-def test_cuda_lowering_of_intra_bwd_channels(dqk_dtype, dg_dtype, monkeypatch):
-    """intra_bwd_channels lowers for CUDA without a GPU and fits one sm_90 block's SMEM
-    (Pallas' estimate), with bf16 and float32 outputs."""
+def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, monkeypatch):
+    """intra_bwd_scores and intra_bwd_channels lower for CUDA without a GPU and fit one sm_90
+    block's SMEM (Pallas' estimate), the latter with bf16 and float32 outputs."""
     bf = jnp.bfloat16
     B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
     cfg = config(jax.ShapeDtypeStruct((B, Tp, H, 128), bf),
@@ -309,10 +352,20 @@ def test_cuda_lowering_of_intra_bwd_channels(dqk_dtype, dg_dtype, monkeypatch):
         return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, beta, (), (d0, d1, d2, d3), *rest,
                                                dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
 
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    if smem:
-        assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
+    def scores(k, v, G, beta, W, U, Akk, Tinv, h, Vp, dVp, dO):
+        return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, (), W, U, Akk, Tinv, h, Vp,
+                                             dVp, dO, dv_dtype=bf)
+
+    s_args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        ((B, Tp, H, 128), bf), ((B, Tp, HV, 128), bf), ((B * HV, N, C, 128), jnp.float32),
+        ((B, Tp, HV, 1), jnp.float32), (cv, bf), (cv, bf), (cc, jnp.float32), (cc, bf),
+        (st, bf), (cv, bf), (cv, bf), ((B, Tp, HV, 128), bf))]
+    for f, a in ((fn, args), (scores, s_args)):
+        smem.clear()
+        text = jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        if smem:
+            assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
 
 
 @needs_mgpu
@@ -426,5 +479,6 @@ def test_channels_dispatch(case, mgpu_bwd_calls):
     dqk = jnp.float16 if case == "dq_float16" else jnp.float32
     jax.eval_shape(lambda a, d, r: calls.intra_bwd_channels(
         cfg, *a, segs, d, *r, dqk_dtype=dqk, dg_dtype=jnp.float32), args, dA, rest)
-    assert len(mgpu_bwd_calls) == (case == "supported"), case
+    want = ["intra_bwd_channels"] if case == "supported" else []
+    assert mgpu_bwd_calls == want, case
 
