@@ -3,8 +3,9 @@ kda_mgpu_bwd.py) against the Triton ones.
 
     python benchmarks/kda_mgpu_intra.py                    # B=8, T=4096, H=HV=16, K=V=128 (H200)
     python benchmarks/kda_mgpu_intra.py --forward          # + the whole kda_pallas forward
-    python benchmarks/kda_mgpu_intra.py --backward         # + intra_bwd_channels, and the
-                                                           #   whole kda_pallas gradient
+    python benchmarks/kda_mgpu_intra.py --backward         # intra_bwd_channels and
+                                                           #   intra_bwd_scores, and the whole
+                                                           #   kda_pallas gradient, only
     python benchmarks/kda_mgpu_intra.py --smoke            # tiny, interpret mode (any machine)
 
 Inputs as benchmarks/kda_kernel.py's: bf16 q, k (L2-normalised), v; beta = sigmoid(x) and the
@@ -92,7 +93,7 @@ def channels_inputs(cfg, kargs, seed=1):
 
 def backward_rows(args, cfg, kargs, inputs, mode, interpret):
     """Table rows: intra_bwd_channels alone (bf16 dq, dk as for H = HV; float32 dg as for a
-    float32 g) and the whole kda_pallas gradient."""
+    float32 g), intra_bwd_scores alone, and the whole kda_pallas gradient."""
     cargs = channels_inputs(cfg, kargs)
     kw = dict(dqk_dtype=jnp.bfloat16, dg_dtype=kargs[3].dtype)
     tri_cfg = dataclasses.replace(cfg, hopper=False)
@@ -103,6 +104,20 @@ def backward_rows(args, cfg, kargs, inputs, mode, interpret):
     t_mg = timed(mg, cargs, args.warmup, args.iters)
     diff = max(rel(a, b) for a, b in zip(mg(*cargs), tri(*cargs), strict=True))
     rows = [("intra_bwd_channels", t_tri, t_mg, diff)]
+
+    qp, kp, vp, gp, bp = kargs
+    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    h, _, Vp, dVp, dO = cargs[7:]
+    sargs = (kp, vp, G, bp, (), W, U, Akk, Tinv, h, Vp, dVp, dO)
+    tri = jax.jit(lambda *a: calls.intra_bwd_scores(tri_cfg, *a, dv_dtype=jnp.bfloat16),
+                  static_argnums=4)
+    mg = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(cfg, *a, dv_dtype=jnp.bfloat16,
+                                                          interpret=interpret),
+                 static_argnums=4)
+    t_tri = timed(tri, sargs, args.warmup, args.iters)
+    t_mg = timed(mg, sargs, args.warmup, args.iters)
+    diff = max(rel(a, b) for a, b in zip(mg(*sargs), tri(*sargs), strict=True))
+    rows.append(("intra_bwd_scores", t_tri, t_mg, diff))
 
     def grad(hopper):
         def loss(q, k, v, g, beta):
@@ -131,7 +146,8 @@ def main():
     ap.add_argument("--forward", action="store_true",
                     help="also time kda_pallas's forward (o, S) with hopper=0 and hopper=1")
     ap.add_argument("--backward", action="store_true",
-                    help="also time intra_bwd_channels (inputs: the forward's residuals, random "
+                    help="also time intra_bwd_channels and intra_bwd_scores (inputs: the "
+                         "forward's residuals, random "
                          "state-pass tensors) and kda_pallas's gradient, hopper=0 and hopper=1")
     ap.add_argument("--smoke", action="store_true",
                     help="B=1, T=128, H=1, interpret modes, 1 iteration: checks the script runs")
@@ -154,7 +170,8 @@ def main():
         sys.exit(f"the Mosaic GPU kernel does not take this config: {why}")
 
     rows = []
-    for residuals in (False, True):
+    # --backward alone times the backward only (each compile costs seconds: under a minute)
+    for residuals in (False, True) if args.forward or not args.backward else ():
         tri = jax.jit(lambda *a, r=residuals: calls.intra_fwd(cfg, *a, (), residuals=r))
         mg = jax.jit(lambda *a, r=residuals: kda_mgpu.intra_fwd(cfg, *a, residuals=r,
                                                                   interpret=interpret))

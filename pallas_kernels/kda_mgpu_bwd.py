@@ -1,10 +1,13 @@
-"""KDA's intra_bwd_channels on Hopper (sm_90) in Pallas' Mosaic GPU backend: a drop-in for
-``kda_calls.intra_bwd_channels`` in the case kda_mgpu.intra_fwd supports (no packed segments,
-given bounded gate, C = 64, K = V = 128, bf16; ``kda_mgpu.unsupported_reason``).
+"""KDA's backward intra-chunk kernels on Hopper (sm_90) in Pallas' Mosaic GPU backend: drop-ins
+for ``kda_calls.intra_bwd_channels`` (``intra_bwd_channels``, described here) and
+``kda_calls.intra_bwd_scores`` (``intra_bwd_scores``, described in its docstring) in the case
+kda_mgpu.intra_fwd supports (no packed segments, given bounded gate, C = 64, K = V = 128, bf16;
+``kda_mgpu.unsupported_reason``). kda_calls dispatches to them with KernelTuning.hopper.
 
-One CTA of one warpgroup per (value head row bh, chunk n, K slice s of BK = 64 channels): grid
-(B*HV, N, K/BK). A slice of 64 bf16 channels is one 128-byte swizzle row, and [C, BK] float32
-tiles are 32 registers a thread, so the whole chunk's accumulators fit without spills. With the
+intra_bwd_channels: one CTA of one warpgroup per (value head row bh, chunk n, K slice s of
+BK = 64 channels): grid (B*HV, N, K/BK). A slice of 64 bf16 channels is one 128-byte swizzle
+row, and a [C, BK] float32 tile is 32 registers a thread (the three running accumulators and
+a product stay well under the 255 a thread may hold; spills unchecked on a GPU). With the
 notation of ``kda_body`` (rows i, j of the chunk; d a channel of the slice; qs = scale q):
 
 State part (``kda_body.bwd_intra_channels``' V loop, one wgmma each over all of V = 128):
@@ -45,9 +48,10 @@ contiguous bytes); dA = (dAqk, dAkk, dAqkT, dAkkT) and Tinv [B*HV, N, C, C] bf16
 [B*HV, N, V, K] bf16; Vp, dVp [B*HV, N, C, V] bf16; dO [B, Tp, HV, V] bf16. Outputs dq, dk
 [B, Tp, HV, K] (dqk_dtype) and dg [B, Tp, HV, K] (dg_dtype), bf16 or float32.
 
-SMEM: q, k, G, the four dA, Tinv and four [C, BK] / [C, C] staging buffers live throughout
-(~104 KB); the state operands St, dSt, V', dV', dO (80 KB) are scoped to the state part, the
-output staging (<= 48 KB) to the end.
+SMEM (Pallas' estimate: 185 KB, one CTA per SM): q, k, G, the four dA, Tinv and four [C, BK] /
+[C, C] staging buffers live throughout (~104 KB); the state operands St, dSt, V', dV', dO
+(80 KB) are scoped to the state part, the output staging (<= 48 KB) to the end. All loads are
+issued at the start; no overlap of one CTA's loads with another's math yet.
 """
 
 from __future__ import annotations
@@ -293,7 +297,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     dbeta [B, Tp, HV, 1] float32 (written [B*HV, Tp] here: a TMA box needs >= 16 contiguous
     bytes), dAqk, dAkk, dAqkT, dAkkT [B*HV, N, C, C] bf16. SMEM: k, G, Akk, Tinv, dV' and the
     bf16 dRv, dRk live throughout (~120 KB); St, dO, V', v are scoped to the first part (80 KB),
-    U, W and the output staging to the second (~72 KB).
+    U, W and the output staging to the second (~72 KB): 204 KB at the peak (Pallas' estimate).
     """
     del segs
     B, HV = cfg.B, cfg.HV
