@@ -369,9 +369,9 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, monkeypatch):
 
 
 @needs_mgpu
-def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
+def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
     """The whole kda_pallas forward and gradient with hopper=1 on backend "gpu", as if on sm_90
-    (the intra_fwd dispatch included), lower for CUDA."""
+    (the intra_fwd dispatch and the Mosaic GPU backward kernels included), lower for CUDA."""
     if calls.pl_triton is None:
         pytest.skip("no Pallas-Triton in this JAX (the other kernels)")
     monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: True)
@@ -388,6 +388,7 @@ def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
     for fn in (loss, jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    assert mgpu_bwd_calls == ["intra_bwd_scores", "intra_bwd_channels"]
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -452,12 +453,12 @@ def test_fallback_runs_the_triton_kernel(mgpu_calls):
     assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["supported", "hopper_off", "K64", "segments", "dq_float16"])
-def test_channels_dispatch(case, mgpu_bwd_calls):
-    """intra_bwd_channels (traced only: jax.eval_shape) takes the Mosaic GPU kernel for the
-    supported config and the Triton kernel otherwise: hopper=0, any config hopper_intra_mode
-    turns down (the forward's checks: K = 64, packed segments, ...), or an output dtype other
-    than bf16 / float32 (kda_mgpu_bwd.unsupported_reason)."""
+@pytest.mark.parametrize("case", ["supported", "hopper_off", "K64", "segments", "out_dtypes"])
+def test_bwd_dispatch(case, mgpu_bwd_calls):
+    """intra_bwd_scores and intra_bwd_channels (traced only: jax.eval_shape) take the Mosaic GPU
+    kernels for the supported config and the Triton kernels otherwise: hopper=0, any config
+    hopper_intra_mode turns down (the forward's checks: K = 64, packed segments, ...), or
+    output dtypes they do not write (dv not bf16; dq, dk or dg not bf16 / float32)."""
     if not kda_mgpu.available():
         pytest.skip("no Mosaic GPU Pallas")
     B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
@@ -471,14 +472,17 @@ def test_channels_dispatch(case, mgpu_bwd_calls):
 
     segs = tuple(jnp.zeros((B, N, C, 1), jnp.float32) for _ in range(3)) + (
         jnp.zeros((B, N, 1, C), jnp.float32),) if cfg.has_seg else ()
-    dA = [sds(B * H, N, C, C)] * 4
-    args = (sds(B, T, H, K), sds(B, T, H, K), sds(B * H, N, C, K, dt=jnp.float32),
-            sds(B, T, H, 1, dt=jnp.float32))
-    rest = (sds(B * H, N, C, C), sds(B * H, N, V, K), sds(B * H, N, V, K), sds(B * H, N, C, V),
-            sds(B * H, N, C, V), sds(B, T, H, V))
-    dqk = jnp.float16 if case == "dq_float16" else jnp.float32
-    jax.eval_shape(lambda a, d, r: calls.intra_bwd_channels(
-        cfg, *a, segs, d, *r, dqk_dtype=dqk, dg_dtype=jnp.float32), args, dA, rest)
-    want = ["intra_bwd_channels"] if case == "supported" else []
+    k, v, G = sds(B, T, H, K), sds(B, T, H, V), sds(B * H, N, C, K, dt=jnp.float32)
+    beta, cc = sds(B, T, H, 1, dt=jnp.float32), sds(B * H, N, C, C)
+    st, cv = sds(B * H, N, V, K), sds(B * H, N, C, V)
+    odd = case == "out_dtypes"
+    jax.eval_shape(lambda *a: calls.intra_bwd_scores(
+        cfg, *a[:4], segs, *a[4:], dv_dtype=jnp.float32 if odd else jnp.bfloat16),
+        k, v, G, beta, sds(B * H, N, C, K), cv, sds(B * H, N, C, C, dt=jnp.float32), cc, st, cv,
+        cv, v)
+    jax.eval_shape(lambda *a: calls.intra_bwd_channels(
+        cfg, *a[:4], segs, a[4:8], *a[8:], dqk_dtype=jnp.float16 if odd else jnp.float32,
+        dg_dtype=jnp.float32), k, k, G, beta, cc, cc, cc, cc, cc, st, st, cv, cv, v)
+    want = ["intra_bwd_scores", "intra_bwd_channels"] if case == "supported" else []
     assert mgpu_bwd_calls == want, case
 
