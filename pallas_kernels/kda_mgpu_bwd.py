@@ -51,7 +51,8 @@ contiguous bytes); dA = (dAqk, dAkk, dAqkT, dAkkT) and Tinv [B*HV, N, C, C] bf16
 SMEM (Pallas' estimate: 185 KB, one CTA per SM): q, k, G, the four dA, Tinv and four [C, BK] /
 [C, C] staging buffers live throughout (~104 KB); the state operands St, dSt, V', dV', dO
 (80 KB) are scoped to the state part, the output staging (<= 48 KB) to the end. All loads are
-issued at the start; no overlap of one CTA's loads with another's math yet.
+issued at the start in the order of use and waited at first use; no overlap of one CTA's loads
+with another CTA's math yet (one CTA per SM).
 """
 
 from __future__ import annotations
@@ -134,12 +135,19 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
         hq = lax.div(hv, jnp.int32(G_))
         tok, ch = pl.ds(n * C, C), pl.ds(sk * BK, BK)
 
-        loads = [(q_g.at[b, tok, hq, ch], q_s), (k_g.at[b, tok, hq, ch], k_s),
-                 (G_g.at[bh, n, :, ch], G_s), (beta_g.at[bh, tok], beta_s),
-                 (dAqk_g.at[bh, n], dAqk_s), (dAkk_g.at[bh, n], dAkk_s),
-                 (dAqkT_g.at[bh, n], dAqkT_s), (dAkkT_g.at[bh, n], dAkkT_s), (T_g.at[bh, n], T_s)]
-        for i, (src, dst) in enumerate(loads):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        # Loads: one barrier each, waited at first use (``need``) so the math starts as soon
+        # as its operands are in; issued in the order they are used.
+        bar_of, waited = {}, set()
+
+        def issue(name, src, dst):
+            bar_of[name] = len(bar_of)
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[bar_of[name]])
+
+        def need(*names):  # each barrier is waited exactly once (straight-line code)
+            for name in names:
+                if name not in waited:
+                    plgpu.barrier_wait(bars.at[bar_of[name]])
+                    waited.add(name)
 
         rows = iota((C, BK), 0)
         ri, rr = iota((C, C), 0), iota((C, C), 1)
@@ -157,16 +165,19 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
         def by_row(x_C):
             return lax.broadcast_in_dim(x_C, (C, BK), [0])
 
-        def state_part(h_s, dh_s, Vp_s, dVp_s, dO_s, sbars):
+        def state_part(h_s, dh_s, Vp_s, dVp_s, dO_s):
             """dQG, dKg, dKGa, then the chunk's dq, dk, dG before the score part."""
-            st = [(h_g.at[bh, n, :, ch], h_s), (dh_g.at[bh, n, :, ch], dh_s),
-                  (Vp_g.at[bh, n], Vp_s), (dVp_g.at[bh, n], dVp_s), (dO_g.at[b, tok, hv], dO_s)]
-            for i, (src, dst) in enumerate(st):
-                plgpu.copy_gmem_to_smem(src, dst, sbars.at[i])
-            for i in range(len(loads)):
-                plgpu.barrier_wait(bars.at[i])
-            for i in range(len(st)):
-                plgpu.barrier_wait(sbars.at[i])
+            for name, src, dst in (
+                    ("dVp", dVp_g.at[bh, n], dVp_s), ("h", h_g.at[bh, n, :, ch], h_s),
+                    ("T", T_g.at[bh, n], T_s), ("beta", beta_g.at[bh, tok], beta_s),
+                    ("dO", dO_g.at[b, tok, hv], dO_s), ("Vp", Vp_g.at[bh, n], Vp_s),
+                    ("dh", dh_g.at[bh, n, :, ch], dh_s), ("G", G_g.at[bh, n, :, ch], G_s),
+                    ("q", q_g.at[b, tok, hq, ch], q_s), ("k", k_g.at[b, tok, hq, ch], k_s),
+                    ("dAqk", dAqk_g.at[bh, n], dAqk_s), ("dAkk", dAkk_g.at[bh, n], dAkk_s),
+                    ("dAqkT", dAqkT_g.at[bh, n], dAqkT_s),
+                    ("dAkkT", dAkkT_g.at[bh, n], dAkkT_s)):
+                issue(name, src, dst)
+            need("dVp", "h", "T", "beta")
             beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
             if not compiled:  # the interpreter's wgmma takes no transposed view: store T^T
                 T_s[...] = T_s[...].T
@@ -177,7 +188,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             x1_s[...] = (-dot([(dVp_s, h_s)], (C, BK))).astype(bf16)
             plgpu.commit_smem()
             dKGa_CxBK = by_row(beta_C) * dot([(T_t, x1_s)], (C, BK))
+            need("dO")
             dQG_CxBK = dot([(dO_s, h_s)], (C, BK))
+            need("Vp", "dh")
             dKg_CxBK = dot([(Vp_s, dh_s)], (C, BK))
             # dgam: St * dSt is exact in float32 and exactly hi + lo in bf16; over St, dSt
             # (their wgmmas are done) and a ones [C, V] over dO
@@ -187,6 +200,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             plgpu.commit_smem()
             dgam_CxBK = dot([(dO_s, h_s), (dO_s, dh_s)], (C, BK))
 
+            need("G", "q", "k")
             G_CxBK = load_G()
             Gl_CxBK = G_row(C - 1)
             Gam_CxBK = jnp.exp(G_CxBK)
@@ -208,10 +222,10 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
 
         DQ_CxBK, DK_CxBK, DG_CxBK = pl.run_scoped(
             state_part, _swizzled((V, BK), bf16), _swizzled((V, BK), bf16),
-            _swizzled((C, V), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16),
-            plgpu.Barrier(num_barriers=5))
+            _swizzled((C, V), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16))
 
         # Score part: one pass per sub-chunk ib (static: the anchors are static rows).
+        need("dAqk", "dAkk", "dAqkT", "dAkkT")
         G_CxBK = load_G()
         qs_CxBK = q_s[...].astype(f32) * scale
         k_CxBK = k_s[...].astype(f32)
@@ -270,7 +284,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
         *[_swizzled((C, C), bf16)] * 5,  # dAqk, dAkk, dAqkT, dAkkT, Tinv
         *[_swizzled((C, BK), bf16)] * 3,  # wgmma right operands: dW, planes of X, Y, P, dG
         _swizzled((C, C), bf16),  # the constant ones / Utri matrix
-        plgpu.Barrier(num_barriers=9),
+        plgpu.Barrier(num_barriers=14),  # one a load
     )
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N, nk), grid_names=("bh", "n", "s"),
