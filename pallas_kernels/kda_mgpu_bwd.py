@@ -362,37 +362,48 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
         hq = lax.div(hv, jnp.int32(cfg.G))
         tok = pl.ds(n * C, C)
-        loads = [(k_g.at[b, tok, hq], k_s), (G_g.at[bh, n], G_s), (beta_g.at[bh, tok], beta_s),
-                 (Akk_g.at[bh, n], Akk_s), (T_g.at[bh, n], T_s), (dVp_g.at[bh, n], dVp_s)]
-        for i, (src, dst) in enumerate(loads):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        bar_of, waited = {}, set()  # loads waited at first use, as in intra_bwd_channels
+
+        def issue(name, src, dst):
+            bar_of[name] = len(bar_of)
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[bar_of[name]])
+
+        def need(*names):
+            for name in names:
+                if name not in waited:
+                    plgpu.barrier_wait(bars.at[bar_of[name]])
+                    waited.add(name)
+
         ri, rr = iota((C, C), 0), iota((C, C), 1)
         tb = dict(zip(("VpT", "UT", "WT"), tbufs, strict=True)) if tbufs else {}
 
-        def part_a(h_s, dO_s, Vp_s, v_s, abars):
+        def part_a(h_s, dO_s, Vp_s, v_s):
             """dAqk, dv, the v and k parts of dbeta; dRv and dRk into SMEM (bf16)."""
-            st = [(h_g.at[bh, n], h_s), (dO_g.at[b, tok, hv], dO_s), (Vp_g.at[bh, n], Vp_s),
-                  (v_g.at[b, tok, hv], v_s)]
-            for i, (src, dst) in enumerate(st):
-                plgpu.copy_gmem_to_smem(src, dst, abars.at[i])
-            for i in range(len(loads)):
-                plgpu.barrier_wait(bars.at[i])
-            for i in range(len(st)):
-                plgpu.barrier_wait(abars.at[i])
+            for name, src, dst in (
+                    ("dO", dO_g.at[b, tok, hv], dO_s), ("Vp", Vp_g.at[bh, n], Vp_s),
+                    ("T", T_g.at[bh, n], T_s), ("dVp", dVp_g.at[bh, n], dVp_s),
+                    ("beta", beta_g.at[bh, tok], beta_s), ("v", v_g.at[b, tok, hv], v_s),
+                    ("h", h_g.at[bh, n], h_s), ("k", k_g.at[b, tok, hq], k_s),
+                    ("G", G_g.at[bh, n], G_s), ("Akk", Akk_g.at[bh, n], Akk_s)):
+                issue(name, src, dst)
+            need("dO", "Vp", "T", "dVp", "beta")
             beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
             T_t = tview(T_s, T_s)  # interpreter: T^T in place (T is read only as T^T)
             dAqk_CxC = dot([(dO_s, tview(Vp_s, tb.get("VpT")))], (C, C))
             dRv_CxV = dot([(T_t, dVp_s)], (C, V))
             dRv_s[...] = dRv_CxV.astype(bf16)
+            need("v")
             dbeta_C = rowsum(dRv_CxV * v_s[...].astype(f32))
             dO_s[...] = (dRv_CxV * lax.broadcast_in_dim(beta_C, (C, V), [0])).astype(bf16)
             plgpu.commit_smem()  # dv from dO's buffer (read above: dAqk's wgmma is done)
             plgpu.copy_smem_to_gmem(dO_s, dv_g.at[b, tok, hv])
+            need("h")
             dRk_s[...] = (-dot([(dVp_s, h_s)], (C, K))).astype(bf16)  # dW
             plgpu.commit_smem()
             dRk_CxK = dot([(T_t, dRk_s)], (C, K))
             dRk_s[...] = dRk_CxK.astype(bf16)
             plgpu.commit_smem()
+            need("k", "G")
             KGa_CxK = k_s[...].astype(f32) * jnp.exp(ld(G_s))
             dbeta_C = dbeta_C + rowsum(dRk_CxK * KGa_CxK)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dv's staging is freed next
@@ -400,7 +411,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
 
         dAqk_CxC, dbeta_C, beta_C = pl.run_scoped(
             part_a, _swizzled((V, K), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16),
-            _swizzled((C, V), bf16), plgpu.Barrier(num_barriers=4))
+            _swizzled((C, V), bf16))
 
         def part_b(U_s, W_s, eye_s, a1_s, a2_s, a3_s, a4_s, bbars):
             """dL, dbeta's Akk part, dAkk; the four [C, C] outputs and dbeta."""
@@ -415,6 +426,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             dL_CxC = -dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
                           (C, C))
             dL_CxC = jnp.where(rr < ri, dL_CxC, 0.0)
+            need("Akk")
             vec_s[...] = dbeta_C + rowsum(dL_CxC * ld(Akk_s))
             a2_s[...] = (dL_CxC * lax.broadcast_in_dim(beta_C, (C, C), [0])).astype(bf16)
             plgpu.commit_smem()
@@ -444,7 +456,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         _swizzled((C, V), bf16),  # dRv (bf16)
         _swizzled((C, K), bf16),  # dW, then dRk (bf16)
         plgpu.SMEM((C,), f32),  # dbeta staging
-        plgpu.Barrier(num_barriers=6),
+        plgpu.Barrier(num_barriers=10),  # one a load
     ]
     if not compiled:  # explicit transposes for the interpreter: V'^T, U^T, W^T
         scratch += [_swizzled((V, C), bf16), _swizzled((V, C), bf16), _swizzled((K, C), bf16)]
