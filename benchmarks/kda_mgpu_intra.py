@@ -1,7 +1,11 @@
-"""intra_fwd speed: the Mosaic GPU kernel (pallas_kernels/kda_mgpu.py) against the Triton one.
+"""intra_fwd (and intra_bwd_channels) speed: the Mosaic GPU kernels (pallas_kernels/kda_mgpu.py,
+kda_mgpu_bwd.py) against the Triton ones.
 
     python benchmarks/kda_mgpu_intra.py                    # B=8, T=4096, H=HV=16, K=V=128 (H200)
     python benchmarks/kda_mgpu_intra.py --forward          # + the whole kda_pallas forward
+    python benchmarks/kda_mgpu_intra.py --backward         # intra_bwd_channels and
+                                                           #   intra_bwd_scores, and the whole
+                                                           #   kda_pallas gradient, only
     python benchmarks/kda_mgpu_intra.py --smoke            # tiny, interpret mode (any machine)
 
 Inputs as benchmarks/kda_kernel.py's: bf16 q, k (L2-normalised), v; beta = sigmoid(x) and the
@@ -15,6 +19,7 @@ Both kernels get the same padded kernel-layout arguments (kda._prep) and the sam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -28,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kda_kernel import make_inputs as kernel_inputs
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
-from pallas_kernels import kda_mgpu
+from pallas_kernels import kda_mgpu, kda_mgpu_bwd
 from pallas_kernels.kda import KernelTuning
 
 
@@ -61,6 +66,67 @@ def rel(a, b):
     return float(_rel(a, b))
 
 
+def channels_inputs(cfg, kargs, seed=1):
+    """intra_bwd_channels' arguments after cfg: q, k, beta and the forward's G and Tinv (the
+    Triton intra_fwd), random bf16 h, dh, V', dV', dO and score gradients (dAqk lower
+    triangular, dAkk strictly, and their transposes)."""
+    qp, kp, vp, gp, bp = kargs
+    *_, G, _, Tinv = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
+    ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
+
+    def rand(*shape):
+        return jax.random.normal(next(ks), shape, jnp.bfloat16)
+
+    dA = [jnp.tril(rand(BHV, N, C, C), -i) for i in (0, 1)]
+    dA += [jnp.swapaxes(x, -1, -2) for x in dA]
+    return (qp, kp, G, bp, (), dA, Tinv, rand(BHV, N, V, K), rand(BHV, N, V, K),
+            rand(BHV, N, C, V), rand(BHV, N, C, V), rand(cfg.B, N * C, cfg.HV, V))
+
+
+def backward_rows(args, cfg, kargs, inputs, mode, interpret):
+    """Table rows: intra_bwd_channels alone (bf16 dq, dk as for H = HV; float32 dg as for a
+    float32 g), intra_bwd_scores alone, and the whole kda_pallas gradient."""
+    cargs = channels_inputs(cfg, kargs)
+    kw = dict(dqk_dtype=jnp.bfloat16, dg_dtype=kargs[3].dtype)
+    tri_cfg = dataclasses.replace(cfg, hopper=False)
+    tri = jax.jit(lambda *a: calls.intra_bwd_channels(tri_cfg, *a, **kw), static_argnums=4)
+    mg = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
+                 static_argnums=4)
+    t_tri = timed(tri, cargs, args.warmup, args.iters)
+    t_mg = timed(mg, cargs, args.warmup, args.iters)
+    diff = max(rel(a, b) for a, b in zip(mg(*cargs), tri(*cargs), strict=True))
+    rows = [("intra_bwd_channels", t_tri, t_mg, diff)]
+
+    qp, kp, vp, gp, bp = kargs
+    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    h, _, Vp, dVp, dO = cargs[7:]
+    sargs = (kp, vp, G, bp, (), W, U, Akk, Tinv, h, Vp, dVp, dO)
+    tri = jax.jit(lambda *a: calls.intra_bwd_scores(tri_cfg, *a, dv_dtype=jnp.bfloat16),
+                  static_argnums=4)
+    mg = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(cfg, *a, dv_dtype=jnp.bfloat16,
+                                                          interpret=interpret),
+                 static_argnums=4)
+    t_tri = timed(tri, sargs, args.warmup, args.iters)
+    t_mg = timed(mg, sargs, args.warmup, args.iters)
+    diff = max(rel(a, b) for a, b in zip(mg(*sargs), tri(*sargs), strict=True))
+    rows.append(("intra_bwd_scores", t_tri, t_mg, diff))
+
+    def grad(hopper):
+        def loss(q, k, v, g, beta):
+            o, S = pk.kda_pallas(q, k, v, g, beta, scale=args.D ** -0.5, initial_state=None,
+                                 segment_ids=None, chunk_size=64, lower_bound=-5.0,
+                                 backend=mode, tuning=KernelTuning(hopper=hopper))
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
+        return jax.jit(jax.grad(loss, argnums=range(5)))
+
+    t_tri = timed(grad(0), inputs, args.warmup, args.iters)
+    t_mg = timed(grad(1), inputs, args.warmup, args.iters)
+    diff = max(rel(a, b) for a, b in zip(grad(1)(*inputs), grad(0)(*inputs), strict=True))
+    rows.append(("kda_pallas gradient (fwd + bwd)", t_tri, t_mg, diff))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--B", type=int, default=8)
@@ -72,6 +138,10 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--forward", action="store_true",
                     help="also time kda_pallas's forward (o, S) with hopper=0 and hopper=1")
+    ap.add_argument("--backward", action="store_true",
+                    help="also time intra_bwd_channels and intra_bwd_scores (inputs: the "
+                         "forward's residuals, random "
+                         "state-pass tensors) and kda_pallas's gradient, hopper=0 and hopper=1")
     ap.add_argument("--smoke", action="store_true",
                     help="B=1, T=128, H=1, interpret modes, 1 iteration: checks the script runs")
     args = ap.parse_args()
@@ -93,7 +163,8 @@ def main():
         sys.exit(f"the Mosaic GPU kernel does not take this config: {why}")
 
     rows = []
-    for residuals in (False, True):
+    # --backward alone times the backward only (each compile costs seconds: under a minute)
+    for residuals in (False, True) if args.forward or not args.backward else ():
         tri = jax.jit(lambda *a, r=residuals: calls.intra_fwd(cfg, *a, (), residuals=r))
         mg = jax.jit(lambda *a, r=residuals: kda_mgpu.intra_fwd(cfg, *a, residuals=r,
                                                                   interpret=interpret))
@@ -113,6 +184,9 @@ def main():
         t_mg = timed(fwd(1), (q, k, v, g, beta), args.warmup, args.iters)
         diff = rel(fwd(1)(q, k, v, g, beta)[0], fwd(0)(q, k, v, g, beta)[0])
         rows.append(("kda_pallas forward (o, S)", t_tri, t_mg, diff))
+
+    if args.backward:
+        rows += backward_rows(args, cfg, kargs, (q, k, v, g, beta), mode, interpret)
 
     dev = jax.devices()[0].device_kind
     print(f"\nB={args.B} T={args.T} H=HV={args.H} K=V={args.D}, bf16 q/k/v, {args.gate_dtype} "

@@ -94,10 +94,10 @@ class KernelTuning:
     # pass. The GPU tests pass with either, and the three passes make intra_fwd markedly
     # slower (BENCHMARKS.md).
     inverse_x3: int = 0
-    # 1: intra_fwd runs the Mosaic GPU kernel (pallas_kernels/kda_mgpu.py) where it applies:
-    # backend "gpu" on a Hopper (sm_90) device, or "interpret" (its Mosaic GPU interpret
-    # mode), for the configs kda_mgpu.unsupported_reason accepts; everything else keeps the
-    # Triton kernel.
+    # 1: intra_fwd, intra_bwd_scores and intra_bwd_channels run the Mosaic GPU kernels
+    # (pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py) where they apply: backend "gpu" on a
+    # Hopper (sm_90) device, or "interpret" (Mosaic GPU interpret mode), for the configs
+    # kda_mgpu.unsupported_reason accepts; everything else keeps the Triton kernels.
     # Off until it is measured on the card.
     hopper: int = 0
 

@@ -81,7 +81,8 @@ class KdaConfig:
     # the kernel: g never exists in memory, and the backward returns df instead of dg).
     gate: str = "given"
     gate_bound: float = 0.0  # the bounded form's lower_bound (< 0)
-    # intra_fwd on Mosaic GPU where it applies (KernelTuning.hopper; kda_calls.hopper_intra_mode)
+    # the intra-chunk kernels on Mosaic GPU where they apply (KernelTuning.hopper;
+    # kda_calls.hopper_intra_mode)
     hopper: bool = False
 
     @property

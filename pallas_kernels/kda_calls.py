@@ -5,6 +5,8 @@
     state_fwd   the state pass: O (and, for the backward, the states h and V' of every chunk).
     state_bwd   the reverse state pass: dh (gradient of each chunk's outgoing state) and dV'.
     intra_bwd   grid (B*HV, N), then (B*HV, N, K/BK), all parallel: dq, dk, dv, dg, dbeta.
+                With KernelTuning.hopper, kda_mgpu_bwd's Mosaic GPU kernels where they
+                apply.
 
 The state passes carry S across chunks. On GPU (Pallas-Triton) grid programs run in parallel,
 so one program per (B*HV, V tile) walks all chunks in a ``fori_loop`` with the state in
@@ -30,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import kda_body as body
-from pallas_kernels import kda_mgpu
+from pallas_kernels import kda_mgpu, kda_mgpu_bwd
 from pallas_kernels.kda_body import KdaConfig
 
 # Optional backends: a JAX without one still runs the others (pallas_supported says which).
@@ -469,7 +471,15 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
                      dv_dtype):
     """Backward part 1, grid (B*HV, N): dv, dbeta (user layout) and dAqk, dAkk, dAqk^T, dAkk^T
     [B*HV, N, C, C] (cfg.cd). Akk and Tinv are the forward's (``intra_fwd(...,
-    residuals=True)``), and so is G."""
+    residuals=True)``), and so is G.
+
+    With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
+    (``hopper_intra_mode``, and dv in bf16)."""
+    hopper = hopper_intra_mode(cfg, k, k, v, G, beta)
+    if hopper is not None and jnp.dtype(dv_dtype) == jnp.dtype(jnp.bfloat16):
+        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
+        return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp,
+                                             dVp, dO, dv_dtype=dv_dtype, interpret=interpret)
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
@@ -511,7 +521,16 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
                        f=None, gate_params=(), *, dqk_dtype, dg_dtype):
     """Backward part 2, grid (B*HV, N, K/BK): dq, dk (per value head) and dg in the user layout.
     dA = (dAqk, dAkk, dAqk^T, dAkk^T) from ``intra_bwd_scores``. With the gate in the kernel
-    (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums."""
+    (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums.
+
+    With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
+    (``hopper_intra_mode`` on the forward's dtypes: dO has v's, G is float32)."""
+    hopper = hopper_intra_mode(cfg, q, k, dO, G, beta)
+    if hopper is not None and kda_mgpu_bwd.unsupported_reason(cfg, dqk_dtype, dg_dtype) is None:
+        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
+        return kda_mgpu_bwd.intra_bwd_channels(
+            cfg, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO, f, gate_params,
+            dqk_dtype=dqk_dtype, dg_dtype=dg_dtype, interpret=interpret)
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     nk = K // cfg.bk
     sp = _chunk_specs(cfg)

@@ -1,4 +1,5 @@
-"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py) against the Triton one, and its dispatch.
+"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py), intra_bwd_scores and
+intra_bwd_channels (pallas_kernels/kda_mgpu_bwd.py) against the Triton ones, and their dispatch.
 
 Where it runs: on CPU the Mosaic GPU kernel runs in Mosaic GPU interpret mode and the Triton
 kernel in Pallas interpret mode (both float32 dots on bf16 operands: they agree to rounding);
@@ -21,7 +22,7 @@ import pytest
 
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
-from pallas_kernels import kda_mgpu
+from pallas_kernels import kda_mgpu, kda_mgpu_bwd
 from pallas_kernels.kda import KernelTuning, kda_pallas
 from tests.test_kda_pallas import numpy_kda, rel
 
@@ -74,6 +75,24 @@ def mgpu_calls(monkeypatch):
 
     monkeypatch.setattr(kda_mgpu, "intra_fwd", spy)
     return count
+
+
+@pytest.fixture
+def mgpu_bwd_calls(monkeypatch):
+    """Names of the kda_mgpu_bwd kernels called (which kernels the backward took)."""
+    calls_made = []
+
+    def spy_on(name):
+        real = getattr(kda_mgpu_bwd, name)
+
+        def spy(*args, **kwargs):
+            calls_made.append(name)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(kda_mgpu_bwd, name, spy)
+
+    for name in ("intra_bwd_scores", "intra_bwd_channels"):
+        spy_on(name)
+    return calls_made
 
 
 @pytest.fixture(autouse=True)
@@ -142,9 +161,10 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
         assert rel(x, tri) < 1e-2, f"{name}: Mosaic GPU vs Triton path {rel(x, tri):.2e}"
 
 
-def test_gradient_with_mgpu_residuals(rng):
-    """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv): every gradient
-    with hopper=1 matches the all-Triton one's."""
+def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
+    """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv) and runs the
+    Mosaic GPU intra_bwd_scores and intra_bwd_channels: every gradient with hopper=1 matches
+    the all-Triton one's."""
     B, T, H, HV = 1, 64, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
     h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
@@ -159,7 +179,11 @@ def test_gradient_with_mgpu_residuals(rng):
             return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
         return jax.jit(jax.grad(fn, argnums=range(6)))
 
-    got, want = loss(1)(q, k, v, g, beta, h0), loss(0)(q, k, v, g, beta, h0)
+    got = loss(1)(q, k, v, g, beta, h0)
+    bwd = ["intra_bwd_scores", "intra_bwd_channels"]
+    assert mgpu_bwd_calls == bwd, f"Mosaic GPU backward kernels used: {mgpu_bwd_calls}"
+    want = loss(0)(q, k, v, g, beta, h0)
+    assert mgpu_bwd_calls == bwd, "hopper=0 must keep the Triton backward kernels"
     # GPU: the two paths' Tinv differ (tf32 in Triton's, ~16 bits here) and dg, dbeta take
     # differences of nearly equal terms (the GPU tests' tolerances are looser for them too).
     # CPU: both save Tinv in bf16, rounded from slightly different float32 values, so single
@@ -173,12 +197,91 @@ def test_gradient_with_mgpu_residuals(rng):
         assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
 
 
+def channels_args(rng, B, T, H, HV, gate_dtype=jnp.float32):
+    """(cfg, the arguments of intra_bwd_channels after cfg): q, k, beta and the forward's G and
+    Tinv from real inputs (the Triton intra_fwd, interpret mode); the state-pass tensors h, dh,
+    V', dV', dO and the score gradients dAqk (lower triangle), dAkk (strict) and their
+    transposes random bf16."""
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, gate_dtype=gate_dtype)
+    cfg = config(q, v, mode="gpu" if HOPPER else "interpret")
+    qp, kp, vp, gp, bp = kernel_args(q, k, v, g, beta, cfg)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    *_, G, _, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    BHV, N, C = B * HV, cfg.N, cfg.C
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    dA = [jnp.tril(rand(BHV, N, C, C), -i) for i in (0, 1)]
+    dA += [jnp.swapaxes(x, -1, -2) for x in dA]
+    rest = (rand(BHV, N, 128, 128), rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
+            rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
+    return cfg, (qp, kp, G, bp, (), dA, Tinv, *rest)
+
+
+def test_intra_bwd_channels_matches_triton(rng):
+    """dq, dk, dg of the Mosaic GPU intra_bwd_channels against the Triton kernel's (interpret
+    mode): T not a multiple of C (a padded last chunk), two chunks, two K slices, four anchors
+    per chunk (sub 16), float32 dq, dk (as for HV > H) and g. (HV > H: the scores test and
+    the gradient's lowering; the head indexing is the same.)"""
+    cfg, args = channels_args(rng, B=1, T=100, H=1, HV=1)
+    kw = dict(dqk_dtype=jnp.float32, dg_dtype=jnp.float32)
+    assert cfg.sub == 16 and kda_mgpu_bwd.unsupported_reason(cfg, **kw) is None
+    interpret = None if HOPPER else kda_mgpu.interpret_params()
+    got = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
+                  static_argnums=4)(*args)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    want = calls.intra_bwd_channels(ref_cfg, *args, **kw)
+    # CPU: both take the same bf16 products (hi + lo splits included) in float32
+    tol = 1e-2 if ON_GPU else 1e-5
+    for name, a, b in zip(("dq", "dk", "dg"), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+
+
+def test_intra_bwd_scores_matches_triton(rng):
+    """dv, dbeta, dAqk, dAkk and their transposes from the Mosaic GPU intra_bwd_scores against
+    the Triton kernel's (interpret mode): T not a multiple of C, two chunks, HV > H. Inputs:
+    the forward's G, Akk, Tinv, W, U (Triton, interpret), random h, V', dV', dO."""
+    B, T, H, HV = 1, 100, 1, 2
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    cfg = config(q, v, mode="gpu" if HOPPER else "interpret")
+    qp, kp, vp, gp, bp = kernel_args(q, k, v, g, beta, cfg)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (),
+                                                      residuals=True)
+    BHV, N, C = B * HV, cfg.N, cfg.C
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    args = (kp, vp, G, bp, (), W, U, Akk, Tinv, rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
+            rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
+    interpret = None if HOPPER else kda_mgpu.interpret_params()
+    got = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(
+        cfg, *a, dv_dtype=jnp.bfloat16, interpret=interpret), static_argnums=4)(*args)
+    want = calls.intra_bwd_scores(ref_cfg, *args, dv_dtype=jnp.bfloat16)
+    # CPU: the same bf16 products in float32; dAkk (bf16) may differ in the last bit where
+    # the two kernels sum dL in another order
+    tol = 1e-2 if ON_GPU else 3e-4
+    for name, a, b in zip(("dv", "dbeta", *calls.DA_NAMES), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+    # the transposes are exact
+    for x, xt in ((got[2], got[4]), (got[3], got[5])):
+        np.testing.assert_array_equal(np.asarray(x), np.swapaxes(np.asarray(xt), -1, -2))
+
+
 # ----------------------------------------------------------------------------- lowering
 
 
 # sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per block: two blocks per SM (the
 # overlap the kernel relies on) if each takes at most 113 KB.
 SMEM_TWO_BLOCKS = 113 * 1024
+# one block per SM: the backward kernels (227 KB of dynamic shared memory at most)
+SMEM_PER_BLOCK = 227 * 1024
 
 
 @pytest.mark.parametrize(("residuals", "gate_dtype"), [
@@ -212,9 +315,57 @@ def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
         assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
 
 
-def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
+@pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [
+    (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
+def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, monkeypatch):
+    """intra_bwd_scores and intra_bwd_channels lower for CUDA without a GPU and fit one sm_90
+    block's SMEM (Pallas' estimate), the latter with bf16 and float32 outputs."""
+    bf = jnp.bfloat16
+    B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
+    cfg = config(jax.ShapeDtypeStruct((B, Tp, H, 128), bf),
+                 jax.ShapeDtypeStruct((B, Tp, HV, 128), bf), mode="gpu")
+    cc, st, cv = (B * HV, N, C, C), (B * HV, N, 128, 128), (B * HV, N, C, 128)
+    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        ((B, Tp, H, 128), bf), ((B, Tp, H, 128), bf), ((B * HV, N, C, 128), jnp.float32),
+        ((B, Tp, HV, 1), jnp.float32), *[(cc, bf)] * 5, (st, bf), (st, bf), (cv, bf), (cv, bf),
+        ((B, Tp, HV, 128), bf))]
+    smem = []
+    try:  # private: the lowering's resource estimate (run_scoped buffers at their peak)
+        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+        estimate = mgpu_lowering._estimate_resources
+
+        def spy(ctx, jaxpr):
+            out = estimate(ctx, jaxpr)
+            smem.append(out.smem_scratch_bytes)
+            return out
+
+        monkeypatch.setattr(mgpu_lowering, "_estimate_resources", spy)
+    except (ImportError, AttributeError):
+        pass
+
+    def fn(q, k, G, beta, d0, d1, d2, d3, *rest):
+        return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, beta, (), (d0, d1, d2, d3), *rest,
+                                               dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
+
+    def scores(k, v, G, beta, W, U, Akk, Tinv, h, Vp, dVp, dO):
+        return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, (), W, U, Akk, Tinv, h, Vp,
+                                             dVp, dO, dv_dtype=bf)
+
+    s_args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        ((B, Tp, H, 128), bf), ((B, Tp, HV, 128), bf), ((B * HV, N, C, 128), jnp.float32),
+        ((B, Tp, HV, 1), jnp.float32), (cv, bf), (cv, bf), (cc, jnp.float32), (cc, bf),
+        (st, bf), (cv, bf), (cv, bf), ((B, Tp, HV, 128), bf))]
+    for f, a in ((fn, args), (scores, s_args)):
+        smem.clear()
+        text = jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        if smem:
+            assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
+
+
+def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
     """The whole kda_pallas forward and gradient with hopper=1 on backend "gpu", as if on sm_90
-    (the intra_fwd dispatch included), lower for CUDA."""
+    (the intra_fwd dispatch and the Mosaic GPU backward kernels included), lower for CUDA."""
     monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: True)
     shapes = ((1, 128, 1, 128), (1, 128, 1, 128), (1, 128, 2, 128), (1, 128, 2, 128),
               (1, 128, 2))
@@ -229,6 +380,7 @@ def test_cuda_lowering_of_forward_and_gradient(monkeypatch):
     for fn in (loss, jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    assert mgpu_bwd_calls == ["intra_bwd_scores", "intra_bwd_channels"]
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -290,3 +442,36 @@ def test_fallback_runs_the_triton_kernel(mgpu_calls):
     assert not mgpu_calls
     o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5)
     assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["supported", "hopper_off", "K64", "segments", "out_dtypes"])
+def test_bwd_dispatch(case, mgpu_bwd_calls):
+    """intra_bwd_scores and intra_bwd_channels (traced only: jax.eval_shape) take the Mosaic GPU
+    kernels for the supported config and the Triton kernels otherwise: hopper=0, any config
+    hopper_intra_mode turns down (the forward's checks: K = 64, packed segments, ...), or
+    output dtypes they do not write (dv not bf16; dq, dk or dg not bf16 / float32)."""
+    B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
+    x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    seg = jnp.zeros((B, T), jnp.int32) if case == "segments" else None
+    cfg = config(x, x, mode="interpret", hopper=int(case != "hopper_off"), seg=seg)
+    N, C, K, V = cfg.N, cfg.C, cfg.K, cfg.V
+
+    def sds(*shape, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    segs = tuple(jnp.zeros((B, N, C, 1), jnp.float32) for _ in range(3)) + (
+        jnp.zeros((B, N, 1, C), jnp.float32),) if cfg.has_seg else ()
+    k, v, G = sds(B, T, H, K), sds(B, T, H, V), sds(B * H, N, C, K, dt=jnp.float32)
+    beta, cc = sds(B, T, H, 1, dt=jnp.float32), sds(B * H, N, C, C)
+    st, cv = sds(B * H, N, V, K), sds(B * H, N, C, V)
+    odd = case == "out_dtypes"
+    jax.eval_shape(lambda *a: calls.intra_bwd_scores(
+        cfg, *a[:4], segs, *a[4:], dv_dtype=jnp.float32 if odd else jnp.bfloat16),
+        k, v, G, beta, sds(B * H, N, C, K), cv, sds(B * H, N, C, C, dt=jnp.float32), cc, st, cv,
+        cv, v)
+    jax.eval_shape(lambda *a: calls.intra_bwd_channels(
+        cfg, *a[:4], segs, a[4:8], *a[8:], dqk_dtype=jnp.float16 if odd else jnp.float32,
+        dg_dtype=jnp.float32), k, k, G, beta, cc, cc, cc, cc, cc, st, st, cv, cv, v)
+    want = ["intra_bwd_scores", "intra_bwd_channels"] if case == "supported" else []
+    assert mgpu_bwd_calls == want, case
+

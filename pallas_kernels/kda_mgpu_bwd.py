@@ -1,0 +1,468 @@
+"""KDA's backward intra-chunk kernels on Hopper (sm_90) in Pallas' Mosaic GPU backend: drop-ins
+for ``kda_calls.intra_bwd_channels`` (``intra_bwd_channels``, described here) and
+``kda_calls.intra_bwd_scores`` (``intra_bwd_scores``, described in its docstring) in the case
+kda_mgpu.intra_fwd supports (no packed segments, given bounded gate, C = 64, K = V = 128, bf16;
+``kda_mgpu.unsupported_reason``). kda_calls dispatches to them with KernelTuning.hopper.
+
+intra_bwd_channels: one CTA of one warpgroup per (value head row bh, chunk n, K slice s of
+BK = 64 channels): grid (B*HV, N, K/BK). A slice of 64 bf16 channels is one 128-byte swizzle
+row, and a [C, BK] float32 tile is 32 registers a thread (the three running accumulators and
+a product stay well under the 255 a thread may hold; spills unchecked on a GPU). With the
+notation of ``kda_body`` (rows i, j of the chunk; d a channel of the slice; qs = scale q):
+
+State part (``kda_body.bwd_intra_channels``' V loop, one wgmma each over all of V = 128):
+
+    dQG = dO St,   dKg = V' dSt,   dW = -dV' St          [C, V] x [V, BK]
+    dKGa = Diag(beta) Tinv^T dW                          (Tinv^T: a transposed SMEM view)
+    dgam_d = sum_v St_vd dSt_vd                          (a wgmma by a ones [C, V] matrix on
+                                                          the exact hi + lo bf16 split of St*dSt)
+
+Score part (``kda_body.pair_grads``, bounded gate), for each sub-chunk ib of s rows with row
+anchor a = ib s and column anchor b = ib s + s - 1:
+
+    rq_i = e^(G_i - G_a) sum_j dAqk_ij  k_j e^(G_a - G_j)     rows i of sub-chunk ib, j < a + s
+    rk_i = same with dAkk
+    cq_j = e^(G_b - G_j) sum_i dAqkT_ji qs_i e^(G_i - G_b)     rows j of sub-chunk ib, i >= a
+    ck_j = same with dAkkT and k
+
+Each sum is one [C, C] x [C, BK] wgmma pair over all rows (the other sub-chunks' rows dropped
+by a select after) on a bf16 hi + lo split of the right operand (``mm(split_b=True)``: dG takes
+the difference of row and column sides, which cancel up to rounding). Padded rows past the
+last token have g = 0, so G there equals G at the last token and the unclamped anchors give
+the Triton kernel's min(anchor, last valid row).
+
+Then, with Gam = e^G, eD = e^(G_last - G), gam = e^(G_last):
+
+    dq  = scale (dQG Gam + rq)
+    dk  = cq + rk + ck + dKGa Gam + dKg eD
+    dG  = qs rq + k (rk - cq - ck) + dQG qs Gam + dKGa k Gam - P,    P = dKg k eD
+    dG_last += sum_i P_i + dgam gam                       (added to row C-1 of dG)
+    dg_i = sum_{r >= i} dG_r                              (Utri [C, C] @ dG)
+
+The column sum of P (a ones [C, C] matrix) and the reverse cumsum are wgmmas on an exact
+three-plane bf16 split (hi + mid + lo, 8 significand bits each) of the float32 operand.
+
+Shapes (HBM): as ``kda_calls.intra_bwd_channels``: q, k [B, Tp, H, K] bf16; G [B*HV, N, C,
+K] f32; beta [B, Tp, HV, 1] (transposed here to [B*HV, Tp] float32: a TMA box needs >= 16
+contiguous bytes); dA = (dAqk, dAkk, dAqkT, dAkkT) and Tinv [B*HV, N, C, C] bf16; h, dh
+[B*HV, N, V, K] bf16; Vp, dVp [B*HV, N, C, V] bf16; dO [B, Tp, HV, V] bf16. Outputs dq, dk
+[B, Tp, HV, K] (dqk_dtype) and dg [B, Tp, HV, K] (dg_dtype), bf16 or float32.
+
+SMEM (Pallas' estimate: 185 KB, one CTA per SM): q, k, G, the four dA, Tinv and four [C, BK] /
+[C, C] staging buffers live throughout (~104 KB); the state operands St, dSt, V', dV', dO
+(80 KB) are scoped to the state part, the output staging (<= 48 KB) to the end. All loads are
+issued at the start in the order of use and waited at first use; no overlap of one CTA's loads
+with another CTA's math yet (one CTA per SM).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda_body import KdaConfig
+from pallas_kernels.kda_mgpu import CHUNK, _swizzled, plgpu
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+BK = 64  # channels per CTA: one 128-byte swizzle row of bf16
+
+
+def unsupported_reason(cfg: KdaConfig, dqk_dtype, dg_dtype) -> str | None:
+    """Beyond ``kda_mgpu.unsupported_reason`` (checked by the caller): the output dtypes."""
+    for name, dt in (("dq/dk", dqk_dtype), ("dg", dg_dtype)):
+        if jnp.dtype(dt) not in (jnp.dtype(bf16), jnp.dtype(f32)):
+            return f"{name} dtype {dt}"
+    if cfg.K % BK:
+        return f"K = {cfg.K} not a multiple of {BK}"
+    return None
+
+
+def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO,
+                       f=None, gate_params=(), *, dqk_dtype, dg_dtype, interpret=None):
+    """``kda_calls.intra_bwd_channels`` on Mosaic GPU (same arguments and outputs, for the
+    configs ``kda_mgpu.unsupported_reason`` and ``unsupported_reason`` accept). ``interpret``:
+    Mosaic GPU interpret params (CPU), None compiles for sm_90."""
+    del segs, f, gate_params  # no packed segments, no gate in the kernel (unsupported here)
+    B, HV, G_ = cfg.B, cfg.HV, cfg.G
+    C, K, V, N, s = cfg.C, cfg.K, cfg.V, cfg.N, cfg.sub
+    assert C == CHUNK
+    BHV, Tp, nb, nk = B * HV, cfg.N * cfg.C, cfg.C // cfg.sub, cfg.K // BK
+    scale = cfg.scale
+    beta_BHVxTp = jnp.transpose(beta[..., 0].astype(f32), (0, 2, 1)).reshape(BHV, Tp)
+    out_dts = (jnp.dtype(dqk_dtype), jnp.dtype(dqk_dtype), jnp.dtype(dg_dtype))
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, K), dt) for dt in out_dts]
+
+    WG = plgpu.Layout.WGMMA
+    ROW, COL = WG.reduce(1), WG.reduce(0)  # per-row / per-column vectors of a WGMMA array
+    compiled = interpret is None
+
+    def iota(shape, dim):  # compiled: in the WGMMA layout (the interpreter has no layouts)
+        if not compiled:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
+
+    def one(cond):
+        return jnp.where(cond, 1.0, 0.0).astype(f32)
+
+    def dot(pairs, shape):
+        """sum(a @ b for a, b in pairs), float32, on the tensor cores (reading the accumulator
+        waits for the wgmmas: their operands may be overwritten after)."""
+        def scoped(acc):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+            return acc[...]
+        return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
+
+    def planes(x, dsts):
+        """Stores float32 x as len(dsts) bf16 planes summing to it (2: 16 significand bits, 3:
+        exact), so a wgmma of each plane sums to a float32-accurate product."""
+        r = x
+        for i, d in enumerate(dsts):
+            p = r.astype(bf16)
+            d[...] = p
+            if i + 1 < len(dsts):
+                r = r - p.astype(f32)
+        plgpu.commit_smem()
+
+    def kernel(q_g, k_g, G_g, beta_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g, T_g, h_g, dh_g, Vp_g,
+               dVp_g, dO_g, dq_g, dk_g, dg_g,
+               q_s, k_s, G_s, beta_s, dAqk_s, dAkk_s, dAqkT_s, dAkkT_s, T_s, x1_s, x2_s, x3_s,
+               m_s, bars):
+        bh, n, sk = lax.axis_index("bh"), lax.axis_index("n"), lax.axis_index("s")
+        b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
+        hq = lax.div(hv, jnp.int32(G_))
+        tok, ch = pl.ds(n * C, C), pl.ds(sk * BK, BK)
+
+        # Loads: one barrier each, waited at first use (``need``) so the math starts as soon
+        # as its operands are in; issued in the order they are used.
+        bar_of, waited = {}, set()
+
+        def issue(name, src, dst):
+            bar_of[name] = len(bar_of)
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[bar_of[name]])
+
+        def need(*names):  # each barrier is waited exactly once (straight-line code)
+            for name in names:
+                if name not in waited:
+                    plgpu.barrier_wait(bars.at[bar_of[name]])
+                    waited.add(name)
+
+        rows = iota((C, BK), 0)
+        ri, rr = iota((C, C), 0), iota((C, C), 1)
+
+        def G_row(r: int):
+            """Row r of G broadcast over the rows: [C, BK]."""
+            if not compiled:
+                return jnp.broadcast_to(G_s[pl.ds(r, 1), :], (C, BK))
+            g_BK = plgpu.load(G_s.at[r], (), layout=COL, optimized=False)
+            return lax.broadcast_in_dim(g_BK, (C, BK), [1])
+
+        def load_G():
+            return G_s[...] if not compiled else plgpu.load(G_s, (), layout=WG, optimized=False)
+
+        def by_row(x_C):
+            return lax.broadcast_in_dim(x_C, (C, BK), [0])
+
+        def state_part(h_s, dh_s, Vp_s, dVp_s, dO_s):
+            """dQG, dKg, dKGa, then the chunk's dq, dk, dG before the score part."""
+            for name, src, dst in (
+                    ("dVp", dVp_g.at[bh, n], dVp_s), ("h", h_g.at[bh, n, :, ch], h_s),
+                    ("T", T_g.at[bh, n], T_s), ("beta", beta_g.at[bh, tok], beta_s),
+                    ("dO", dO_g.at[b, tok, hv], dO_s), ("Vp", Vp_g.at[bh, n], Vp_s),
+                    ("dh", dh_g.at[bh, n, :, ch], dh_s), ("G", G_g.at[bh, n, :, ch], G_s),
+                    ("q", q_g.at[b, tok, hq, ch], q_s), ("k", k_g.at[b, tok, hq, ch], k_s),
+                    ("dAqk", dAqk_g.at[bh, n], dAqk_s), ("dAkk", dAkk_g.at[bh, n], dAkk_s),
+                    ("dAqkT", dAqkT_g.at[bh, n], dAqkT_s),
+                    ("dAkkT", dAkkT_g.at[bh, n], dAkkT_s)):
+                issue(name, src, dst)
+            need("dVp", "h", "T", "beta")
+            beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
+            if not compiled:  # the interpreter's wgmma takes no transposed view: store T^T
+                T_s[...] = T_s[...].T
+                T_t = T_s
+            else:
+                T_t = plgpu.transpose_ref(T_s, (1, 0))
+            # dW = -dV' St (bf16, Tinv^T's right operand), dKGa = Diag(beta) Tinv^T dW
+            x1_s[...] = (-dot([(dVp_s, h_s)], (C, BK))).astype(bf16)
+            plgpu.commit_smem()
+            dKGa_CxBK = by_row(beta_C) * dot([(T_t, x1_s)], (C, BK))
+            need("dO")
+            dQG_CxBK = dot([(dO_s, h_s)], (C, BK))
+            need("Vp", "dh")
+            dKg_CxBK = dot([(Vp_s, dh_s)], (C, BK))
+            # dgam: St * dSt is exact in float32 and exactly hi + lo in bf16; over St, dSt
+            # (their wgmmas are done) and a ones [C, V] over dO
+            hd_VxBK = h_s[...].astype(f32) * dh_s[...].astype(f32)
+            planes(hd_VxBK, (h_s, dh_s))
+            dO_s[...] = one(iota((C, V), 0) >= 0).astype(bf16)
+            plgpu.commit_smem()
+            dgam_CxBK = dot([(dO_s, h_s), (dO_s, dh_s)], (C, BK))
+
+            need("G", "q", "k")
+            G_CxBK = load_G()
+            Gl_CxBK = G_row(C - 1)
+            Gam_CxBK = jnp.exp(G_CxBK)
+            eD_CxBK = jnp.exp(Gl_CxBK - G_CxBK)
+            qs_CxBK = q_s[...].astype(f32) * scale
+            k_CxBK = k_s[...].astype(f32)
+            P_CxBK = dKg_CxBK * k_CxBK * eD_CxBK  # dKg * Kg
+            DQ_CxBK = dQG_CxBK * Gam_CxBK
+            DK_CxBK = dKGa_CxBK * Gam_CxBK + dKg_CxBK * eD_CxBK
+            DG_CxBK = (dQG_CxBK * qs_CxBK + dKGa_CxBK * k_CxBK) * Gam_CxBK - P_CxBK
+            # dG_last += sum_i P_i + dgam gam: every row of Ones @ P holds the column sum
+            planes(P_CxBK, (x1_s, x2_s, x3_s))
+            m_s[...] = one(ri >= 0).astype(bf16)
+            plgpu.commit_smem()
+            Psum_CxBK = dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
+            last = Psum_CxBK + dgam_CxBK * jnp.exp(Gl_CxBK)
+            DG_CxBK = DG_CxBK + jnp.where(rows == C - 1, last, 0.0)
+            return DQ_CxBK, DK_CxBK, DG_CxBK
+
+        DQ_CxBK, DK_CxBK, DG_CxBK = pl.run_scoped(
+            state_part, _swizzled((V, BK), bf16), _swizzled((V, BK), bf16),
+            _swizzled((C, V), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16))
+
+        # Score part: one pass per sub-chunk ib (static: the anchors are static rows).
+        need("dAqk", "dAkk", "dAqkT", "dAkkT")
+        G_CxBK = load_G()
+        qs_CxBK = q_s[...].astype(f32) * scale
+        k_CxBK = k_s[...].astype(f32)
+        blk = lax.div(rows, jnp.int32(s))
+        for ib in range(nb):
+            a, bb = ib * s, ib * s + s - 1
+            mine = blk == ib
+            Ga_CxBK = G_row(a)
+            # row side: X_j = k_j e^(G_a - G_j), j < a + s (<= e^((s-1)|lower_bound|))
+            ok = rows < a + s
+            X_CxBK = jnp.where(ok, k_CxBK * jnp.exp(jnp.where(ok, Ga_CxBK - G_CxBK, 0.0)), 0.0)
+            planes(X_CxBK, (x1_s, x2_s))
+            Rq_CxBK = dot([(dAqk_s, x1_s), (dAqk_s, x2_s)], (C, BK))
+            Rk_CxBK = dot([(dAkk_s, x1_s), (dAkk_s, x2_s)], (C, BK))
+            eR_CxBK = jnp.where(mine, jnp.exp(jnp.where(mine, G_CxBK - Ga_CxBK, 0.0)), 0.0)
+            rq_CxBK, rk_CxBK = eR_CxBK * Rq_CxBK, eR_CxBK * Rk_CxBK
+            DQ_CxBK = DQ_CxBK + rq_CxBK
+            DK_CxBK = DK_CxBK + rk_CxBK
+            DG_CxBK = DG_CxBK + qs_CxBK * rq_CxBK + k_CxBK * rk_CxBK
+            # column side: Y_i = x_i e^(G_i - G_b), i >= a (rows i < j of the block meet dA = 0)
+            Gb_CxBK = G_row(bb)
+            ok = rows >= a
+            eB_CxBK = jnp.where(ok, jnp.exp(jnp.where(ok, G_CxBK - Gb_CxBK, 0.0)), 0.0)
+            planes(qs_CxBK * eB_CxBK, (x1_s, x2_s))
+            Cq_CxBK = dot([(dAqkT_s, x1_s), (dAqkT_s, x2_s)], (C, BK))
+            planes(k_CxBK * eB_CxBK, (x1_s, x2_s))
+            Ck_CxBK = dot([(dAkkT_s, x1_s), (dAkkT_s, x2_s)], (C, BK))
+            eC_CxBK = jnp.where(mine, jnp.exp(jnp.where(mine, Gb_CxBK - G_CxBK, 0.0)), 0.0)
+            c_CxBK = eC_CxBK * (Cq_CxBK + Ck_CxBK)
+            DK_CxBK = DK_CxBK + c_CxBK
+            DG_CxBK = DG_CxBK - k_CxBK * c_CxBK
+
+        # dg_i = sum_{r >= i} dG_r: Utri @ dG on its exact three-plane split
+        planes(DG_CxBK, (x1_s, x2_s, x3_s))
+        m_s[...] = one(rr >= ri).astype(bf16)
+        plgpu.commit_smem()
+        dg_CxBK = dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
+
+        def store(dq_s, dk_s, dg_s):
+            for val, src, dst in ((DQ_CxBK * scale, dq_s, dq_g), (DK_CxBK, dk_s, dk_g),
+                                  (dg_CxBK, dg_s, dg_g)):
+                src[...] = val.astype(src.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(src, dst.at[b, tok, hv, ch])
+            plgpu.wait_smem_to_gmem(0)
+
+        def stage(dt):  # bf16: swizzled (conflict-free WGMMA-layout stores); float32: plain
+            return _swizzled((C, BK), dt) if dt == jnp.dtype(bf16) else plgpu.SMEM((C, BK), dt)
+
+        pl.run_scoped(store, *[stage(dt) for dt in out_dts])
+
+    scratch = (
+        _swizzled((C, BK), bf16), _swizzled((C, BK), bf16),  # q, k (this slice)
+        plgpu.SMEM((C, BK), f32),  # G (untiled float32: rows are read one at a time)
+        plgpu.SMEM((C,), f32),  # beta
+        *[_swizzled((C, C), bf16)] * 5,  # dAqk, dAkk, dAqkT, dAkkT, Tinv
+        *[_swizzled((C, BK), bf16)] * 3,  # wgmma right operands: dW, planes of X, Y, P, dG
+        _swizzled((C, C), bf16),  # the constant ones / Utri matrix
+        plgpu.Barrier(num_barriers=14),  # one a load
+    )
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N, nk), grid_names=("bh", "n", "s"),
+                      scratch_types=scratch, compiler_params=params, interpret=interpret)
+    return tuple(fn(q, k, G, beta_BHVxTp, *dA, Tinv, h, dh, Vp, dVp, dO))
+
+
+def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
+                     dv_dtype, interpret=None):
+    """``kda_calls.intra_bwd_scores`` on Mosaic GPU: one CTA of one warpgroup per (bh, chunk n),
+    grid (B*HV, N), all of K = V = 128 at once. With ``kda_body.bwd_intra_scores``' notation:
+
+        dAqk = tril(dO V'^T)                             [C, V] x [V, C]
+        dRv  = Tinv^T dV',   dv = Diag(beta) dRv,   dbeta = rowsum(dRv * v)
+        dW   = -dV' St,      dRk = Tinv^T dW            [C, V] x [V, K], then [C, C] x [C, K]
+        dL   = strict tril(-dRv U^T - dRk W^T)
+        dbeta += rowsum(dRk * k e^G) + rowsum(dL * Akk),   dAkk = Diag(beta) dL
+
+    Every product is one bf16 wgmma (dRv, dW, dRk rounded to bf16 first, as the Triton kernel's
+    ``mm`` does); transposed operands are transposed SMEM views. dAqk^T and dAkk^T are exact:
+    a wgmma of the transposed view of the stored bf16 matrix with the identity.
+
+    Shapes (HBM) as ``kda_calls.intra_bwd_scores``: dv [B, Tp, HV, V] (dv_dtype: bf16 here),
+    dbeta [B, Tp, HV, 1] float32 (written [B*HV, Tp] here: a TMA box needs >= 16 contiguous
+    bytes), dAqk, dAkk, dAqkT, dAkkT [B*HV, N, C, C] bf16. SMEM: k, G, Akk, Tinv, dV' and the
+    bf16 dRv, dRk live throughout (~120 KB); St, dO, V', v are scoped to the first part (80 KB),
+    U, W and the output staging to the second (~72 KB): 204 KB at the peak (Pallas' estimate).
+    """
+    del segs
+    B, HV = cfg.B, cfg.HV
+    C, K, V, N = cfg.C, cfg.K, cfg.V, cfg.N
+    assert C == CHUNK and jnp.dtype(dv_dtype) == jnp.dtype(bf16)
+    BHV, Tp = B * HV, N * C
+    beta_BHVxTp = jnp.transpose(beta[..., 0].astype(f32), (0, 2, 1)).reshape(BHV, Tp)
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, V), bf16),
+                 jax.ShapeDtypeStruct((BHV, Tp), f32),
+                 *[jax.ShapeDtypeStruct((BHV, N, C, C), bf16)] * 4]
+    WG = plgpu.Layout.WGMMA
+    ROW = WG.reduce(1)
+    compiled = interpret is None
+
+    def iota(shape, dim):
+        if not compiled:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
+
+    def one(cond):
+        return jnp.where(cond, 1.0, 0.0).astype(f32)
+
+    def dot(pairs, shape):
+        def scoped(acc):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+            return acc[...]
+        return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
+
+    def ld(ref):  # float32 untiled SMEM into the WGMMA layout
+        return ref[...] if not compiled else plgpu.load(ref, (), layout=WG, optimized=False)
+
+    def tview(ref, tbuf):
+        """ref^T as a wgmma operand: a transposed view; the interpreter's wgmma takes none, so
+        there ref^T is stored into tbuf (a buffer of the transposed shape)."""
+        if compiled:
+            return plgpu.transpose_ref(ref, (1, 0))
+        tbuf[...] = ref[...].T
+        return tbuf
+
+    def rowsum(x):
+        return jnp.sum(x, axis=1)
+
+    def kernel(k_g, v_g, G_g, beta_g, W_g, U_g, Akk_g, T_g, h_g, Vp_g, dVp_g, dO_g,
+               dv_g, db_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g,
+               k_s, G_s, beta_s, Akk_s, T_s, dVp_s, dRv_s, dRk_s, vec_s, bars, *tbufs):
+        bh, n = lax.axis_index("bh"), lax.axis_index("n")
+        b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
+        hq = lax.div(hv, jnp.int32(cfg.G))
+        tok = pl.ds(n * C, C)
+        bar_of, waited = {}, set()  # loads waited at first use, as in intra_bwd_channels
+
+        def issue(name, src, dst):
+            bar_of[name] = len(bar_of)
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[bar_of[name]])
+
+        def need(*names):
+            for name in names:
+                if name not in waited:
+                    plgpu.barrier_wait(bars.at[bar_of[name]])
+                    waited.add(name)
+
+        ri, rr = iota((C, C), 0), iota((C, C), 1)
+        tb = dict(zip(("VpT", "UT", "WT"), tbufs, strict=True)) if tbufs else {}
+
+        def part_a(h_s, dO_s, Vp_s, v_s):
+            """dAqk, dv, the v and k parts of dbeta; dRv and dRk into SMEM (bf16)."""
+            for name, src, dst in (
+                    ("dO", dO_g.at[b, tok, hv], dO_s), ("Vp", Vp_g.at[bh, n], Vp_s),
+                    ("T", T_g.at[bh, n], T_s), ("dVp", dVp_g.at[bh, n], dVp_s),
+                    ("beta", beta_g.at[bh, tok], beta_s), ("v", v_g.at[b, tok, hv], v_s),
+                    ("h", h_g.at[bh, n], h_s), ("k", k_g.at[b, tok, hq], k_s),
+                    ("G", G_g.at[bh, n], G_s), ("Akk", Akk_g.at[bh, n], Akk_s)):
+                issue(name, src, dst)
+            need("dO", "Vp", "T", "dVp", "beta")
+            beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
+            T_t = tview(T_s, T_s)  # interpreter: T^T in place (T is read only as T^T)
+            dAqk_CxC = dot([(dO_s, tview(Vp_s, tb.get("VpT")))], (C, C))
+            dRv_CxV = dot([(T_t, dVp_s)], (C, V))
+            dRv_s[...] = dRv_CxV.astype(bf16)
+            need("v")
+            dbeta_C = rowsum(dRv_CxV * v_s[...].astype(f32))
+            dO_s[...] = (dRv_CxV * lax.broadcast_in_dim(beta_C, (C, V), [0])).astype(bf16)
+            plgpu.commit_smem()  # dv from dO's buffer (read above: dAqk's wgmma is done)
+            plgpu.copy_smem_to_gmem(dO_s, dv_g.at[b, tok, hv])
+            need("h")
+            dRk_s[...] = (-dot([(dVp_s, h_s)], (C, K))).astype(bf16)  # dW
+            plgpu.commit_smem()
+            dRk_CxK = dot([(T_t, dRk_s)], (C, K))
+            dRk_s[...] = dRk_CxK.astype(bf16)
+            plgpu.commit_smem()
+            need("k", "G")
+            KGa_CxK = k_s[...].astype(f32) * jnp.exp(ld(G_s))
+            dbeta_C = dbeta_C + rowsum(dRk_CxK * KGa_CxK)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dv's staging is freed next
+            return dAqk_CxC, dbeta_C, beta_C
+
+        dAqk_CxC, dbeta_C, beta_C = pl.run_scoped(
+            part_a, _swizzled((V, K), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16),
+            _swizzled((C, V), bf16))
+
+        def part_b(U_s, W_s, eye_s, a1_s, a2_s, a3_s, a4_s, bbars):
+            """dL, dbeta's Akk part, dAkk; the four [C, C] outputs and dbeta."""
+            plgpu.copy_gmem_to_smem(U_g.at[bh, n], U_s, bbars.at[0])
+            plgpu.copy_gmem_to_smem(W_g.at[bh, n], W_s, bbars.at[1])
+            eye_s[...] = one(ri == rr).astype(bf16)
+            a1_s[...] = jnp.where(rr <= ri, dAqk_CxC, 0.0).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(a1_s, dAqk_g.at[bh, n])
+            plgpu.barrier_wait(bbars.at[0])
+            plgpu.barrier_wait(bbars.at[1])
+            dL_CxC = -dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
+                          (C, C))
+            dL_CxC = jnp.where(rr < ri, dL_CxC, 0.0)
+            need("Akk")
+            vec_s[...] = dbeta_C + rowsum(dL_CxC * ld(Akk_s))
+            a2_s[...] = (dL_CxC * lax.broadcast_in_dim(beta_C, (C, C), [0])).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(vec_s, db_g.at[bh, tok])
+            plgpu.copy_smem_to_gmem(a2_s, dAkk_g.at[bh, n])
+            # the transposes, exactly: (stored bf16 matrix)^T @ I
+            for src, dst, dst_g in ((a1_s, a3_s, dAqkT_g), (a2_s, a4_s, dAkkT_g)):
+                if compiled:
+                    dst[...] = dot([(plgpu.transpose_ref(src, (1, 0)), eye_s)],
+                                   (C, C)).astype(bf16)
+                else:
+                    dst[...] = src[...].T
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dst, dst_g.at[bh, n])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(part_b, _swizzled((C, V), bf16), _swizzled((C, K), bf16),
+                      *[_swizzled((C, C), bf16)] * 5, plgpu.Barrier(num_barriers=2))
+
+    scratch = [
+        _swizzled((C, K), bf16),  # k
+        plgpu.SMEM((C, K), f32),  # G
+        plgpu.SMEM((C,), f32),  # beta
+        plgpu.SMEM((C, C), f32),  # Akk
+        _swizzled((C, C), bf16),  # Tinv
+        _swizzled((C, V), bf16),  # dV'
+        _swizzled((C, V), bf16),  # dRv (bf16)
+        _swizzled((C, K), bf16),  # dW, then dRk (bf16)
+        plgpu.SMEM((C,), f32),  # dbeta staging
+        plgpu.Barrier(num_barriers=10),  # one a load
+    ]
+    if not compiled:  # explicit transposes for the interpreter: V'^T, U^T, W^T
+        scratch += [_swizzled((V, C), bf16), _swizzled((V, C), bf16), _swizzled((K, C), bf16)]
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N), grid_names=("bh", "n"),
+                      scratch_types=tuple(scratch), compiler_params=params, interpret=interpret)
+    dv, db_BHVxTp, *dA = fn(k, v, G, beta_BHVxTp, W, U, Akk, Tinv, h, Vp, dVp, dO)
+    db = jnp.transpose(db_BHVxTp.reshape(B, HV, Tp), (0, 2, 1))[..., None]
+    return (dv, db, *dA)
