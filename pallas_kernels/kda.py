@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 
 import jax
@@ -49,9 +50,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import kda_calls as calls
-from pallas_kernels.kda_body import MAX_FACTORED_EXPONENT, KdaConfig
+from pallas_kernels.kda_body import (
+    HOPPER_ALL,
+    HOPPER_BWD_CHANNELS,
+    HOPPER_BWD_SCORES,
+    HOPPER_INTRA_FWD,
+    MAX_FACTORED_EXPONENT,
+    KdaConfig,
+)
 
-__all__ = ["kda_pallas", "pallas_supported", "make_config", "KernelTuning", "default_tuning"]
+__all__ = ["kda_pallas", "pallas_supported", "make_config", "KernelTuning", "default_tuning",
+           "HOPPER_INTRA_FWD", "HOPPER_BWD_SCORES", "HOPPER_BWD_CHANNELS", "HOPPER_ALL"]
 
 f32 = jnp.float32
 MODES = ("gpu", "tpu", "interpret", "tpu_interpret")
@@ -94,11 +103,12 @@ class KernelTuning:
     # pass. The GPU tests pass with either, and the three passes make intra_fwd markedly
     # slower (BENCHMARKS.md).
     inverse_x3: int = 0
-    # 1: intra_fwd, intra_bwd_scores and intra_bwd_channels run the Mosaic GPU kernels
-    # (pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py) where they apply: backend "gpu" on a
+    # Which intra-chunk kernels run on Mosaic GPU (pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py)
+    # instead of Triton, a sum of bits: HOPPER_INTRA_FWD (1), HOPPER_BWD_SCORES (2),
+    # HOPPER_BWD_CHANNELS (4); HOPPER_ALL = 7. Each applies where it can: backend "gpu" on a
     # Hopper (sm_90) device, or "interpret" (Mosaic GPU interpret mode), for the configs
     # kda_mgpu.unsupported_reason accepts; everything else keeps the Triton kernels.
-    # Off until it is measured on the card.
+    # default_tuning turns on those measured faster on a Hopper card (BENCHMARKS.md).
     hopper: int = 0
 
     def __post_init__(self):
@@ -146,7 +156,7 @@ _TUNING_RULES = {
     "warps_intra": _WARPS, "warps_seq": _WARPS, "warps_grad": _WARPS, "warps_chan": _WARPS,
     "stages_seq": _STAGES, "stages_intra": _STAGES,
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
-    "hopper": ("0 or 1", lambda x: x in (0, 1)),
+    "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
 }
 
 
@@ -154,12 +164,21 @@ def default_tuning(device_kind: str | None = None) -> KernelTuning:
     """The launch parameters ``kda_pallas`` uses when it is given none, for a device kind
     (``jax.Device.device_kind``, e.g. "NVIDIA H200"; None: any device).
 
-    Every kind gets ``KernelTuning()`` today: the defaults were chosen on the H200 and no other
-    card has been measured. This function is the one place a per-kind table goes when one
-    does need different parameters; nothing else should look at the device kind.
+    The Triton parameters are one set for every kind: they were chosen on the H200 and no other
+    card has been measured. A Hopper card (H100, H200, H800, H20, GH200) also runs the Mosaic GPU
+    kernels that were faster there: intra_bwd_scores, 0.82 against Triton's 1.14 ms at
+    8 x 4096 x 16 heads on the H200; its Mosaic GPU intra_fwd and intra_bwd_channels were
+    slower (3.7 against 1.7 ms, 13.2 against 4.0 ms) and stay opt-in. This function is the one
+    place a per-kind table goes; nothing else should look at the device kind.
     """
-    del device_kind  # one set for every kind (see above)
+    if device_kind and _HOPPER_KIND.search(device_kind):
+        return KernelTuning(hopper=HOPPER_BWD_SCORES)
     return KernelTuning()
+
+
+# Hopper (sm_90) names in jax.Device.device_kind, e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3",
+# "NVIDIA GH200 480GB". A wrong match costs nothing: off sm_90 the Triton kernels run anyway.
+_HOPPER_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
 
 
 def _next_pow2(x: int, lo: int = 16) -> int:
@@ -230,7 +249,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         stages_seq=tuning.stages_seq, stages_intra=tuning.stages_intra, poison=bool(poison),
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
-        hopper=bool(tuning.hopper),
+        hopper=tuning.hopper,
     )
 
 

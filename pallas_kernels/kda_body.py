@@ -42,6 +42,14 @@ f32 = jnp.float32
 MAX_FACTORED_EXPONENT = 80.0
 
 
+# KernelTuning.hopper's bits: the intra-chunk kernels that run on Mosaic GPU (kda_mgpu,
+# kda_mgpu_bwd) where they apply instead of Triton.
+HOPPER_INTRA_FWD = 1
+HOPPER_BWD_SCORES = 2
+HOPPER_BWD_CHANNELS = 4
+HOPPER_ALL = HOPPER_INTRA_FWD | HOPPER_BWD_SCORES | HOPPER_BWD_CHANNELS
+
+
 @dataclasses.dataclass(frozen=True)
 class KdaConfig:
     """Static description of one kernel call (hashable: it keys jit caches)."""
@@ -81,9 +89,9 @@ class KdaConfig:
     # the kernel: g never exists in memory, and the backward returns df instead of dg).
     gate: str = "given"
     gate_bound: float = 0.0  # the bounded form's lower_bound (< 0)
-    # the intra-chunk kernels on Mosaic GPU where they apply (KernelTuning.hopper;
-    # kda_calls.hopper_intra_mode)
-    hopper: bool = False
+    # which intra-chunk kernels run on Mosaic GPU where they apply, a sum of the HOPPER_* bits
+    # (KernelTuning.hopper; kda_calls.hopper_intra_mode)
+    hopper: int = 0
 
     @property
     def N(self) -> int:

@@ -209,12 +209,14 @@ def _take_gate(cfg: KdaConfig, refs):
     return (refs[:2], refs[2:]) if cfg.gate != "given" else ((), refs)
 
 
-def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta) -> str | None:
-    """How intra_fwd runs the Mosaic GPU kernel (kda_mgpu) for this call: "compiled" (backend
-    "gpu" on a Hopper, sm_90, device), "interpret" (backend "interpret": Mosaic GPU interpret
-    mode), or None for the Triton kernel (cfg.hopper off, another backend or device, or a config the
-    Mosaic GPU kernel does not implement: kda_mgpu.unsupported_reason)."""
-    if not cfg.hopper or cfg.mode not in ("gpu", "interpret"):
+def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta,
+                      kernel: int = body.HOPPER_INTRA_FWD) -> str | None:
+    """How the intra-chunk ``kernel`` (a HOPPER_* bit: intra_fwd by default) runs its Mosaic GPU
+    form for this call: "compiled" (backend "gpu" on a Hopper, sm_90, device), "interpret"
+    (backend "interpret": Mosaic GPU interpret mode), or None for the Triton kernel (its bit
+    not in cfg.hopper, another backend or device, or a config the Mosaic GPU kernels do not
+    implement: kda_mgpu.unsupported_reason)."""
+    if not cfg.hopper & kernel or cfg.mode not in ("gpu", "interpret"):
         return None
     if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta) is not None:
         return None
@@ -475,7 +477,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
 
     With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
     (``hopper_intra_mode``, and dv in bf16)."""
-    hopper = hopper_intra_mode(cfg, k, k, v, G, beta)
+    hopper = hopper_intra_mode(cfg, k, k, v, G, beta, body.HOPPER_BWD_SCORES)
     if hopper is not None and jnp.dtype(dv_dtype) == jnp.dtype(jnp.bfloat16):
         interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
         return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp,
@@ -525,7 +527,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
 
     With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
     (``hopper_intra_mode`` on the forward's dtypes: dO has v's, G is float32)."""
-    hopper = hopper_intra_mode(cfg, q, k, dO, G, beta)
+    hopper = hopper_intra_mode(cfg, q, k, dO, G, beta, body.HOPPER_BWD_CHANNELS)
     if hopper is not None and kda_mgpu_bwd.unsupported_reason(cfg, dqk_dtype, dg_dtype) is None:
         interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
         return kda_mgpu_bwd.intra_bwd_channels(

@@ -23,7 +23,7 @@ import pytest
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
 from pallas_kernels import kda_mgpu, kda_mgpu_bwd
-from pallas_kernels.kda import KernelTuning, kda_pallas
+from pallas_kernels.kda import HOPPER_ALL, HOPPER_BWD_SCORES, KernelTuning, kda_pallas
 from tests.test_kda_pallas import numpy_kda, rel
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -52,7 +52,7 @@ def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0, gate_dtype=jnp
     return [jnp.asarray(x, jnp.bfloat16 if i < 3 else gate_dtype) for i, x in enumerate(arrs)]
 
 
-def config(q, v, *, mode, lower_bound=-5.0, chunk_size=64, hopper=1, seg=None):
+def config(q, v, *, mode, lower_bound=-5.0, chunk_size=64, hopper=HOPPER_ALL, seg=None):
     return pk.make_config(q, v, scale=q.shape[-1] ** -0.5, segment_ids=seg,
                           chunk_size=chunk_size, lower_bound=lower_bound, mode=mode,
                           tuning=KernelTuning(hopper=hopper))
@@ -136,7 +136,7 @@ def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate
 
 
 def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
-    """kda_pallas with KernelTuning(hopper=1): the Mosaic GPU intra_fwd is the one taken, and the
+    """kda_pallas with KernelTuning(hopper=HOPPER_ALL): the Mosaic GPU intra_fwd is the one taken, and the
     output and final state match the float64 recurrence as closely as the Triton path's do."""
     B, T, H, HV = 1, 80, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
@@ -148,7 +148,7 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
                           segment_ids=None, chunk_size=64, lower_bound=-5.0, backend=backend,
                           tuning=KernelTuning(hopper=hopper), poison=True)
 
-    o, S = run(1)
+    o, S = run(HOPPER_ALL)
     assert len(mgpu_calls) == 1, "the Mosaic GPU intra_fwd was not used"
     o_tri, S_tri = run(0)
     assert len(mgpu_calls) == 1, "hopper=0 must keep the Triton intra_fwd"
@@ -163,7 +163,7 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
 
 def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
     """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv) and runs the
-    Mosaic GPU intra_bwd_scores and intra_bwd_channels: every gradient with hopper=1 matches
+    Mosaic GPU intra_bwd_scores and intra_bwd_channels: every gradient with HOPPER_ALL matches
     the all-Triton one's."""
     B, T, H, HV = 1, 64, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
@@ -179,7 +179,7 @@ def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
             return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
         return jax.jit(jax.grad(fn, argnums=range(6)))
 
-    got = loss(1)(q, k, v, g, beta, h0)
+    got = loss(HOPPER_ALL)(q, k, v, g, beta, h0)
     bwd = ["intra_bwd_scores", "intra_bwd_channels"]
     assert mgpu_bwd_calls == bwd, f"Mosaic GPU backward kernels used: {mgpu_bwd_calls}"
     want = loss(0)(q, k, v, g, beta, h0)
@@ -364,7 +364,7 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, monkeypatch):
 
 
 def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
-    """The whole kda_pallas forward and gradient with hopper=1 on backend "gpu", as if on sm_90
+    """The whole kda_pallas forward and gradient with HOPPER_ALL on backend "gpu", as if on sm_90
     (the intra_fwd dispatch and the Mosaic GPU backward kernels included), lower for CUDA."""
     monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: True)
     shapes = ((1, 128, 1, 128), (1, 128, 1, 128), (1, 128, 2, 128), (1, 128, 2, 128),
@@ -374,7 +374,7 @@ def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
     def loss(q, k, v, g, beta):
         o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=None, segment_ids=None,
                           chunk_size=64, lower_bound=-5.0, backend="gpu",
-                          tuning=KernelTuning(hopper=1))
+                          tuning=KernelTuning(hopper=HOPPER_ALL))
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     for fn in (loss, jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
@@ -386,10 +386,17 @@ def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
 # ----------------------------------------------------------------------------- dispatch
 
 
-def test_hopper_is_off_by_default():
+def test_hopper_kernels_by_default_only_on_hopper_cards():
+    """default_tuning turns on the Mosaic GPU kernel measured faster on the H200 (the backward's
+    intra_bwd_scores) for Hopper device kinds only; KernelTuning() itself keeps Triton."""
     assert KernelTuning().hopper == 0
-    with pytest.raises(ValueError, match="KernelTuning.hopper must be 0 or 1"):
-        KernelTuning(hopper=2)
+    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", "NVIDIA H800"):
+        assert pk.default_tuning(kind).hopper == HOPPER_BWD_SCORES, kind
+    for kind in ("cpu", "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "TPU v5 lite", None):
+        assert pk.default_tuning(kind).hopper == 0, kind
+    for bad in (-1, 8, True):
+        with pytest.raises(ValueError, match="KernelTuning.hopper must be a sum of HOPPER_"):
+            KernelTuning(hopper=bad)
 
 
 @pytest.mark.parametrize("case", [
@@ -406,8 +413,8 @@ def test_fallback_for_unsupported_configs(case, monkeypatch):
         dt = jnp.float32
     q = jax.ShapeDtypeStruct((B, T, H, K), dt)
     v = jax.ShapeDtypeStruct((B, T, HV, V), dt)
-    kw = dict(mode="interpret", lower_bound=-5.0, chunk_size=64, hopper=1, seg=None)
-    kw.update({"hopper_off": dict(hopper=0), "segments": dict(seg=jnp.zeros((B, T), jnp.int32)),
+    kw = dict(mode="interpret", lower_bound=-5.0, chunk_size=64, hopper=HOPPER_ALL, seg=None)
+    kw.update({"hopper_off": dict(hopper=HOPPER_ALL & ~1), "segments": dict(seg=jnp.zeros((B, T), jnp.int32)),
                "unbounded": dict(lower_bound=None), "chunk32": dict(chunk_size=32),
                "tpu_interpret": dict(mode="tpu_interpret"),
                "gpu_not_sm90": dict(mode="gpu")}.get(case, {}))
@@ -429,7 +436,7 @@ def test_fallback_for_unsupported_configs(case, monkeypatch):
 
 
 def test_fallback_runs_the_triton_kernel(mgpu_calls):
-    """An unsupported call with hopper=1 (float32, K = 16, unbounded gate) runs end to end on the
+    """An unsupported call with HOPPER_ALL (float32, K = 16, unbounded gate) runs end to end on the
     Triton intra_fwd and never enters the Mosaic GPU one."""
     rng = np.random.default_rng(0)
     B, T, H, K = 1, 40, 1, 16
@@ -438,22 +445,26 @@ def test_fallback_runs_the_triton_kernel(mgpu_calls):
     beta = jnp.asarray(rng.random((B, T, H)), jnp.float32)
     o, S = kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=None, segment_ids=None,
                       chunk_size=64, lower_bound=None, backend="interpret",
-                      tuning=KernelTuning(hopper=1))
+                      tuning=KernelTuning(hopper=HOPPER_ALL))
     assert not mgpu_calls
     o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5)
     assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["supported", "hopper_off", "K64", "segments", "out_dtypes"])
+@pytest.mark.parametrize("case", ["supported", "hopper_off", "scores_only", "channels_only",
+                                  "K64", "segments", "out_dtypes"])
 def test_bwd_dispatch(case, mgpu_bwd_calls):
     """intra_bwd_scores and intra_bwd_channels (traced only: jax.eval_shape) take the Mosaic GPU
-    kernels for the supported config and the Triton kernels otherwise: hopper=0, any config
+    kernels for the supported config and the Triton kernels otherwise: their HOPPER_* bit not
+    set (only intra_fwd's; only one of the two: that one alone switches), any config
     hopper_intra_mode turns down (the forward's checks: K = 64, packed segments, ...), or
     output dtypes they do not write (dv not bf16; dq, dk or dg not bf16 / float32)."""
     B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     seg = jnp.zeros((B, T), jnp.int32) if case == "segments" else None
-    cfg = config(x, x, mode="interpret", hopper=int(case != "hopper_off"), seg=seg)
+    bits = {"hopper_off": pk.HOPPER_INTRA_FWD, "scores_only": pk.HOPPER_BWD_SCORES,
+            "channels_only": pk.HOPPER_BWD_CHANNELS}.get(case, HOPPER_ALL)
+    cfg = config(x, x, mode="interpret", hopper=bits, seg=seg)
     N, C, K, V = cfg.N, cfg.C, cfg.K, cfg.V
 
     def sds(*shape, dt=jnp.bfloat16):
@@ -472,6 +483,8 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
     jax.eval_shape(lambda *a: calls.intra_bwd_channels(
         cfg, *a[:4], segs, a[4:8], *a[8:], dqk_dtype=jnp.float16 if odd else jnp.float32,
         dg_dtype=jnp.float32), k, k, G, beta, cc, cc, cc, cc, cc, st, st, cv, cv, v)
-    want = ["intra_bwd_scores", "intra_bwd_channels"] if case == "supported" else []
+    want = {"supported": ["intra_bwd_scores", "intra_bwd_channels"],
+            "scores_only": ["intra_bwd_scores"],
+            "channels_only": ["intra_bwd_channels"]}.get(case, [])
     assert mgpu_bwd_calls == want, case
 
