@@ -352,6 +352,48 @@ def test_step_time_counts_the_steps_it_timed_when_dispatch_is_synchronous(tmp_pa
     assert times == {3: 1.0, 6: 1.0, 8: 1.0}, times
 
 
+def test_step_time_counts_the_steps_it_timed_when_dispatch_returns_partway(tmp_path,
+                                                                          monkeypatch):
+    """Where the call for a step returns with the step partly run (seen on the H200: the 1B
+    model's micro-batched step), the timer must still read 1 s per step of a fake clock that
+    advances as the device works: each call first finishes the step before it, then runs a
+    varying part of its own, and waiting for the newest state runs the rest. Counting the
+    newest step as finished without waiting for it misreads the windows."""
+    from configs import load_config
+
+    clock, ran = {"t": 0.0, "owed": 0.0}, []
+    monkeypatch.setattr(train_lib.time, "perf_counter", lambda: clock["t"])
+    wait = train_lib._wait_until_ready
+
+    def wait_and_run_the_rest(tree):
+        clock["t"], clock["owed"] = clock["t"] + clock["owed"], 0.0
+        wait(tree)
+
+    monkeypatch.setattr(train_lib, "_wait_until_ready", wait_and_run_the_rest)
+    build = train_lib.build
+
+    def partly_synchronous_build(spec, mesh):
+        setup = build(spec, mesh, model_fn=lambda seed: StandIn(seed, spec.model.vocab_size))
+
+        def step(state, batch):
+            out = jax.block_until_ready(setup.train_step(state, batch))
+            run = (0.25, 0.75, 0.5)[len(ran) % 3]  # how much of it has run at return
+            ran.append(run)
+            clock["t"], clock["owed"] = clock["t"] + clock["owed"] + run, 1.0 - run
+            return out
+        return dataclasses.replace(setup, train_step=step)
+
+    monkeypatch.setattr(train_lib, "build", partly_synchronous_build)
+    config = load_config("tiny.py")
+    config.data.seq_len, config.data.global_batch_size = 16, 8
+    config.train.steps, config.train.log_every, config.train.eval_every = 8, 3, 0
+    config.train.progress_bar, config.checkpoint.enabled = False, False
+    train_lib.train(config, str(tmp_path))
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    times = {r["step"]: r["step_time_s"] for r in records if r["split"] == "train"}
+    assert times == {3: 1.0, 6: 1.0, 8: 1.0}, times
+
+
 def test_gradient_accumulation_equals_the_one_shot_step():
     one = run_standin(standin_config(), standin_batches(3))  # CPU: microbatch = whole batch
     config = standin_config()
