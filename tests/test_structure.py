@@ -98,7 +98,7 @@ def test_the_config_is_checked_once_on_its_way_to_the_layers(monkeypatch):
     layers: the model section is validated exactly once."""
     calls = []
     real = config_lib._kda_spec
-    monkeypatch.setattr(config_lib, "_kda_spec", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(config_lib, "_kda_spec", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     config = load_config("tiny.py")
     spec = config_lib.run_spec(config)
     setup = train_lib.build(spec, mesh.make_mesh(spec.mesh))
