@@ -8,7 +8,13 @@ Heads 16, query/key head dim 192 (128 + 64 shared), value head dim 128, bf16 on 
 of random lengths packed into each row. Prints, per implementation, the relative error of the
 output and of dq, dk, dv against "xla", and the median forward+backward time; ``IMPL:rows``
 times IMPL with one document per row instead (no segment masks), for what the masks cost;
-``cudnn:mask`` is cuDNN with the documents as a [B, 1, T, T] mask instead of its packed layout.
+``cudnn:mask`` is cuDNN with the documents as a [B, 1, T, T] mask instead of its packed layout;
+``cudnn:runs=N`` is the packed layout with room for N documents per row (the model's
+``PACKED_RUNS_PER_ROW``; cuDNN's backward keeps a float32 dq accumulator for B x N sequences of
+T tokens, so N sets its size).
+
+    python benchmarks/attention_bench.py --batch=4 --doc_len=5000 \
+        --impls=cudnn,cudnn:runs=4,cudnn:runs=8,cudnn:rows      # the 1B step's rows: 1-2 docs
 """
 
 from __future__ import annotations
@@ -77,8 +83,8 @@ def main(argv=None):
 
     def make(name):
         # "<impl>:rows" times one document per row (no segment ids): what the masks cost.
-        impl, _, rows = name.partition(":")
-        s = None if rows == "rows" else seg
+        impl, _, variant = name.partition(":")
+        s = None if variant == "rows" else seg
 
         def loss(q, k, v):
             o = attention(q, k, v, scale=Dk ** -0.5, segment_ids=s, impl=impl)
@@ -94,7 +100,10 @@ def main(argv=None):
     for impl in a.impls.split(","):
         fwd, both = make(impl)
         # Read while tracing (the first calls below): the mask instead of the packed layout.
-        attention_module.PACKED_RUNS_PER_ROW = 0 if impl == "cudnn:mask" else packed_default
+        variant = impl.partition(":")[2]
+        attention_module.PACKED_RUNS_PER_ROW = (
+            0 if variant == "mask" else
+            int(variant.removeprefix("runs=")) if variant.startswith("runs=") else packed_default)
         try:
             o = fwd(q, k, v)
             _, g = both(q, k, v)
