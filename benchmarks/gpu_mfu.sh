@@ -36,6 +36,9 @@ mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+# Every run of a call shares compiled programs: the unrolled 1B initialiser alone compiles for
+# about two minutes on the card, and is the same program for every flag tried after it.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jcache}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$W/gpu.txt"
 ANCHOR=${ANCHOR:-benchmarks/results/dense_anchor.py}
 EXTRA=${EXTRA:-}
@@ -130,7 +133,7 @@ if [ "$PHASE" = step3 ]; then
 fi
 
 if [ "$PHASE" = loss ]; then
-    loss_curves "${STEPS:-50}" 90
+    loss_curves "${STEPS:-50}" 200  # configs/small.py compiles for ~85 s on the card
 fi
 
 if [ "$PHASE" = unrolled ]; then
