@@ -57,6 +57,8 @@ with another CTA's math yet (one CTA per SM).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,6 +69,27 @@ from pallas_kernels.kda_mgpu import CHUNK, _swizzled, plgpu
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 BK = 64  # channels per CTA: one 128-byte swizzle row of bf16
+
+
+def _iota(shape, dim, *, compiled):
+    """Indices along ``dim``: compiled, in the WGMMA layout (the interpreter has no layouts)."""
+    if not compiled:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _one(cond):
+    return jnp.where(cond, 1.0, 0.0).astype(f32)
+
+
+def _dot(pairs, shape):
+    """sum(a @ b for a, b in pairs), float32, on the tensor cores (reading the accumulator waits
+    for the wgmmas: their operands may be overwritten after)."""
+    def scoped(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+    return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
 
 
 def unsupported_reason(cfg: KdaConfig, dqk_dtype, dg_dtype) -> str | None:
@@ -98,22 +121,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     ROW, COL = WG.reduce(1), WG.reduce(0)  # per-row / per-column vectors of a WGMMA array
     compiled = interpret is None
 
-    def iota(shape, dim):  # compiled: in the WGMMA layout (the interpreter has no layouts)
-        if not compiled:
-            return lax.broadcasted_iota(jnp.int32, shape, dim)
-        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
-
-    def one(cond):
-        return jnp.where(cond, 1.0, 0.0).astype(f32)
-
-    def dot(pairs, shape):
-        """sum(a @ b for a, b in pairs), float32, on the tensor cores (reading the accumulator
-        waits for the wgmmas: their operands may be overwritten after)."""
-        def scoped(acc):
-            for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
-            return acc[...]
-        return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
+    iota = functools.partial(_iota, compiled=compiled)
 
     def planes(x, dsts):
         """Stores float32 x as len(dsts) bf16 planes summing to it (2: 16 significand bits, 3:
@@ -185,20 +193,20 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             else:
                 T_t = plgpu.transpose_ref(T_s, (1, 0))
             # dW = -dV' St (bf16, Tinv^T's right operand), dKGa = Diag(beta) Tinv^T dW
-            x1_s[...] = (-dot([(dVp_s, h_s)], (C, BK))).astype(bf16)
+            x1_s[...] = (-_dot([(dVp_s, h_s)], (C, BK))).astype(bf16)
             plgpu.commit_smem()
-            dKGa_CxBK = by_row(beta_C) * dot([(T_t, x1_s)], (C, BK))
+            dKGa_CxBK = by_row(beta_C) * _dot([(T_t, x1_s)], (C, BK))
             need("dO")
-            dQG_CxBK = dot([(dO_s, h_s)], (C, BK))
+            dQG_CxBK = _dot([(dO_s, h_s)], (C, BK))
             need("Vp", "dh")
-            dKg_CxBK = dot([(Vp_s, dh_s)], (C, BK))
+            dKg_CxBK = _dot([(Vp_s, dh_s)], (C, BK))
             # dgam: St * dSt is exact in float32 and exactly hi + lo in bf16; over St, dSt
             # (their wgmmas are done) and a ones [C, V] over dO
             hd_VxBK = h_s[...].astype(f32) * dh_s[...].astype(f32)
             planes(hd_VxBK, (h_s, dh_s))
-            dO_s[...] = one(iota((C, V), 0) >= 0).astype(bf16)
+            dO_s[...] = _one(iota((C, V), 0) >= 0).astype(bf16)
             plgpu.commit_smem()
-            dgam_CxBK = dot([(dO_s, h_s), (dO_s, dh_s)], (C, BK))
+            dgam_CxBK = _dot([(dO_s, h_s), (dO_s, dh_s)], (C, BK))
 
             need("G", "q", "k")
             G_CxBK = load_G()
@@ -213,9 +221,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             DG_CxBK = (dQG_CxBK * qs_CxBK + dKGa_CxBK * k_CxBK) * Gam_CxBK - P_CxBK
             # dG_last += sum_i P_i + dgam gam: every row of Ones @ P holds the column sum
             planes(P_CxBK, (x1_s, x2_s, x3_s))
-            m_s[...] = one(ri >= 0).astype(bf16)
+            m_s[...] = _one(ri >= 0).astype(bf16)
             plgpu.commit_smem()
-            Psum_CxBK = dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
+            Psum_CxBK = _dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
             last = Psum_CxBK + dgam_CxBK * jnp.exp(Gl_CxBK)
             DG_CxBK = DG_CxBK + jnp.where(rows == C - 1, last, 0.0)
             return DQ_CxBK, DK_CxBK, DG_CxBK
@@ -238,8 +246,8 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             ok = rows < a + s
             X_CxBK = jnp.where(ok, k_CxBK * jnp.exp(jnp.where(ok, Ga_CxBK - G_CxBK, 0.0)), 0.0)
             planes(X_CxBK, (x1_s, x2_s))
-            Rq_CxBK = dot([(dAqk_s, x1_s), (dAqk_s, x2_s)], (C, BK))
-            Rk_CxBK = dot([(dAkk_s, x1_s), (dAkk_s, x2_s)], (C, BK))
+            Rq_CxBK = _dot([(dAqk_s, x1_s), (dAqk_s, x2_s)], (C, BK))
+            Rk_CxBK = _dot([(dAkk_s, x1_s), (dAkk_s, x2_s)], (C, BK))
             eR_CxBK = jnp.where(mine, jnp.exp(jnp.where(mine, G_CxBK - Ga_CxBK, 0.0)), 0.0)
             rq_CxBK, rk_CxBK = eR_CxBK * Rq_CxBK, eR_CxBK * Rk_CxBK
             DQ_CxBK = DQ_CxBK + rq_CxBK
@@ -250,9 +258,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             ok = rows >= a
             eB_CxBK = jnp.where(ok, jnp.exp(jnp.where(ok, G_CxBK - Gb_CxBK, 0.0)), 0.0)
             planes(qs_CxBK * eB_CxBK, (x1_s, x2_s))
-            Cq_CxBK = dot([(dAqkT_s, x1_s), (dAqkT_s, x2_s)], (C, BK))
+            Cq_CxBK = _dot([(dAqkT_s, x1_s), (dAqkT_s, x2_s)], (C, BK))
             planes(k_CxBK * eB_CxBK, (x1_s, x2_s))
-            Ck_CxBK = dot([(dAkkT_s, x1_s), (dAkkT_s, x2_s)], (C, BK))
+            Ck_CxBK = _dot([(dAkkT_s, x1_s), (dAkkT_s, x2_s)], (C, BK))
             eC_CxBK = jnp.where(mine, jnp.exp(jnp.where(mine, Gb_CxBK - G_CxBK, 0.0)), 0.0)
             c_CxBK = eC_CxBK * (Cq_CxBK + Ck_CxBK)
             DK_CxBK = DK_CxBK + c_CxBK
@@ -260,9 +268,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
 
         # dg_i = sum_{r >= i} dG_r: Utri @ dG on its exact three-plane split
         planes(DG_CxBK, (x1_s, x2_s, x3_s))
-        m_s[...] = one(rr >= ri).astype(bf16)
+        m_s[...] = _one(rr >= ri).astype(bf16)
         plgpu.commit_smem()
-        dg_CxBK = dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
+        dg_CxBK = _dot([(m_s, x) for x in (x1_s, x2_s, x3_s)], (C, BK))
 
         def store(dq_s, dk_s, dg_s):
             for val, src, dst in ((DQ_CxBK * scale, dq_s, dq_g), (DK_CxBK, dk_s, dk_g),
@@ -326,20 +334,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     ROW = WG.reduce(1)
     compiled = interpret is None
 
-    def iota(shape, dim):
-        if not compiled:
-            return lax.broadcasted_iota(jnp.int32, shape, dim)
-        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
-
-    def one(cond):
-        return jnp.where(cond, 1.0, 0.0).astype(f32)
-
-    def dot(pairs, shape):
-        def scoped(acc):
-            for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
-            return acc[...]
-        return pl.run_scoped(scoped, plgpu.ACC(shape, f32))
+    iota = functools.partial(_iota, compiled=compiled)
 
     def ld(ref):  # float32 untiled SMEM into the WGMMA layout
         return ref[...] if not compiled else plgpu.load(ref, (), layout=WG, optimized=False)
@@ -389,8 +384,8 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             need("dO", "Vp", "T", "dVp", "beta")
             beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
             T_t = tview(T_s, T_s)  # interpreter: T^T in place (T is read only as T^T)
-            dAqk_CxC = dot([(dO_s, tview(Vp_s, tb.get("VpT")))], (C, C))
-            dRv_CxV = dot([(T_t, dVp_s)], (C, V))
+            dAqk_CxC = _dot([(dO_s, tview(Vp_s, tb.get("VpT")))], (C, C))
+            dRv_CxV = _dot([(T_t, dVp_s)], (C, V))
             dRv_s[...] = dRv_CxV.astype(bf16)
             need("v")
             dbeta_C = rowsum(dRv_CxV * v_s[...].astype(f32))
@@ -398,9 +393,9 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             plgpu.commit_smem()  # dv from dO's buffer (read above: dAqk's wgmma is done)
             plgpu.copy_smem_to_gmem(dO_s, dv_g.at[b, tok, hv])
             need("h")
-            dRk_s[...] = (-dot([(dVp_s, h_s)], (C, K))).astype(bf16)  # dW
+            dRk_s[...] = (-_dot([(dVp_s, h_s)], (C, K))).astype(bf16)  # dW
             plgpu.commit_smem()
-            dRk_CxK = dot([(T_t, dRk_s)], (C, K))
+            dRk_CxK = _dot([(T_t, dRk_s)], (C, K))
             dRk_s[...] = dRk_CxK.astype(bf16)
             plgpu.commit_smem()
             need("k", "G")
@@ -417,13 +412,13 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             """dL, dbeta's Akk part, dAkk; the four [C, C] outputs and dbeta."""
             plgpu.copy_gmem_to_smem(U_g.at[bh, n], U_s, bbars.at[0])
             plgpu.copy_gmem_to_smem(W_g.at[bh, n], W_s, bbars.at[1])
-            eye_s[...] = one(ri == rr).astype(bf16)
+            eye_s[...] = _one(ri == rr).astype(bf16)
             a1_s[...] = jnp.where(rr <= ri, dAqk_CxC, 0.0).astype(bf16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(a1_s, dAqk_g.at[bh, n])
             plgpu.barrier_wait(bbars.at[0])
             plgpu.barrier_wait(bbars.at[1])
-            dL_CxC = -dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
+            dL_CxC = -_dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
                           (C, C))
             dL_CxC = jnp.where(rr < ri, dL_CxC, 0.0)
             need("Akk")
@@ -435,7 +430,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             # the transposes, exactly: (stored bf16 matrix)^T @ I
             for src, dst, dst_g in ((a1_s, a3_s, dAqkT_g), (a2_s, a4_s, dAkkT_g)):
                 if compiled:
-                    dst[...] = dot([(plgpu.transpose_ref(src, (1, 0)), eye_s)],
+                    dst[...] = _dot([(plgpu.transpose_ref(src, (1, 0)), eye_s)],
                                    (C, C)).astype(bf16)
                 else:
                     dst[...] = src[...].T

@@ -284,9 +284,30 @@ SMEM_TWO_BLOCKS = 113 * 1024
 SMEM_PER_BLOCK = 227 * 1024
 
 
+@pytest.fixture
+def smem(monkeypatch):
+    """The shared memory (bytes) of each Mosaic GPU kernel lowered while the test runs, from
+    Pallas' own resource estimate (run_scoped buffers at their peak). Private API: where this
+    JAX does not expose it the list stays empty and the tests check the lowering only."""
+    sizes = []
+    try:
+        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+        estimate = mgpu_lowering._estimate_resources
+
+        def spy(ctx, jaxpr):
+            out = estimate(ctx, jaxpr)
+            sizes.append(out.smem_scratch_bytes)
+            return out
+
+        monkeypatch.setattr(mgpu_lowering, "_estimate_resources", spy)
+    except (ImportError, AttributeError):
+        pass
+    return sizes
+
+
 @pytest.mark.parametrize(("residuals", "gate_dtype"), [
     (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.float32), (True, jnp.float32)])
-def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
+def test_cuda_lowering(residuals, gate_dtype, smem):
     """The kernel lowers for CUDA (Mosaic GPU's frontend and layout checks) without a GPU, and
     its shared memory (Pallas' own estimate, where this JAX exposes it) lets two blocks share
     an sm_90 SM."""
@@ -295,19 +316,6 @@ def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
         ((2, 256, 2, 128), bf), ((2, 256, 2, 128), bf), ((2, 256, 4, 128), bf),
         ((2, 256, 4, 128), gate_dtype), ((2, 256, 4, 1), gate_dtype))]
     cfg = config(args[0], args[2], mode="gpu")
-    smem = []
-    try:  # private: the lowering's resource estimate (run_scoped buffers at their peak)
-        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-        estimate = mgpu_lowering._estimate_resources
-
-        def spy(ctx, jaxpr):
-            out = estimate(ctx, jaxpr)
-            smem.append(out.smem_scratch_bytes)
-            return out
-
-        monkeypatch.setattr(mgpu_lowering, "_estimate_resources", spy)
-    except (ImportError, AttributeError):
-        pass
     fn = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -317,7 +325,7 @@ def test_cuda_lowering(residuals, gate_dtype, monkeypatch):
 
 @pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [
     (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
-def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, monkeypatch):
+def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
     """intra_bwd_scores and intra_bwd_channels lower for CUDA without a GPU and fit one sm_90
     block's SMEM (Pallas' estimate), the latter with bf16 and float32 outputs."""
     bf = jnp.bfloat16
@@ -329,19 +337,6 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, monkeypatch):
         ((B, Tp, H, 128), bf), ((B, Tp, H, 128), bf), ((B * HV, N, C, 128), jnp.float32),
         ((B, Tp, HV, 1), jnp.float32), *[(cc, bf)] * 5, (st, bf), (st, bf), (cv, bf), (cv, bf),
         ((B, Tp, HV, 128), bf))]
-    smem = []
-    try:  # private: the lowering's resource estimate (run_scoped buffers at their peak)
-        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-        estimate = mgpu_lowering._estimate_resources
-
-        def spy(ctx, jaxpr):
-            out = estimate(ctx, jaxpr)
-            smem.append(out.smem_scratch_bytes)
-            return out
-
-        monkeypatch.setattr(mgpu_lowering, "_estimate_resources", spy)
-    except (ImportError, AttributeError):
-        pass
 
     def fn(q, k, G, beta, d0, d1, d2, d3, *rest):
         return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, beta, (), (d0, d1, d2, d3), *rest,

@@ -321,44 +321,15 @@ def run_standin(config, batches, model_cls=StandIn):
     return history
 
 
-def test_step_time_counts_the_steps_it_timed_when_dispatch_is_synchronous(tmp_path, monkeypatch):
-    """Where the call for a step returns only when it has finished (seen on the H200), every
-    log window must still divide its time by the steps it timed. A fake clock advances by one
-    second when a step finishes, so every window must read exactly 1 s per step (the old count
-    gave the last window one step it never timed: 0.5 s per step here)."""
-    from configs import load_config
-
-    clock = {"t": 0.0}
-    monkeypatch.setattr(train_lib.time, "perf_counter", lambda: clock["t"])
-    build = train_lib.build
-
-    def synchronous_build(spec, mesh):
-        setup = build(spec, mesh, model_fn=lambda seed: StandIn(seed, spec.model.vocab_size))
-
-        def step(state, batch):
-            out = jax.block_until_ready(setup.train_step(state, batch))
-            clock["t"] += 1.0
-            return out
-        return dataclasses.replace(setup, train_step=step)
-
-    monkeypatch.setattr(train_lib, "build", synchronous_build)
-    config = load_config("tiny.py")
-    config.data.seq_len, config.data.global_batch_size = 16, 8
-    config.train.steps, config.train.log_every, config.train.eval_every = 8, 3, 0
-    config.train.progress_bar, config.checkpoint.enabled = False, False
-    train_lib.train(config, str(tmp_path))
-    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    times = {r["step"]: r["step_time_s"] for r in records if r["split"] == "train"}
-    assert times == {3: 1.0, 6: 1.0, 8: 1.0}, times
-
-
-def test_step_time_counts_the_steps_it_timed_when_dispatch_returns_partway(tmp_path,
-                                                                          monkeypatch):
-    """Where the call for a step returns with the step partly run (seen on the H200: the 1B
-    model's micro-batched step), the timer must still read 1 s per step of a fake clock that
-    advances as the device works: each call first finishes the step before it, then runs a
-    varying part of its own, and waiting for the newest state runs the rest. Counting the
-    newest step as finished without waiting for it misreads the windows."""
+@pytest.mark.parametrize("runs_at_return", [(1.0,), (0.25, 0.75, 0.5)],
+                         ids=["synchronous", "partway"])
+def test_step_time_counts_the_steps_it_timed(runs_at_return, tmp_path, monkeypatch):
+    """However much of a step has run when the call for it returns (all of it, or a varying
+    part: both seen on the H200 with the 1B model's micro-batched step), every log window must
+    read 1 s per step of a fake clock that advances as the device works: each call first
+    finishes the step before it, then runs ``runs_at_return`` of its own, and waiting for the
+    newest state runs the rest. Counting steps as finished without waiting misread windows
+    (0.75 and 1.5 s per step here; the synchronous case read 0.5 s with an older count)."""
     from configs import load_config
 
     clock, ran = {"t": 0.0, "owed": 0.0}, []
@@ -372,18 +343,18 @@ def test_step_time_counts_the_steps_it_timed_when_dispatch_returns_partway(tmp_p
     monkeypatch.setattr(train_lib, "_wait_until_ready", wait_and_run_the_rest)
     build = train_lib.build
 
-    def partly_synchronous_build(spec, mesh):
+    def fake_device_build(spec, mesh):
         setup = build(spec, mesh, model_fn=lambda seed: StandIn(seed, spec.model.vocab_size))
 
         def step(state, batch):
             out = jax.block_until_ready(setup.train_step(state, batch))
-            run = (0.25, 0.75, 0.5)[len(ran) % 3]  # how much of it has run at return
+            run = runs_at_return[len(ran) % len(runs_at_return)]
             ran.append(run)
             clock["t"], clock["owed"] = clock["t"] + clock["owed"] + run, 1.0 - run
             return out
         return dataclasses.replace(setup, train_step=step)
 
-    monkeypatch.setattr(train_lib, "build", partly_synchronous_build)
+    monkeypatch.setattr(train_lib, "build", fake_device_build)
     config = load_config("tiny.py")
     config.data.seq_len, config.data.global_batch_size = 16, 8
     config.train.steps, config.train.log_every, config.train.eval_every = 8, 3, 0
