@@ -104,7 +104,9 @@ def test_gradients_xla_match_recurrent(rng, gate):
     grads = {}
     for impl in ("recurrent", "xla"):
         loss = _loss_fn(impl, w_o, w_S, seg)
-        grads[impl] = jax.grad(loss, argnums=tuple(range(6)))(*args)
+        # Jitted: run eagerly, the gradient dispatches (and compiles) op by op, several times
+        # slower than compiling it whole.
+        grads[impl] = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     for name, gx, gr in zip(names, grads["xla"], grads["recurrent"], strict=True):
         assert np.all(np.isfinite(gx)), name
@@ -121,7 +123,8 @@ def test_gradients_recurrent_match_finite_differences(rng):
             o, _ = kda(q, k, v, g, beta, impl="recurrent")
             return jnp.sum(o.astype(jnp.float64) * w)
 
-        grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta)
+        loss = jax.jit(loss)  # ten calls of one shape: one compile, not ten op-by-op runs
         # The recurrent impl computes in float32 inside, so compare against a float32-sized step.
         args = [q, k, v, g, beta]
         for i, grad in enumerate(grads):
@@ -145,7 +148,9 @@ def test_packed_segments_equal_documents_one_by_one(rng, impl):
     seg = np.zeros((2, T), np.int32)
     seg[0, 17:61] = 1
     seg[0, 61:] = 2
-    o, S = kda(
+    # Jitted: run eagerly, each call dispatches (and compiles) op by op, several times slower.
+    run = jax.jit(kda, static_argnames=("output_final_state", "chunk_size", "impl"))
+    o, S = run(
         q, k, v, g, beta, initial_state=S0, segment_ids=jnp.asarray(seg),
         output_final_state=True, chunk_size=16, impl=impl,
     )
@@ -154,7 +159,7 @@ def test_packed_segments_equal_documents_one_by_one(rng, impl):
         sl = lambda x, b=b, s=s, e=e: x[b : b + 1, s:e]
         # The initial state applies to the first document of each row only.
         init = S0[b : b + 1] if s == 0 else None
-        o_doc, S_doc = kda(
+        o_doc, S_doc = run(
             sl(q), sl(k), sl(v), sl(g), sl(beta), initial_state=init,
             output_final_state=True, chunk_size=16, impl=impl,
         )
@@ -175,9 +180,9 @@ def test_extreme_gates_finite_and_correct(rng, impl):
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(S))
     o_ref, S_ref = kda_numpy(*map(as64, (q, k, v, g, beta)))
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
-    grads = jax.grad(
+    grads = jax.jit(jax.grad(
         lambda *a: jnp.sum(kda(*a, impl=impl)[0] ** 2), argnums=(0, 1, 2, 3, 4)
-    )(q, k, v, g, beta)
+    ))(q, k, v, g, beta)
     for grad in grads:
         assert np.all(np.isfinite(grad))
 

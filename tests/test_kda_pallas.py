@@ -145,7 +145,9 @@ def check_grads(backend, inputs, *, seg, lower_bound, chunk_size, names=GRAD_NAM
 
     f32_inputs = [x.astype(jnp.float32) for x in inputs]
     got = jax.jit(jax.grad(loss_fn(ours, o_w, S_w), argnums=range(6)))(*inputs)
-    want = jax.grad(loss_fn(ref, o_w, S_w), argnums=range(6))(*f32_inputs)
+    # Jitted: the recurrence's gradient run eagerly dispatches (and compiles) op by op, several
+    # times slower than compiling it whole.
+    want = jax.jit(jax.grad(loss_fn(ref, o_w, S_w), argnums=range(6)))(*f32_inputs)
     tols = grad_tols(backend)
     for name, a, b in zip(GRAD_NAMES, got, want, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: d{name} not finite (unwritten?)"
@@ -311,10 +313,11 @@ def test_gradients_bf16_inputs(backend):
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * o_w)
 
-    got = jax.grad(loss(lambda *a: run_pallas(backend, *a)), argnums=range(6))(*inputs)
+    got = jax.jit(jax.grad(loss(lambda *a: run_pallas(backend, *a)), argnums=range(6)))(*inputs)
     ref_fn = lambda q, k, v, g, b, h: kda_recurrent(
         q, k, v, g, b, scale=K ** -0.5, initial_state_BxHVxKxV=h, segment_ids_BxT=None)
-    want = jax.grad(loss(ref_fn), argnums=range(6))(*(x.astype(jnp.float32) for x in inputs))
+    want = jax.jit(jax.grad(loss(ref_fn), argnums=range(6)))(
+        *(x.astype(jnp.float32) for x in inputs))
     tols = dict(q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, h0=8e-3)
     for name, a, b, x in zip(GRAD_NAMES, got, want, inputs, strict=True):
         assert a.dtype == x.dtype, name
