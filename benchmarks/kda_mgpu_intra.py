@@ -1,5 +1,5 @@
-"""intra_fwd (and intra_bwd_channels) speed: the Mosaic GPU kernels (pallas_kernels/kda_mgpu.py,
-kda_mgpu_bwd.py) against the Triton ones.
+"""intra_fwd, intra_bwd_scores and intra_bwd_channels speed: the Mosaic GPU kernels
+(pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py) against the Triton ones.
 
     python benchmarks/kda_mgpu_intra.py                    # B=8, T=4096, H=HV=16, K=V=128 (H200)
     python benchmarks/kda_mgpu_intra.py --forward          # + the whole kda_pallas forward
@@ -66,12 +66,11 @@ def rel(a, b):
     return float(_rel(a, b))
 
 
-def channels_inputs(cfg, kargs, seed=1):
+def channels_inputs(cfg, kargs, G, Tinv, seed=1):
     """intra_bwd_channels' arguments after cfg: q, k, beta and the forward's G and Tinv (the
     Triton intra_fwd), random bf16 h, dh, V', dV', dO and score gradients (dAqk lower
     triangular, dAkk strictly, and their transposes)."""
-    qp, kp, vp, gp, bp = kargs
-    *_, G, _, Tinv = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    qp, kp, _, _, bp = kargs
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
 
@@ -87,7 +86,9 @@ def channels_inputs(cfg, kargs, seed=1):
 def backward_rows(args, cfg, kargs, inputs, mode, interpret):
     """Table rows: intra_bwd_channels alone (bf16 dq, dk as for H = HV; float32 dg as for a
     float32 g), intra_bwd_scores alone, and the whole kda_pallas gradient."""
-    cargs = channels_inputs(cfg, kargs)
+    qp, kp, vp, gp, bp = kargs
+    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    cargs = channels_inputs(cfg, kargs, G, Tinv)
     kw = dict(dqk_dtype=jnp.bfloat16, dg_dtype=kargs[3].dtype)
     tri_cfg = dataclasses.replace(cfg, hopper=0)
     tri = jax.jit(lambda *a: calls.intra_bwd_channels(tri_cfg, *a, **kw), static_argnums=4)
@@ -98,8 +99,6 @@ def backward_rows(args, cfg, kargs, inputs, mode, interpret):
     diff = max(rel(a, b) for a, b in zip(mg(*cargs), tri(*cargs), strict=True))
     rows = [("intra_bwd_channels", t_tri, t_mg, diff)]
 
-    qp, kp, vp, gp, bp = kargs
-    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, (), residuals=True)
     h, _, Vp, dVp, dO = cargs[7:]
     sargs = (kp, vp, G, bp, (), W, U, Akk, Tinv, h, Vp, dVp, dO)
     tri = jax.jit(lambda *a: calls.intra_bwd_scores(tri_cfg, *a, dv_dtype=jnp.bfloat16),

@@ -130,7 +130,8 @@ def default_model_config() -> ml_collections.ConfigDict:
     # instead of before it. Off by default until its training step is measured on the GPU
     # (BENCHMARKS.md, third pass).
     cfg.kda.gate_in_kernel = False
-    # The short convolutions' weight gradient: "auto" (the kernel on the GPU, XLA elsewhere),
+    # The short convolutions' weight gradient: "auto" (the kernel on the GPU for scanned
+    # layers, XLA elsewhere: dispatch.choose_conv_impl),
     # "xla" (a column sum XLA fuses as it likes) or "pallas" (its own kernel,
     # pallas_kernels/short_conv.py; interpret mode off the GPU).
     cfg.kda.conv_impl = "auto"

@@ -164,8 +164,9 @@ def _weight_grad_xla(x_ext, dy_lags, T: int):
     """dw [W, *channels] float32 from the masked float32 cotangents dy_lag [B, T, *channels]
     (lag = 0..W-1), each tap one column sum over a [B T, C] view. (Neither ops.reductions'
     two-stage column_sum (48 against 36 ms per 4 x 4096 rows) nor an
-    optimisation barrier before the sums (44.4 against 41.9 ms) made the 1B step's
-    convolutions faster on the H200; the Pallas kernel did: 38.8 ms, BENCHMARKS.md.)"""
+    optimisation barrier before the sums (44.4 against 41.9 ms) made the scanned 1B step's
+    convolutions faster on the H200; the Pallas kernel did: 38.8 ms. With the layers unrolled
+    these sums are the faster, 10.3 against 16.8 ms: BENCHMARKS.md, dispatch.choose_conv_impl.)"""
     W, (B, _, *channels) = len(dy_lags), dy_lags[0].shape
     dw = []
     for lag, dy_lag in enumerate(dy_lags):
