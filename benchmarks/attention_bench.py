@@ -9,9 +9,9 @@ of random lengths packed into each row. Prints, per implementation, the relative
 output and of dq, dk, dv against "xla", and the median forward+backward time; ``IMPL:rows``
 times IMPL with one document per row instead (no segment masks), for what the masks cost;
 ``cudnn:mask`` is cuDNN with the documents as a [B, 1, T, T] mask instead of its packed layout;
-``cudnn:runs=N`` is the packed layout with room for N documents per row (the model's
-``PACKED_RUNS_PER_ROW``; cuDNN's backward keeps a float32 dq accumulator for B x N sequences of
-T tokens, so N sets its size).
+``cudnn:runs=N`` is the packed layout with room for N documents per row only (the model takes
+the smallest room of ``PACKED_RUNS_PER_ROW`` that fits; cuDNN's backward keeps a float32 dq
+accumulator for B x N sequences of T tokens, so N sets its size).
 
     python benchmarks/attention_bench.py --batch=4 --doc_len=5000 \
         --impls=cudnn,cudnn:runs=4,cudnn:runs=8,cudnn:rows      # the 1B step's rows: 1-2 docs
@@ -102,8 +102,9 @@ def main(argv=None):
         # Read while tracing (the first calls below): the mask instead of the packed layout.
         variant = impl.partition(":")[2]
         attention_module.PACKED_RUNS_PER_ROW = (
-            0 if variant == "mask" else
-            int(variant.removeprefix("runs=")) if variant.startswith("runs=") else packed_default)
+            () if variant == "mask" else
+            (int(variant.removeprefix("runs=")),) if variant.startswith("runs=")
+            else packed_default)
         try:
             o = fwd(q, k, v)
             _, g = both(q, k, v)

@@ -18,17 +18,21 @@
 # step3:    the GPU cases of the packed-attention, short-conv and gate-in-kernel tests; the
 #           attention table; step_profile.py on configs/1b.py at 4 rows; configs/1b.py as
 #           written; configs/small.py 50 steps, this code and the code in .old/ (loss curves).
-# loss:     configs/small.py, STEPS steps (default 50), this code and the code in .old/.
+# loss:     configs/small.py, STEPS steps (default 50), this code and the code in .old/; with
+#           NOISE=1 also this code in two micro-batches of 16 rows (the same sums in another
+#           order: the run-to-run noise the two curves are judged against).
 # unrolled: step_profile.py on configs/1b.py at 4 rows with the layers unrolled
 #           (scan_layers=False: SourceList Attention Residuals), and its compile time.
 # prof NAME LIMIT FLAGS...:  one step_profile.py run (profile_NAME.md), e.g.
 #           bash benchmarks/gpu_mfu.sh prof 1b_b4 240 --config=configs/1b.py \
 #               --config.data.global_batch_size=4
 # tp NAME LIMIT STEPS EVERY FLAGS...:  one train_throughput.py run (throughput_NAME.md).
+# py NAME LIMIT SCRIPT ARGS...:  any benchmark script, its table to NAME.md, e.g.
+#           bash benchmarks/gpu_mfu.sh py attn_res 150 benchmarks/attn_res_bench.py
 # Several phases in one call: separate them with ";" in the device command.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, unrolled, prof, tp}
+PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, unrolled, prof, tp, py}
 shift
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
@@ -90,6 +94,12 @@ loss_curves() {  # steps, timeout per run: configs/small.py, steps logged one by
     rm -rf "$W/run_small" "$W/run_small_old"  # a warm machine keeps the last call's runs
     tp small "$limit" "$steps" 1 --config=configs/small.py
     cp "$W/run_small/metrics.jsonl" "$OUT/loss_new.jsonl"
+    if [ -n "${NOISE:-}" ]; then  # the same maths summed in another order: two micro-batches
+        rm -rf "$W/run_small_mb16"
+        tp small_mb16 "$limit" "$steps" 1 --config=configs/small.py \
+            --config.train.microbatch_size=16
+        cp "$W/run_small_mb16/metrics.jsonl" "$OUT/loss_noise.jsonl"
+    fi
     (cd .old && timeout "$limit" python3 benchmarks/train_throughput.py \
         --config=configs/small.py --workdir="$W/run_small_old" --config.train.steps="$steps" \
         --config.train.log_every=1 --out="$W/throughput_small_old.md" \
@@ -133,7 +143,7 @@ if [ "$PHASE" = step3 ]; then
 fi
 
 if [ "$PHASE" = loss ]; then
-    loss_curves "${STEPS:-50}" 200  # configs/small.py compiles for ~85 s on the card
+    loss_curves "${STEPS:-50}" "${LOSS_LIMIT:-200}"  # configs/small.py compiles for ~85 s on the card
 fi
 
 if [ "$PHASE" = unrolled ]; then
@@ -147,6 +157,13 @@ fi
 
 if [ "$PHASE" = tp ]; then
     tp "$@"
+fi
+
+if [ "$PHASE" = py ]; then
+    name=$1 limit=$2
+    shift 2
+    timeout "$limit" python3 "$@" > "$W/$name.log" 2>&1
+    grep -v "^[IW][0-9]" "$W/$name.log" | tee "$OUT/$name.md" | tail -n 30
 fi
 
 if [ "$PHASE" = profile ]; then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 
 import jax
 import jax.extend.core
@@ -157,13 +158,47 @@ def test_cudnn_without_the_packed_entry_point_takes_the_mask(monkeypatch):
                                   np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :])
 
 
+@pytest.mark.parametrize("docs", ["one", "at_small_room", "past_small_room", "past_large_room",
+                                  "ids_come_back"])
+def test_cudnn_packed_layout_takes_the_smallest_room_that_fits(monkeypatch, docs):
+    """A batch goes to cuDNN's packed layout with the smallest room of PACKED_RUNS_PER_ROW its
+    fullest row fits (cuDNN's backward costs time per room), to the mask past the largest
+    room or when ids come back. cuDNN is faked here: each call answers with its room."""
+    attn = sys.modules[attention.__module__]
+    B, T, small, large = 3, 96, 4, 16
+    monkeypatch.setattr(attn, "PACKED_RUNS_PER_ROW", (large, small))  # any order
+    def fake_dpa(q, k, v, q_seqlen=None, q_offsets=None, **kw):
+        room = -1 if q_offsets is None else q_seqlen.shape[1]  # -1: the mask
+        return jnp.full(q.shape, room, q.dtype)
+
+    mask_types = types.SimpleNamespace(CAUSAL=0, NO_MASK=1, PADDING=2, PADDING_CAUSAL=3)
+    fake = types.SimpleNamespace(MaskType=mask_types, dot_product_attention=fake_dpa)
+    monkeypatch.setattr(attn, "cudnn_fused_attention", lambda: fake)
+    rng = np.random.default_rng()
+    docs_in_fullest_row = {"one": 1, "at_small_room": small, "past_small_room": small + 1,
+                           "past_large_room": large + 1, "ids_come_back": 2}[docs]
+    seg = np.ones((B, T), np.int32)
+    fullest = rng.integers(B)
+    starts = np.sort(rng.choice(np.arange(1, T), docs_in_fullest_row - 1, replace=False))
+    seg[fullest] = np.searchsorted(starts, np.arange(T), side="right") + 1
+    if docs == "ids_come_back":
+        seg[fullest] = np.where(np.arange(T) < T // 2, 2, 1)
+    want = {"one": small, "at_small_room": small, "past_small_room": large,
+            "past_large_room": -1, "ids_come_back": -1}[docs]
+    q = normal(1, (B, T, 2, 16))
+    out = jax.jit(lambda q, s: attn._cudnn_attention(q, q, q[..., :8], scale=0.25,
+                                                     segment_ids=s))(q, jnp.asarray(seg))
+    assert out.shape == (B, T, 2, 8)
+    np.testing.assert_array_equal(np.unique(np.asarray(out)), [want])
+
+
 @pytest.mark.parametrize("impl", ["xla", *(["cudnn"] if jax.default_backend() == "gpu" else [])])
 @pytest.mark.parametrize("docs", ["few", "over_limit", "ids_come_back"])
 def test_attention_over_packed_documents_equals_float64(impl, docs):
     """Causal attention over packed documents in the shapes of MLA (head dims 192 / 128) against
     float64 NumPy, forward and gradients; on a GPU also cuDNN, whose packed layout takes the
-    first case and whose mask takes the other two (a row with more documents than
-    PACKED_RUNS_PER_ROW; ids that come back, which runs would split)."""
+    first case and whose mask takes the other two (a row with more documents than the largest
+    room in PACKED_RUNS_PER_ROW; ids that come back, which runs would split)."""
     B, T, H, D, Dv = 2, 256, 2, 192, 128
     dtype, tol = (jnp.bfloat16, 3e-2) if impl == "cudnn" else (jnp.float32, 1e-5)
     rng = np.random.default_rng()
@@ -171,7 +206,7 @@ def test_attention_over_packed_documents_equals_float64(impl, docs):
         seg = np.cumsum(rng.random((B, T)) < 0.02, axis=1) + 1
     elif docs == "over_limit":
         seg = np.cumsum(rng.random((B, T)) < 0.02, axis=1) + 1
-        seg[1] = np.arange(T) // (T // (2 * PACKED_RUNS_PER_ROW)) + 1
+        seg[1] = np.arange(T) // (T // (2 * max(PACKED_RUNS_PER_ROW))) + 1
     else:
         seg = np.where((np.arange(T) // 40) % 2 == 0, 1, 2)[None].repeat(B, 0)
     q, k = (rng.normal(size=(B, T, H, D)) for _ in range(2))

@@ -18,9 +18,10 @@ Implementations (``impl=``), one equation:
     "cudnn"      cuDNN flash attention: GPU, bf16/fp16, T == S. Packed documents go through
                  cuDNN's packed layout on Hopper (each row's documents as runs: their offsets
                  and lengths, ``packed_layout``), so no mask exists and blocks across documents
-                 are skipped; a row with more than ``PACKED_RUNS_PER_ROW`` documents, or a GPU
-                 without the packed layout, takes a boolean [B, 1, T, T] mask instead (B T^2
-                 bytes).
+                 are skipped. The layout has room for a fixed number of documents per row, the
+                 smallest of ``PACKED_RUNS_PER_ROW`` that the batch's fullest row fits; a row
+                 with more than the largest, or a GPU without the packed layout, takes a
+                 boolean [B, 1, T, T] mask instead (B T^2 bytes).
     "pallas"     Pallas kernels with segment ids: splash attention on TPU, the Triton flash
                  attention (``jax.experimental.pallas.ops.gpu.attention``) on GPU; T == S.
                  On CPU, splash in interpret mode (checks the TPU path's semantics).
@@ -313,13 +314,25 @@ def _cudnn_packed_call(q, k, v, *, scale, lengths, offsets):
     return out[..., :v.shape[-1]]
 
 
-# Documents per row that cuDNN's packed layout makes room for; a batch with a fuller row runs
-# through the mask (both programs are compiled, one runs). 0 turns the packed layout off.
-PACKED_RUNS_PER_ROW = 32
+# Documents per row that cuDNN's packed layout makes room for, smallest first: a batch takes
+# the smallest room its fullest row fits, and a batch with a fuller row than the largest runs
+# through the mask (every program is compiled, one runs). () turns the packed layout off.
+# The room costs time even when empty: cuDNN's backward keeps a float32 dq accumulator for
+# B x room sequences of T tokens (6.5 GB for the 1B step's 4 x 4096 at a room of 32), and
+# attention_bench.py (4 x 4096, 1-3 documents a row, H200) times forward+backward at 6.29 ms
+# with a room of 32 and 4.64 ms with 8. The stdlib rows hold 1.23 documents on average, p99 4.
+PACKED_RUNS_PER_ROW = (8, 32)
 
 
 # cuDNN's mask type for packed runs: causal inside each run, the run lengths read (padding).
 PACKED_MASK_TYPE = "PADDING_CAUSAL"
+
+
+def _run_starts(segment_ids_BxT: jax.Array) -> jax.Array:
+    """[B, T] bool: the tokens that start a run of equal ids (a document)."""
+    seg = segment_ids_BxT
+    first_Bx1 = jnp.ones((seg.shape[0], 1), bool)
+    return jnp.concatenate([first_Bx1, seg[:, 1:] != seg[:, :-1]], axis=1)
 
 
 def packed_layout(segment_ids_BxT: jax.Array, max_runs: int):
@@ -330,8 +343,7 @@ def packed_layout(segment_ids_BxT: jax.Array, max_runs: int):
     past the row's runs are -1 (as cuDNN's entry point wants them). Valid while runs <= M.
     """
     B, T = segment_ids_BxT.shape
-    seg = segment_ids_BxT
-    start_BxT = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    start_BxT = _run_starts(segment_ids_BxT)
     run_BxT = jnp.cumsum(start_BxT, axis=1, dtype=jnp.int32) - 1
     runs_B = run_BxT[:, -1] + 1
     t_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -348,9 +360,9 @@ def packed_layout(segment_ids_BxT: jax.Array, max_runs: int):
 def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
     """cuDNN flash attention, causal. Packed documents: cuDNN's packed layout (Hopper), each
     document attended on its own with no mask in memory; a batch whose fullest row has more
-    than PACKED_RUNS_PER_ROW documents, and GPUs without the layout, use a [B, 1, T, T] mask
-    (cuDNN reads it as an additive bias, one tile per block: memory B T^2, so dispatch keeps
-    it to short rows)."""
+    documents than the largest room in PACKED_RUNS_PER_ROW, and GPUs without the layout, use a
+    [B, 1, T, T] mask (cuDNN reads it as an additive bias, one tile per block: memory B T^2,
+    so dispatch keeps it to short rows)."""
     if segment_ids is None:
         return _cudnn_call(q, k, v, scale=scale, mask_type="causal")
 
@@ -358,20 +370,24 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
         mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
         return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
 
-    if PACKED_RUNS_PER_ROW <= 0 or cudnn_fused_attention() is None:
+    rooms = sorted({min(q.shape[1], m) for m in PACKED_RUNS_PER_ROW if m > 0})
+    if not rooms or cudnn_fused_attention() is None:
         return masked(q, k, v)  # the layout turned off, or a JAX without its entry point
 
-    M = min(q.shape[1], PACKED_RUNS_PER_ROW)
-    lengths, offsets, runs = packed_layout(segment_ids, M)
+    runs = jnp.max(jnp.sum(_run_starts(segment_ids), axis=1))  # documents in the fullest row
 
-    def packed(q, k, v):
-        return _cudnn_packed_call(q, k, v, scale=scale, lengths=lengths, offsets=offsets)
+    def packed(M):
+        lengths, offsets, _ = packed_layout(segment_ids, M)
+        return lambda q, k, v: _cudnn_packed_call(q, k, v, scale=scale, lengths=lengths,
+                                                  offsets=offsets)
 
     # Runs are documents only when ids never come back (the data pipeline numbers them 1, 2, ..
     # along a row); otherwise, or with too many documents in a row, the mask is the definition.
-    fits = jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1]) & (jnp.max(runs) <= M)
+    ordered = jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1])
+    # Branch i: the i-th room is the smallest that fits; the last branch is the mask.
+    branch = jnp.where(ordered, jnp.sum(runs > jnp.asarray(rooms)), len(rooms))
     try:
-        return lax.cond(fits, packed, masked, q, k, v)
+        return lax.switch(branch, [packed(M) for M in rooms] + [masked], q, k, v)
     except NotImplementedError:  # JAX's entry point: no packed layout on this GPU / cuDNN
         return masked(q, k, v)
 

@@ -1,0 +1,178 @@
+"""What the Attention Residual reads cost in a training step, apart from the sublayers.
+
+    python benchmarks/attn_res_bench.py                        # configs/1b.py's depth, 4 x 4096
+    python benchmarks/attn_res_bench.py --batch=1 --seq=256 --width=256   # CPU
+
+A stack shaped like configs/1b.py's (40 sublayers, blocks of 10, width 2048, bf16) in which
+every sublayer is RMSNorm and one width x width matmul, each layer (two sublayers) under the
+model's remat policy ("dots_kernels"), unrolled. It times forward + backward of the whole
+stack with the depth mixing of each variant below, and with the plain residual stream
+("none"); the difference is what the reads and writes cost. Every variant's loss and
+gradients are checked against the model's read ("model").
+
+Variants of the unrolled read (``DepthResidual._read_list``):
+  model        the read as kimi_k3.layers.attn_res writes it: the logits as matmuls with w
+               (bf16 in, float32 out), each finished source's RMS computed once
+  dot          matmuls, every source's RMS recomputed by each read
+  sum          the logits as float32 sums over the width, every source's RMS recomputed by
+               each read (the model's read before 2026-12-02)
+  barrier      model, with the read's output gradient behind an optimisation barrier
+               (``gradient_barrier``), so the sublayer's norm backward cannot fuse into the
+               read's backward
+  dot_barrier  dot, with the barrier
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from kimi_k3.config import REMAT_POLICIES
+from kimi_k3.layers.attn_res import DepthResidual, _inv_rms
+from kimi_k3.layers.norms import _scaled_rms_norm
+from kimi_k3.sharding import BTD, constrain
+
+
+@jax.custom_vjp
+def gradient_barrier(x):
+    """The identity; its cotangent passes an optimisation barrier (written out whole before
+    anything reads it, so XLA cannot fuse its producer into its consumers)."""
+    return x
+
+
+gradient_barrier.defvjp(lambda x: (x, None), lambda _, ct: (jax.lax.optimization_barrier(ct),))
+
+
+def _mix(self, sources, logits_NxBxT):
+    a_NxBxT = checkpoint_name(jax.nn.softmax(logits_NxBxT, axis=0), "attn_res_weights")
+    h = a_NxBxT[0][..., None] * sources[0].astype(jnp.float32)
+    for i in range(1, len(sources)):
+        h = h + a_NxBxT[i][..., None] * sources[i].astype(jnp.float32)
+    return checkpoint_name(constrain(h.astype(sources[0].dtype), BTD), "attn_res_read")
+
+
+def _read_sum(self, sources, inv_rms, w_D):
+    """Float32 sums with w, every source's RMS recomputed by each read (one pass each)."""
+    del inv_rms
+    w = w_D.astype(jnp.float32)
+    return _mix(self, sources, jnp.stack([
+        jnp.sum(s.astype(jnp.float32) * w, axis=-1) * _inv_rms(s, self.eps) for s in sources]))
+
+
+def _read_dot(self, sources, inv_rms, w_D):
+    """Matmuls with w, every source's RMS recomputed by each read."""
+    del inv_rms
+    return _mix(self, sources, jnp.stack([
+        jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype), preferred_element_type=jnp.float32)
+        * _inv_rms(s, self.eps) for s in sources]))
+
+
+_model_read = DepthResidual._read_list
+READS = {
+    "model": _model_read,
+    "sum": _read_sum,
+    "dot": _read_dot,
+    "barrier": lambda self, *a: gradient_barrier(_model_read(self, *a)),
+    "dot_barrier": lambda self, *a: gradient_barrier(_read_dot(self, *a)),
+}
+
+
+def build(num_layers: int, D: int, block: int, mode: str, dtype):
+    depth = DepthResidual(mode, 2 * num_layers, block)
+    policy = REMAT_POLICIES["dots_kernels"]
+
+    def sublayer(p, h):
+        x = _scaled_rms_norm(h, p["scale"], 1e-6, jnp.dtype(dtype))
+        return jnp.dot(x, p["w"], preferred_element_type=jnp.float32).astype(dtype)
+
+    def layer(p, state):
+        for j in range(2):
+            h = depth.read(state, p["query"][j] if mode != "none" else None)
+            state = depth.write(state, sublayer(jax.tree.map(lambda a, j=j: a[j], p["sub"]), h))
+        return state
+
+    layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+    def loss(params, x_BxTxD):
+        state = depth.init(x_BxTxD, unrolled=True)
+        for p in params["layers"]:
+            state = layer(p, state)
+        out = depth.read(state, params["final"] if mode != "none" else None)
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def init_params(key, num_layers: int, D: int, dtype):
+    layers = []
+    for k in jax.random.split(key, num_layers):
+        k1, k2, k3 = jax.random.split(k, 3)
+        layers.append({
+            "query": 0.02 * jax.random.normal(k1, (2, D), jnp.float32),
+            "sub": {"scale": 1.0 + 0.1 * jax.random.normal(k2, (2, D), jnp.float32),
+                    "w": (jax.random.normal(k3, (2, D, D), jnp.float32) / np.sqrt(D)).astype(dtype)},
+        })
+    return {"layers": layers, "final": 0.02 * jax.random.normal(key, (D,), jnp.float32)}
+
+
+def timed(fn, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--block", type=int, default=10, help="sublayers per block")
+    ap.add_argument("--variants", default=",".join(READS))
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    dtype = jnp.bfloat16
+    key = jax.random.PRNGKey(0)
+    params = init_params(key, args.layers, args.width, dtype)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, args.seq, args.width),
+                          jnp.float32).astype(dtype)
+    print(f"{args.layers} layers, width {args.width}, blocks of {args.block} sublayers, "
+          f"{args.batch} x {args.seq}, {jax.devices()[0].device_kind}, JAX {jax.__version__}")
+    base = timed(build(args.layers, args.width, args.block, "none", dtype), params, x,
+                 reps=args.reps)
+    print("| variant | fwd+bwd ms | minus plain residual ms | loss rel err | grad rel err |")
+    print("|---|---|---|---|---|")
+    print(f"| none (plain residual) | {base:.2f} | 0 | | |")
+    ref = None
+    try:
+        for name in args.variants.split(","):
+            DepthResidual._read_list = READS[name]  # read while tracing, below
+            fn = build(args.layers, args.width, args.block, "block", dtype)
+            loss, grads = fn(params, x)
+            flat = np.concatenate([np.ravel(np.asarray(g, np.float32))
+                                   for g in jax.tree.leaves(grads)])
+            if ref is None:
+                ref = (loss, flat)
+            ms = timed(fn, params, x, reps=args.reps)
+            print(f"| {name} | {ms:.2f} | {ms - base:.2f} | {rel(loss, ref[0]):.1e} | "
+                  f"{rel(flat, ref[1]):.1e} |", flush=True)
+    finally:
+        DepthResidual._read_list = _model_read
+
+
+if __name__ == "__main__":
+    main()
