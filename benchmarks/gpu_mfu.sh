@@ -105,6 +105,10 @@ loss_curves() {  # steps, timeout per run: configs/small.py, steps logged one by
         --config.train.log_every=1 --out="$W/throughput_small_old.md" \
         > "$W/throughput_small_old.log" 2>&1)
     cp "$W/run_small_old/metrics.jsonl" "$OUT/loss_old.jsonl"
+    local runs=("this=$OUT/loss_new.jsonl" "before=$OUT/loss_old.jsonl")
+    [ -f "$OUT/loss_noise.jsonl" ] && runs+=("noise=$OUT/loss_noise.jsonl")
+    python3 benchmarks/loss_curves.py "${runs[@]}" --out="$OUT/loss_curves.png" \
+        | tee "$OUT/loss_curves.md"
 }
 
 if [ "$PHASE" = mfu ]; then

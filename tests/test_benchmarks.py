@@ -82,6 +82,38 @@ def test_attn_res_bench_checks_every_read_against_the_models(capsys):
         assert float(rows[name][4]) < 2e-3 and float(rows[name][5]) < 3e-2, rows[name]
 
 
+def test_loss_curves_compares_each_run_with_the_first(tmp_path, capsys):
+    """The table and the largest gaps per step range come from the metrics files (eval rows
+    and steps one run lacks left out); a missing or broken file is named."""
+    import json
+    import random
+
+    curves = load("loss_curves")
+    rng = random.Random()
+    base = {s: rng.uniform(2, 9) for s in range(1, 11)}
+    gap = {s: rng.uniform(0, 0.5) for s in base}
+    rows = {"a": [{"step": s, "loss": base[s]} for s in base] + [{"step": 5, "split": "eval",
+                                                                  "loss": 99.0}],
+            "b": [{"step": s, "loss": base[s] + gap[s]} for s in base if s != 7]}
+    paths = {}
+    for k, rs in rows.items():
+        paths[k] = tmp_path / f"{k}.jsonl"
+        paths[k].write_text("\n".join(json.dumps(r) for r in rs) + "\n")
+    curves.main([f"a={paths['a']}", f"b={paths['b']}", "--steps=5,7", "--ranges=1-4,5-10",
+                 f"--out={tmp_path / 'c.png'}"])
+    out = capsys.readouterr().out
+    assert f"| 5 | {base[5]:.4f} | {base[5] + gap[5]:.4f} |" in out
+    assert f"| 7 | {base[7]:.4f} | — |" in out
+    want = [max(gap[s] for s in range(1, 5)), max(gap[s] for s in range(5, 11) if s != 7)]
+    assert f"| b | {want[0]:.4f} | {want[1]:.4f} |" in out
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        curves.read_losses(tmp_path / "nope.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl line 2"):
+        curves.read_losses(tmp_path / "bad.jsonl")
+
+
 def test_step_fingerprint_is_stable_and_sees_a_change():
     step_hlo = load("step_hlo")
     config = load_config("tiny.py")
