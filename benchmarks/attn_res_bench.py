@@ -25,7 +25,8 @@ Variants of the unrolled read (``DepthResidual._read_list``):
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,9 @@ from kimi_k3.config import REMAT_POLICIES
 from kimi_k3.layers.attn_res import DepthResidual, _inv_rms
 from kimi_k3.layers.norms import _scaled_rms_norm
 from kimi_k3.sharding import BTD, constrain
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+from benchmarks.attention_bench import rel, timed
 
 
 @jax.custom_vjp
@@ -118,21 +122,6 @@ def init_params(key, num_layers: int, D: int, dtype):
                     "w": (jax.random.normal(k3, (2, D, D), jnp.float32) / np.sqrt(D)).astype(dtype)},
         })
     return {"layers": layers, "final": 0.02 * jax.random.normal(key, (D,), jnp.float32)}
-
-
-def timed(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def main(argv=None):
