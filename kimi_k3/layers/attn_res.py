@@ -174,11 +174,11 @@ class DepthResidual:
         """The read over sources that all exist: n = len(sources) arrays [B, T, D] and their
         reciprocal RMS [B, T]."""
         # Each logit is a matmul with w in the compute dtype (as every weight is cast for its
-        # matmul), so the pseudo-query's gradient is a matmul too: as sums over the tokens,
-        # XLA fused it with the sources' gradients into slow column reductions.
-        # attn_res_bench.py, configs/1b.py's depth at 4 x 4096 on the H200: 32.7 ms with float32
-        # sums and every RMS recomputed, 19.7 with matmuls; 26.2 with matmuls and each finished
-        # source's RMS computed once (this form: it was run in the whole step, 36.8% MFU).
+        # matmul), so the pseudo-query's gradient is a matmul too: as float32 sums over the
+        # tokens, XLA fused it with the sources' gradients into slow column reductions.
+        # attn_res_bench.py (configs/1b.py's depth, 4 x 4096, H200): 32.7 ms with the sums,
+        # 26.2 in this form. The bench times other forms faster still (BENCHMARKS.md, seventh
+        # pass); they are not yet measured in the whole step.
         logits_NxBxT = jnp.stack([
             jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype), preferred_element_type=jnp.float32)
             * r for s, r in zip(sources, inv_rms, strict=True)])
