@@ -29,6 +29,9 @@
 # tp NAME LIMIT STEPS EVERY FLAGS...:  one train_throughput.py run (throughput_NAME.md).
 # py NAME LIMIT SCRIPT ARGS...:  any benchmark script, its table to NAME.md, e.g.
 #           bash benchmarks/gpu_mfu.sh py attn_res 150 benchmarks/attn_res_bench.py
+# TREE=DIR runs prof and tp from another copy of the code (carried, like .old/), to compare a
+#           branch with this tree in one call:  git archive BRANCH | tar -x -C .alt   (here),
+#           run(carry=[".whl", ".alt"], command="TREE=.alt bash benchmarks/gpu_mfu.sh tp ...").
 # Several phases in one call: separate them with ";" in the device command.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
@@ -55,10 +58,10 @@ profile() {  # name, timeout, config flags...
     shift 2
     # Without command buffers every kernel is its own event in the trace (with them, XLA
     # replays whole graphs and the trace shows one event per graph); the step time is the same.
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "$limit" \
+    (cd "${TREE:-.}" && XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "$limit" \
         python3 benchmarks/step_profile.py "$@" --steps=6 --trace_steps=2 \
         --trace_dir="$W/trace_$name" --out="$OUT/profile_$name.md" --ops_out="$W/ops_$name.csv" \
-        > "$W/profile_$name.log" 2>&1
+        > "$W/profile_$name.log" 2>&1)
     grep -v "^[IW][0-9]" "$W/profile_$name.log" | tail -n 40
 }
 
@@ -82,9 +85,9 @@ fi
 tp() {  # name, timeout, steps, log_every, config flags...: train_throughput.py (the real loop)
     local name=$1 limit=$2 steps=$3 every=$4
     shift 4
-    timeout "$limit" python3 benchmarks/train_throughput.py "$@" --workdir="$W/run_$name" \
-        --config.train.steps="$steps" --config.train.log_every="$every" \
-        --out="$OUT/throughput_$name.md" > "$W/throughput_$name.log" 2>&1
+    (cd "${TREE:-.}" && timeout "$limit" python3 benchmarks/train_throughput.py "$@" \
+        --workdir="$W/run_$name" --config.train.steps="$steps" --config.train.log_every="$every" \
+        --out="$OUT/throughput_$name.md" > "$W/throughput_$name.log" 2>&1)
     grep -E "^\| [a-z0-9_]+\.py|micro-batch" "$W/throughput_$name.log" | tail -n 2
 }
 
