@@ -7,10 +7,13 @@ import csv
 import importlib.util
 import os
 
+import jax
 import numpy as np
 import pytest
 
 from kimi_k3 import mqar, plots
+from tests.compile_options import fast_jit
+from tests.test_eval import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +98,15 @@ def test_config_and_its_argument():
         "all-KDA", "3:1", "all-MLA", "1:1"]
 
 
-def test_tiny_sweep_trains_scores_and_writes_outputs(tmp_path):
+def test_tiny_sweep_trains_scores_and_writes_outputs(tmp_path, monkeypatch):
+    # Two steps and one scoring pass of a tiny model: the time is the compiles of the step and
+    # of the logits (kimi_k3.mqar's jax.jit), so they compile with tests/compile_options.py's
+    # FAST_COMPILE (the run and every check are the same). The fresh
+    # model's random weights come from tests/test_eval.py's one jitted initialiser (rbg keys)
+    # rather than op by op: the checks are of the sweep's plumbing, not of particular weights
+    # (both together: about 30 -> 16 s alone, cold cache).
+    monkeypatch.setattr(jax, "jit", fast_jit)
+    monkeypatch.setattr(mqar, "make_model", build)
     cfg = load_mqar_config("pattern=KM,steps=2,d_model=16,kda_head_dim=8")
     cfg.mqar.train_batch_size, cfg.mqar.eval_examples = 4, 8
     rows = mqar.run_sweep(cfg, ["KM"], [32], str(tmp_path), progress=False)
