@@ -31,12 +31,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import REMAT_POLICIES
 from kimi_k3.layers.attn_res import DepthResidual, _inv_rms
 from kimi_k3.layers.norms import _scaled_rms_norm
-from kimi_k3.sharding import BTD, constrain
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
 from benchmarks.attention_bench import rel, timed
@@ -52,26 +50,18 @@ def gradient_barrier(x):
 gradient_barrier.defvjp(lambda x: (x, None), lambda _, ct: (jax.lax.optimization_barrier(ct),))
 
 
-def _mix(self, sources, logits_NxBxT):
-    a_NxBxT = checkpoint_name(jax.nn.softmax(logits_NxBxT, axis=0), "attn_res_weights")
-    h = a_NxBxT[0][..., None] * sources[0].astype(jnp.float32)
-    for i in range(1, len(sources)):
-        h = h + a_NxBxT[i][..., None] * sources[i].astype(jnp.float32)
-    return checkpoint_name(constrain(h.astype(sources[0].dtype), BTD), "attn_res_read")
-
-
 def _read_sum(self, sources, inv_rms, w_D):
     """Float32 sums with w, every source's RMS recomputed by each read (one pass each)."""
     del inv_rms
     w = w_D.astype(jnp.float32)
-    return _mix(self, sources, jnp.stack([
+    return self._mix(sources, jnp.stack([
         jnp.sum(s.astype(jnp.float32) * w, axis=-1) * _inv_rms(s, self.eps) for s in sources]))
 
 
 def _read_dot(self, sources, inv_rms, w_D):
     """Matmuls with w, every source's RMS recomputed by each read."""
     del inv_rms
-    return _mix(self, sources, jnp.stack([
+    return self._mix(sources, jnp.stack([
         jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype), preferred_element_type=jnp.float32)
         * _inv_rms(s, self.eps) for s in sources]))
 

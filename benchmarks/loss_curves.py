@@ -13,9 +13,9 @@ micro-batches, say) shows how far two runs of one maths drift apart on the card.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from kimi_k3.metrics import read_reports
 from kimi_k3.plots import line_plot
 
 
@@ -24,16 +24,8 @@ def read_losses(path: str | Path) -> dict[int, float]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"loss_curves: no metrics file at {path}")
-    losses = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"loss_curves: {path} line {n} is not JSON ({err})") from None
-        if "loss" in row and row.get("split", "train") == "train":
-            losses[int(row["step"])] = float(row["loss"])
+    losses = {int(r["step"]): float(r["loss"]) for r in read_reports(path)
+              if "loss" in r and r.get("split", "train") == "train"}
     if not losses:
         raise ValueError(f"loss_curves: {path} has no training losses")
     return losses

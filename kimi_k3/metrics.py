@@ -65,12 +65,26 @@ def mfu(flops_per_token: float, tokens_per_sec: float, peak_per_device: float | 
     return flops_per_token * tokens_per_sec / (peak_per_device * num_devices)
 
 
+def read_reports(jsonl_path: str | os.PathLike) -> list[dict]:
+    """The reports of a run's ``metrics.jsonl``, one dict a line (blank lines skipped); a line
+    that is not JSON raises a ValueError naming the file and the line."""
+    rows = []
+    with open(jsonl_path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{jsonl_path} line {n} is not JSON ({err})") from None
+    return rows
+
+
 def throughput_summary(jsonl_path: str | os.PathLike) -> dict:
     """Medians over the timed train reports of a run's ``metrics.jsonl``: tokens_per_s,
     step_time_s and mfu (None without a known peak), with ``windows`` (how many reports were
     timed) and the ``final_loss``. The first step (compilation) is never inside a window."""
-    with open(jsonl_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_reports(jsonl_path)
     timed = [r for r in rows if r.get("split") == "train" and "tokens_per_s" in r]
     if not timed:
         raise ValueError(f"{jsonl_path}: no timed report; run more steps than train.log_every")

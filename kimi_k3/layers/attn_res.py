@@ -182,6 +182,11 @@ class DepthResidual:
         logits_NxBxT = jnp.stack([
             jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype), preferred_element_type=jnp.float32)
             * r for s, r in zip(sources, inv_rms, strict=True)])
+        return self._mix(sources, logits_NxBxT)
+
+    @staticmethod
+    def _mix(sources: tuple[jax.Array, ...], logits_NxBxT: jax.Array) -> jax.Array:
+        """sum_i softmax_i(logits) sources_i, [B, T, D] in the sources' dtype."""
         a_NxBxT = checkpoint_name(jax.nn.softmax(logits_NxBxT, axis=0), "attn_res_weights")
         h = a_NxBxT[0][..., None] * sources[0].astype(jnp.float32)
         for i in range(1, len(sources)):
