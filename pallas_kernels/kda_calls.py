@@ -218,7 +218,9 @@ def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta,
     implement: kda_mgpu.unsupported_reason)."""
     if not cfg.hopper & kernel or cfg.mode not in ("gpu", "interpret"):
         return None
-    if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta) is not None:
+    # Of the three, intra_bwd_scores alone takes packed segments (the training step's rows).
+    segments = kernel == body.HOPPER_BWD_SCORES
+    if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta, segments=segments) is not None:
         return None
     if cfg.mode == "gpu":
         return "compiled" if kda_mgpu.is_hopper() else None

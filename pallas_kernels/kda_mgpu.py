@@ -99,15 +99,16 @@ def interpret_params():
     return cls()
 
 
-def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta) -> str | None:
-    """None when ``intra_fwd`` here computes this call, else why not (the caller falls back to
-    the Triton kernel). Supported: no packed segments, the log-decay given (no gate in the
-    kernel), a bounded gate, C = 64, K = V = 128 (after padding), bf16 q, k, v and bf16 or
-    float32 g and beta."""
+def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta, *, segments: bool = False) -> str | None:
+    """None when ``intra_fwd`` here (and the backward kernels of kda_mgpu_bwd) computes this call,
+    else why not (the caller falls back to the Triton kernel). Supported: no packed segments
+    (``segments=True``: a kernel that takes them), the log-decay given (no gate in the kernel),
+    a bounded gate, C = 64, K = V = 128 (after padding), bf16 q, k, v and bf16 or float32 g
+    and beta."""
     if not available():
         return "no Mosaic GPU Pallas in this JAX"
     checks = [
-        (cfg.has_seg, "packed segments"),
+        (cfg.has_seg and not segments, "packed segments"),
         (cfg.gate != "given", f"gate in the kernel ({cfg.gate})"),
         (not cfg.bounded, "unbounded gate (exact diagonal blocks)"),
         (cfg.C != CHUNK, f"chunk {cfg.C} != {CHUNK}"),

@@ -1,8 +1,9 @@
 """KDA's backward intra-chunk kernels on Hopper (sm_90) in Pallas' Mosaic GPU backend: drop-ins
 for ``kda_calls.intra_bwd_channels`` (``intra_bwd_channels``, described here) and
 ``kda_calls.intra_bwd_scores`` (``intra_bwd_scores``, described in its docstring) in the case
-kda_mgpu.intra_fwd supports (no packed segments, given bounded gate, C = 64, K = V = 128, bf16;
-``kda_mgpu.unsupported_reason``). kda_calls dispatches to them with KernelTuning.hopper.
+kda_mgpu.intra_fwd supports (given bounded gate, C = 64, K = V = 128, bf16;
+``kda_mgpu.unsupported_reason``), and no packed segments for intra_bwd_channels
+(intra_bwd_scores takes them). kda_calls dispatches to them with KernelTuning.hopper.
 
 intra_bwd_channels: one CTA of one warpgroup per (value head row bh, chunk n, K slice s of
 BK = 64 channels): grid (B*HV, N, K/BK). A slice of 64 bf16 channels is one 128-byte swizzle
@@ -315,23 +316,29 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     ``mm`` does); transposed operands are transposed SMEM views. dAqk^T and dAkk^T are exact:
     a wgmma of the transposed view of the stored bf16 matrix with the identity.
 
+    Packed segments (``segs`` = kda_body's a, lm, segc, segr): the k part of dbeta takes
+    k e^G a (a: the row is still in the segment of the incoming state), and the tril masks of
+    dAqk and dL keep only pairs of one segment, as ``kda_body.bwd_intra_scores`` does.
+
     Shapes (HBM) as ``kda_calls.intra_bwd_scores``: dv [B, Tp, HV, V] (dv_dtype: bf16 here),
     dbeta [B, Tp, HV, 1] float32 (written [B*HV, Tp] here: a TMA box needs >= 16 contiguous
     bytes), dAqk, dAkk, dAqkT, dAkkT [B*HV, N, C, C] bf16. SMEM: k, G, Akk, Tinv, dV' and the
     bf16 dRv, dRk live throughout (~120 KB); St, dO, V', v are scoped to the first part (80 KB),
     U, W and the output staging to the second (~72 KB): 204 KB at the peak (Pallas' estimate).
     """
-    del segs
     B, HV = cfg.B, cfg.HV
     C, K, V, N = cfg.C, cfg.K, cfg.V, cfg.N
     assert C == CHUNK and jnp.dtype(dv_dtype) == jnp.dtype(bf16)
     BHV, Tp = B * HV, N * C
     beta_BHVxTp = jnp.transpose(beta[..., 0].astype(f32), (0, 2, 1)).reshape(BHV, Tp)
+    # a and the segment ids per token, [B, Tp] float32 (ids compare exactly below 2^24)
+    seg_in = (segs[0].reshape(B, Tp).astype(f32), segs[2].reshape(B, Tp).astype(f32)
+              ) if cfg.has_seg else ()
     out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, V), bf16),
                  jax.ShapeDtypeStruct((BHV, Tp), f32),
                  *[jax.ShapeDtypeStruct((BHV, N, C, C), bf16)] * 4]
     WG = plgpu.Layout.WGMMA
-    ROW = WG.reduce(1)
+    ROW, COL = WG.reduce(1), WG.reduce(0)  # per-row / per-column vectors of a WGMMA array
     compiled = interpret is None
 
     iota = functools.partial(_iota, compiled=compiled)
@@ -350,9 +357,14 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     def rowsum(x):
         return jnp.sum(x, axis=1)
 
-    def kernel(k_g, v_g, G_g, beta_g, W_g, U_g, Akk_g, T_g, h_g, Vp_g, dVp_g, dO_g,
-               dv_g, db_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g,
-               k_s, G_s, beta_s, Akk_s, T_s, dVp_s, dRv_s, dRk_s, vec_s, bars, *tbufs):
+    def kernel(*refs):
+        if cfg.has_seg:
+            a_g, sg_g, *refs = refs
+        (k_g, v_g, G_g, beta_g, W_g, U_g, Akk_g, T_g, h_g, Vp_g, dVp_g, dO_g,
+         dv_g, db_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g,
+         k_s, G_s, beta_s, Akk_s, T_s, dVp_s, dRv_s, dRk_s, vec_s, bars, *tbufs) = refs
+        if cfg.has_seg:
+            a_s, sg_s, *tbufs = tbufs
         bh, n = lax.axis_index("bh"), lax.axis_index("n")
         b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
         hq = lax.div(hv, jnp.int32(cfg.G))
@@ -372,6 +384,18 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         ri, rr = iota((C, C), 0), iota((C, C), 1)
         tb = dict(zip(("VpT", "UT", "WT"), tbufs, strict=True)) if tbufs else {}
 
+        def vec(ref, layout):  # a float32 [C] SMEM vector: one value per row or per column
+            return ref[...] if not compiled else plgpu.load(ref, (), layout=layout)
+
+        def one_segment(keep_CxC):
+            """keep_CxC, and with packed segments only where rows i and j share a segment."""
+            if not cfg.has_seg:
+                return keep_CxC
+            need("seg")
+            seg_i = lax.broadcast_in_dim(vec(sg_s, ROW), (C, C), [0])
+            seg_j = lax.broadcast_in_dim(vec(sg_s, COL), (C, C), [1])
+            return keep_CxC & (seg_i == seg_j)
+
         def part_a(h_s, dO_s, Vp_s, v_s):
             """dAqk, dv, the v and k parts of dbeta; dRv and dRk into SMEM (bf16)."""
             for name, src, dst in (
@@ -381,6 +405,9 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
                     ("h", h_g.at[bh, n], h_s), ("k", k_g.at[b, tok, hq], k_s),
                     ("G", G_g.at[bh, n], G_s), ("Akk", Akk_g.at[bh, n], Akk_s)):
                 issue(name, src, dst)
+            if cfg.has_seg:
+                issue("a", a_g.at[b, tok], a_s)
+                issue("seg", sg_g.at[b, tok], sg_s)
             need("dO", "Vp", "T", "dVp", "beta")
             beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
             T_t = tview(T_s, T_s)  # interpreter: T^T in place (T is read only as T^T)
@@ -400,6 +427,9 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             plgpu.commit_smem()
             need("k", "G")
             KGa_CxK = k_s[...].astype(f32) * jnp.exp(ld(G_s))
+            if cfg.has_seg:  # rows past a segment start do not see the incoming state
+                need("a")
+                KGa_CxK = KGa_CxK * lax.broadcast_in_dim(vec(a_s, ROW), (C, K), [0])
             dbeta_C = dbeta_C + rowsum(dRk_CxK * KGa_CxK)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dv's staging is freed next
             return dAqk_CxC, dbeta_C, beta_C
@@ -413,14 +443,14 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             plgpu.copy_gmem_to_smem(U_g.at[bh, n], U_s, bbars.at[0])
             plgpu.copy_gmem_to_smem(W_g.at[bh, n], W_s, bbars.at[1])
             eye_s[...] = _one(ri == rr).astype(bf16)
-            a1_s[...] = jnp.where(rr <= ri, dAqk_CxC, 0.0).astype(bf16)
+            a1_s[...] = jnp.where(one_segment(rr <= ri), dAqk_CxC, 0.0).astype(bf16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(a1_s, dAqk_g.at[bh, n])
             plgpu.barrier_wait(bbars.at[0])
             plgpu.barrier_wait(bbars.at[1])
             dL_CxC = -_dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
                           (C, C))
-            dL_CxC = jnp.where(rr < ri, dL_CxC, 0.0)
+            dL_CxC = jnp.where(one_segment(rr < ri), dL_CxC, 0.0)
             need("Akk")
             vec_s[...] = dbeta_C + rowsum(dL_CxC * ld(Akk_s))
             a2_s[...] = (dL_CxC * lax.broadcast_in_dim(beta_C, (C, C), [0])).astype(bf16)
@@ -451,13 +481,15 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         _swizzled((C, V), bf16),  # dRv (bf16)
         _swizzled((C, K), bf16),  # dW, then dRk (bf16)
         plgpu.SMEM((C,), f32),  # dbeta staging
-        plgpu.Barrier(num_barriers=10),  # one a load
+        plgpu.Barrier(num_barriers=12),  # one a load (a and the segment ids: 11, 12)
     ]
+    if cfg.has_seg:
+        scratch += [plgpu.SMEM((C,), f32), plgpu.SMEM((C,), f32)]  # a, segment ids
     if not compiled:  # explicit transposes for the interpreter: V'^T, U^T, W^T
         scratch += [_swizzled((V, C), bf16), _swizzled((V, C), bf16), _swizzled((K, C), bf16)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N), grid_names=("bh", "n"),
                       scratch_types=tuple(scratch), compiler_params=params, interpret=interpret)
-    dv, db_BHVxTp, *dA = fn(k, v, G, beta_BHVxTp, W, U, Akk, Tinv, h, Vp, dVp, dO)
+    dv, db_BHVxTp, *dA = fn(*seg_in, k, v, G, beta_BHVxTp, W, U, Akk, Tinv, h, Vp, dVp, dO)
     db = jnp.transpose(db_BHVxTp.reshape(B, HV, Tp), (0, 2, 1))[..., None]
     return (dv, db, *dA)

@@ -14,6 +14,7 @@ are small: interpret mode runs ~2-5 s per (head, chunk) program on CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,14 @@ def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0, gate_dtype=jnp
     arrs = (unit((B, T, H, K)), unit((B, T, H, K)), rng.standard_normal((B, T, HV, V)), g,
             1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV)))))
     return [jnp.asarray(x, jnp.bfloat16 if i < 3 else gate_dtype) for i, x in enumerate(arrs)]
+
+
+def packed_ids(rng, B, T, C=64):
+    """[B, T] int32 document ids 1, 2, ..: a document starting at a chunk's first row, one in
+    the middle of the first chunk, and one at a random row."""
+    starts = {C, int(rng.integers(5, C - 5)), int(rng.integers(1, T))} - {0}
+    return jnp.asarray(np.broadcast_to(
+        np.searchsorted(sorted(starts), np.arange(T), side="right") + 1, (B, T)), jnp.int32)
 
 
 def config(q, v, *, mode, lower_bound=-5.0, chunk_size=64, hopper=HOPPER_ALL, seg=None):
@@ -161,12 +170,15 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
         assert rel(x, tri) < 1e-2, f"{name}: Mosaic GPU vs Triton path {rel(x, tri):.2e}"
 
 
-def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls, packed):
     """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv) and runs the
     Mosaic GPU intra_bwd_scores and intra_bwd_channels: every gradient with HOPPER_ALL matches
-    the all-Triton one's."""
+    the all-Triton one's. Packed documents: intra_bwd_scores alone takes them (the forward and
+    intra_bwd_channels stay Triton), with the same gradients."""
     B, T, H, HV = 1, 64, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    seg = packed_ids(rng, B, T) if packed else None
     h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
     o_w = jnp.asarray(rng.standard_normal((B, T, HV, 128)), jnp.float32)
     backend = "gpu" if HOPPER else "interpret"
@@ -174,13 +186,13 @@ def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls):
     def loss(hopper):
         def fn(q, k, v, g, beta, h0):
             o, S = kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
-                              segment_ids=None, chunk_size=64, lower_bound=-5.0,
+                              segment_ids=seg, chunk_size=64, lower_bound=-5.0,
                               backend=backend, tuning=KernelTuning(hopper=hopper))
             return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
         return jax.jit(jax.grad(fn, argnums=range(6)))
 
     got = loss(HOPPER_ALL)(q, k, v, g, beta, h0)
-    bwd = ["intra_bwd_scores", "intra_bwd_channels"]
+    bwd = ["intra_bwd_scores"] if packed else ["intra_bwd_scores", "intra_bwd_channels"]
     assert mgpu_bwd_calls == bwd, f"Mosaic GPU backward kernels used: {mgpu_bwd_calls}"
     want = loss(0)(q, k, v, g, beta, h0)
     assert mgpu_bwd_calls == bwd, "hopper=0 must keep the Triton backward kernels"
@@ -240,27 +252,30 @@ def test_intra_bwd_channels_matches_triton(rng):
         assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
 
 
-def test_intra_bwd_scores_matches_triton(rng):
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+def test_intra_bwd_scores_matches_triton(rng, packed):
     """dv, dbeta, dAqk, dAkk and their transposes from the Mosaic GPU intra_bwd_scores against
-    the Triton kernel's (interpret mode): T not a multiple of C, two chunks, HV > H. Inputs:
-    the forward's G, Akk, Tinv, W, U (Triton, interpret), random h, V', dV', dO."""
+    the Triton kernel's (interpret mode): T not a multiple of C, two chunks, HV > H, and packed
+    documents (one starting at a chunk's first row, one inside a chunk). Inputs: the forward's
+    G, Akk, Tinv, W, U (Triton, interpret), random h, V', dV', dO."""
     B, T, H, HV = 1, 100, 1, 2
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
-    cfg = config(q, v, mode="gpu" if HOPPER else "interpret")
-    qp, kp, vp, gp, bp = kernel_args(q, k, v, g, beta, cfg)
+    seg = packed_ids(rng, B, T) if packed else None
+    cfg = config(q, v, mode="gpu" if HOPPER else "interpret", seg=seg)
+    qp, kp, vp, gp, bp, segs = pk._prep(q, k, v, g, beta, seg, cfg)
     ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
-    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (),
+    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, segs,
                                                       residuals=True)
     BHV, N, C = B * HV, cfg.N, cfg.C
 
     def rand(*shape):
         return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
-    args = (kp, vp, G, bp, (), W, U, Akk, Tinv, rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
+    args = (kp, vp, G, bp, segs, W, U, Akk, Tinv, rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
             rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(
-        cfg, *a, dv_dtype=jnp.bfloat16, interpret=interpret), static_argnums=4)(*args)
+        cfg, *a, dv_dtype=jnp.bfloat16, interpret=interpret))(*args)
     want = calls.intra_bwd_scores(ref_cfg, *args, dv_dtype=jnp.bfloat16)
     # CPU: the same bf16 products in float32; dAkk (bf16) may differ in the last bit where
     # the two kernels sum dL in another order
@@ -326,8 +341,9 @@ def test_cuda_lowering(residuals, gate_dtype, smem):
 @pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [
     (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
 def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
-    """intra_bwd_scores and intra_bwd_channels lower for CUDA without a GPU and fit one sm_90
-    block's SMEM (Pallas' estimate), the latter with bf16 and float32 outputs."""
+    """intra_bwd_scores (with and without packed segments) and intra_bwd_channels lower for
+    CUDA without a GPU and fit one sm_90 block's SMEM (Pallas' estimate), the latter with bf16
+    and float32 outputs."""
     bf = jnp.bfloat16
     B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
     cfg = config(jax.ShapeDtypeStruct((B, Tp, H, 128), bf),
@@ -342,15 +358,21 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
         return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, beta, (), (d0, d1, d2, d3), *rest,
                                                dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
 
-    def scores(k, v, G, beta, W, U, Akk, Tinv, h, Vp, dVp, dO):
-        return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, (), W, U, Akk, Tinv, h, Vp,
+    # intra_bwd_scores with and without packed segments (kda_body's a, lm, segc, segr)
+    cfg_seg = dataclasses.replace(cfg, has_seg=True)
+    segs = [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in [(B, N, C, 1)] * 3 + [(B, N, 1, C)]]
+
+    def scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO):
+        return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp,
                                              dVp, dO, dv_dtype=bf)
 
     s_args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
         ((B, Tp, H, 128), bf), ((B, Tp, HV, 128), bf), ((B * HV, N, C, 128), jnp.float32),
         ((B, Tp, HV, 1), jnp.float32), (cv, bf), (cv, bf), (cc, jnp.float32), (cc, bf),
         (st, bf), (cv, bf), (cv, bf), ((B, Tp, HV, 128), bf))]
-    for f, a in ((fn, args), (scores, s_args)):
+    for f, a in ((fn, args),
+                 (functools.partial(scores, cfg), s_args[:4] + [()] + s_args[4:]),
+                 (functools.partial(scores, cfg_seg), s_args[:4] + [segs] + s_args[4:])):
         smem.clear()
         text = jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -452,8 +474,9 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
     """intra_bwd_scores and intra_bwd_channels (traced only: jax.eval_shape) take the Mosaic GPU
     kernels for the supported config and the Triton kernels otherwise: their HOPPER_* bit not
     set (only intra_fwd's; only one of the two: that one alone switches), any config
-    hopper_intra_mode turns down (the forward's checks: K = 64, packed segments, ...), or
-    output dtypes they do not write (dv not bf16; dq, dk or dg not bf16 / float32)."""
+    hopper_intra_mode turns down (the forward's checks: K = 64, ...; packed segments for
+    intra_bwd_channels, which intra_bwd_scores takes), or output dtypes they do not write (dv
+    not bf16; dq, dk or dg not bf16 / float32)."""
     B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     seg = jnp.zeros((B, T), jnp.int32) if case == "segments" else None
@@ -479,7 +502,7 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
         cfg, *a[:4], segs, a[4:8], *a[8:], dqk_dtype=jnp.float16 if odd else jnp.float32,
         dg_dtype=jnp.float32), k, k, G, beta, cc, cc, cc, cc, cc, st, st, cv, cv, v)
     want = {"supported": ["intra_bwd_scores", "intra_bwd_channels"],
-            "scores_only": ["intra_bwd_scores"],
+            "scores_only": ["intra_bwd_scores"], "segments": ["intra_bwd_scores"],
             "channels_only": ["intra_bwd_channels"]}.get(case, [])
     assert mgpu_bwd_calls == want, case
 
