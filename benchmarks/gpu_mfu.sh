@@ -26,7 +26,9 @@
 # prof NAME LIMIT FLAGS...:  one step_profile.py run (profile_NAME.md), e.g.
 #           bash benchmarks/gpu_mfu.sh prof 1b_b4 240 --config=configs/1b.py \
 #               --config.data.global_batch_size=4
-# tp NAME LIMIT STEPS EVERY FLAGS...:  one train_throughput.py run (throughput_NAME.md).
+# tp NAME LIMIT STEPS EVERY FLAGS...:  one train_throughput.py run (throughput_NAME.md). On a
+#           fresh machine the unrolled configs/1b.py needs LIMIT >= 450 (initialiser ~3.5 min,
+#           step ~2.5 min to compile); a second tp in the same call ~180 s.
 # py NAME LIMIT SCRIPT ARGS...:  any benchmark script, its table to NAME.md, e.g.
 #           bash benchmarks/gpu_mfu.sh py attn_res 150 benchmarks/attn_res_bench.py
 # TREE=DIR runs prof and tp from another copy of the code (carried, like .old/), to compare a

@@ -307,17 +307,19 @@ def test_gradients_bf16_inputs(backend):
     """bf16 inputs: gradients come back in the inputs' dtypes and within fla's tolerances."""
     B, T, H, HV, K, V = 1, 64, 1, 1, 32, 32
     inputs = make_inputs(13, B, T, H, HV, K, V, dtype=jnp.bfloat16)
-    q, k, v, g, beta, h0 = inputs
-    o_w = jnp.ones((B, T, HV, V), jnp.float32)
+    # The interpreter runs on the CPU even on a GPU host: there XLA's GPU compiler gave the
+    # interpreted kernel other float32 numerics (dg 0.030 from the reference, "highest"
+    # precision or not), which are neither the CPU's nor the compiled kernel's.
+    if backend == "interpret":
+        inputs = jax.device_put(inputs, jax.devices("cpu")[0])
 
     def loss(fn):
-        return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * o_w)
+        return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32))
 
     ref_fn = lambda q, k, v, g, b, h: kda_recurrent(
         q, k, v, g, b, scale=K ** -0.5, initial_state_BxHVxKxV=h, segment_ids_BxT=None)
-    # Full float32 matmuls for the reference and the interpreter: on a GPU host their default
-    # is TF32, and there dg came out 0.030 from the reference (tolerance 0.02; not yet rerun
-    # on a GPU with this). The compiled kernels set their own precision.
+    # Full float32 matmuls for the reference (TF32 by default on a GPU); the compiled kernels
+    # set their own precision.
     with jax.default_matmul_precision("highest"):
         got = jax.jit(jax.grad(loss(lambda *a: run_pallas(backend, *a)), argnums=range(6)))(
             *inputs)
