@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from kimi_k3 import dispatch
+from pallas_kernels.kda import KernelTuning
 
 # Named choices of the model section.
 GATES = ("bounded", "softplus")
@@ -135,6 +136,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     # "xla" (a column sum XLA fuses as it likes) or "pallas" (its own kernel,
     # pallas_kernels/short_conv.py; interpret mode off the GPU).
     cfg.kda.conv_impl = "auto"
+    # The Pallas KDA kernel's launch parameters over the card's own (pallas_kernels.kda.
+    # default_tuning): "key=int,..." of KernelTuning's fields; e.g. "hopper=0" runs the
+    # portable Triton kernels on a Hopper card too, to compare a run with the Mosaic GPU path.
+    cfg.kda.kernel_tuning = ""
 
     cfg.mla = ml_collections.ConfigDict()
     cfg.mla.num_heads = 4  # MLA heads H
@@ -288,6 +293,7 @@ class KdaSpec:
     impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
     gate_in_kernel: bool = False  # the decay gate computed inside the KDA op
     conv_impl: str = "xla"  # the short convolutions' weight gradient: "xla" | "pallas" (resolved)
+    kernel_tuning: str = ""  # overrides of the Pallas kernel's launch parameters (KernelTuning.parse)
     norm_eps: float = 1e-6  # the output RMSNorm's epsilon: model.norm_eps (Kimi Linear's
     # rms_norm_eps reaches this norm too)
 
@@ -578,7 +584,16 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6,
                    gate_in_kernel=f.bool("gate_in_kernel"),
                    conv_impl=dispatch.choose_conv_impl(f.choice("conv_impl", dispatch.CONV_IMPLS),
                                                        backend, scanned),
+                   kernel_tuning=_kernel_tuning(f),
                    norm_eps=norm_eps)
+
+
+def _kernel_tuning(f: _Fields) -> str:
+    """model.kda.kernel_tuning, checked now (a bad key or value is named before anything runs)."""
+    spec = f.get("kernel_tuning", lambda v: isinstance(v, str),
+                 'must be a string "key=int,..." of pallas_kernels.kda.KernelTuning fields')
+    KernelTuning.parse(spec, base=KernelTuning(), source=f"{f.prefix}kernel_tuning")
+    return spec
 
 
 def _mla_spec(cfg, d_model: int) -> MlaSpec:

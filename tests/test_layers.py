@@ -15,6 +15,7 @@ from flax import nnx
 
 from kimi_k3.config import KdaSpec, MlaSpec
 from kimi_k3.layers import GatedMLA, KDALayer, ShortConv
+from kimi_k3.layers import kda_layer as kda_layer_lib
 from kimi_k3.layers.attention import (
     PACKED_RUNS_PER_ROW,
     _splash_attention,
@@ -27,6 +28,7 @@ from kimi_k3.layers.attention import (
 from kimi_k3.layers.attn_res import DepthResidual
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.ops.reductions import column_sum
+from pallas_kernels import kda as pk
 from pallas_kernels import short_conv as short_conv_kernel
 from tests.compile_options import fast_jit
 
@@ -292,6 +294,22 @@ def test_kda_layer_core_equals_recurrent_reference():
     out_rec, _ = apply(layer, x, seg)
     np.testing.assert_allclose(out_xla, out_rec, atol=2e-5)
     assert layer.spec.lower_bound == -5.0
+
+
+def test_kda_layer_passes_its_kernel_tuning(monkeypatch):
+    """spec.kernel_tuning overrides the card's default launch parameters in the op's call; an
+    empty one leaves the op its default (tuning=None)."""
+    seen = []
+    real = kda_layer_lib.kda
+    monkeypatch.setattr(kda_layer_lib, "kda", lambda *a, **kw: seen.append(kw["tuning"])
+                        or real(*a, **kw))
+    layer = kda_layer()
+    x = normal(6, (1, 9, D))
+    apply(layer, x, None)
+    layer.spec = dataclasses.replace(layer.spec, kernel_tuning="hopper=0,bk=16")
+    apply(layer, x, None)
+    card = pk.default_tuning(jax.devices()[0].device_kind)
+    assert seen == [None, dataclasses.replace(card, hopper=0, bk=16)]
 
 
 def test_kda_layer_writes_the_convolutions_before_the_norms_read_them():

@@ -127,6 +127,19 @@ def test_conv_impl_auto_takes_the_kernel_on_the_gpu_only_for_scanned_layers(monk
         config_lib.run_spec(config)
 
 
+def test_kernel_tuning_is_checked_with_the_config():
+    """model.kda.kernel_tuning reaches the spec as given, and a bad key or value is named with
+    the field before anything is built."""
+    config = load_config("tiny.py")
+    config.model.kda.kernel_tuning = "hopper=0,bk=16"
+    assert config_lib.run_spec(config).model.kda.kernel_tuning == "hopper=0,bk=16"
+    for bad, says in (("warps=8", "warps=8"), ("bk=24", "bk must be a power of two"),
+                      ("hopper", "'hopper'")):
+        config.model.kda.kernel_tuning = bad
+        with pytest.raises(ValueError, match=rf"config.model.kda.kernel_tuning: .*{says}"):
+            config_lib.run_spec(config)
+
+
 def test_an_explicit_impl_never_falls_back(rng, monkeypatch):
     monkeypatch.setattr(dispatch, "kda_kernel_error", lambda backend: "no kernel here")
     q, k, v, g, beta = make_inputs(rng, B=1, T=8)

@@ -41,6 +41,7 @@ from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
 from kimi_k3.sharding import BTHK, constrain, context_layout, param
+from pallas_kernels.kda import KernelTuning, default_tuning
 
 
 class KDALayer(nnx.Module):
@@ -82,6 +83,15 @@ class KDALayer(nnx.Module):
         self.g_down = Dense(d_model, V, names=("embed", "rank"), **kw)
         self.g_up = Dense(V, (HV, V), names=("rank", "heads", "kv"), **kw)
         self.o_proj = Dense((HV, V), d_model, names=("heads", "kv", "embed"), **kw)
+
+    def _tuning(self) -> KernelTuning | None:
+        """The Pallas kernel's launch parameters: the card's defaults (None) unless the spec
+        overrides some (model.kda.kernel_tuning)."""
+        if not self.spec.kernel_tuning:
+            return None
+        base = default_tuning(jax.devices()[0].device_kind)  # what the kernel runs given None
+        return KernelTuning.parse(self.spec.kernel_tuning, base=base,
+                                  source="config.model.kda.kernel_tuning")
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
         """Zero cache: state [B, HV, K, V] f32 and the conv tails [B, W-1, heads, dim]. Its
@@ -158,7 +168,7 @@ class KDALayer(nnx.Module):
                     head_axes=layout.heads, segment_ids=segment_ids_BxT,
                     initial_state=c.get("state"), output_final_state=cache is not None,
                     chunk_size=self.spec.chunk_size, lower_bound=self.spec.lower_bound,
-                    impl=self.spec.impl)
+                    impl=self.spec.impl, tuning=self._tuning())
             else:
                 o_BxTxHVxV, state = kda(
                     q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, gate_BxTxHVxK, beta_BxTxHV,
@@ -169,6 +179,7 @@ class KDALayer(nnx.Module):
                     chunk_size=self.spec.chunk_size,
                     lower_bound=self.spec.lower_bound,
                     impl=self.spec.impl,
+                    tuning=self._tuning(),
                     # A non-finite value anywhere makes the loss non-finite, and the trainer then
                     # drops the whole step: keeping it inside its document would buy nothing.
                     isolate_documents=False,
