@@ -21,6 +21,10 @@
 # loss:     configs/small.py, STEPS steps (default 50), this code and the code in .old/; with
 #           NOISE=1 also this code in two micro-batches of 16 rows (the same sums in another
 #           order: the run-to-run noise the two curves are judged against).
+# paths:    configs/small.py with 6 KDA heads of 128, STEPS steps, on the card's default KDA
+#           path and on the portable Triton kernels (model.kda.kernel_tuning=hopper=0): #19's
+#           loss curves.
+# paths_1b: configs/1b.py as written on each of the two (one call: the first needs ~430 s cold).
 # unrolled: step_profile.py on configs/1b.py at 4 rows with the layers unrolled
 #           (scan_layers=False: SourceList Attention Residuals), and its compile time.
 # prof NAME LIMIT FLAGS...:  one step_profile.py run (profile_NAME.md), e.g.
@@ -37,7 +41,7 @@
 # Several phases in one call: separate them with ";" in the device command.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, unrolled, prof, tp, py}
+PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, paths, paths_1b, unrolled, prof, tp, py}
 shift
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
@@ -153,6 +157,27 @@ fi
 
 if [ "$PHASE" = loss ]; then
     loss_curves "${STEPS:-50}" "${LOSS_LIMIT:-200}"  # configs/small.py compiles for ~85 s on the card
+fi
+
+if [ "$PHASE" = paths ]; then
+    # Issue #19's loss target: configs/small.py, STEPS steps (default 50), on the card's default
+    # KDA path (on Hopper: the Mosaic GPU intra_bwd_scores) and on the portable Triton kernels
+    # (model.kda.kernel_tuning=hopper=0), same seed and data. The Mosaic GPU kernels take
+    # K = V = 128 only, so both runs have 6 KDA heads of 128 (the same width as small's 12 of
+    # 64). The 1B step on each: phase paths_1b.
+    rm -rf "$W/run_small_default" "$W/run_small_triton"
+    small_flags="--config=configs/small.py --config.model.num_heads=6 --config.model.kda.head_dim=128"
+    limit=${LOSS_LIMIT:-200} steps=${STEPS:-50}
+    tp small_default "$limit" "$steps" 1 $small_flags
+    tp small_triton "$limit" "$steps" 1 $small_flags --config.model.kda.kernel_tuning=hopper=0
+    python3 benchmarks/loss_curves.py "default=$W/run_small_default/metrics.jsonl" \
+        "triton=$W/run_small_triton/metrics.jsonl" --out="$OUT/paths_loss.png" \
+        | tee "$OUT/paths_loss.md"
+fi
+
+if [ "$PHASE" = paths_1b ]; then  # configs/1b.py as written: the default path, then Triton only
+    tp 1b_default "${LIMIT_1B:-430}" 4 2 --config=configs/1b.py
+    tp 1b_triton 160 4 2 --config=configs/1b.py --config.model.kda.kernel_tuning=hopper=0
 fi
 
 if [ "$PHASE" = unrolled ]; then
