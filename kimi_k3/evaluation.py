@@ -33,7 +33,7 @@ from kimi_k3.data import first_bad_id
 from kimi_k3.eval_report import format_table, write_outputs
 from kimi_k3.eval_scoring import EvalOptions, Scorer, evaluate_windows, heldout_documents, make_windows
 from kimi_k3.model import HybridLM
-from kimi_k3.train_lib import check_workdir, quiet_library_logs
+from kimi_k3.train_lib import check_workdir, init_compiler_options, quiet_library_logs
 
 INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
 
@@ -101,19 +101,13 @@ def build_model(config, checkpoint: str, config_name: str = "--config"):
     return restore_model_for_eval(config, checkpoint, config_name=config_name)
 
 
-# XLA's CPU backend optimisations are off for the initialiser: it runs once, and on a CPU its
-# compile takes far longer than its run (configs/mqar.py's model: 3.4 s instead of 7 to 9 s).
-_INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
-                              "xla_llvm_disable_expensive_passes": True}
-
-
 def init_model(model_cfg, seed: int) -> HybridLM:
     """``HybridLM(model_cfg, rngs=nnx.Rngs(seed))`` built inside one jitted program, as
     HybridLM's docstring asks (eagerly, every initialiser dispatches and compiles on its own:
     9 s for configs/mqar.py's two layers on a CPU). The same threefry keys, so the same
     weights up to float32 rounding (XLA fuses the initialisers' arithmetic)."""
     make = lambda: HybridLM(model_cfg, rngs=nnx.Rngs(seed))
-    options = _INIT_CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+    options = init_compiler_options(jax.default_backend())  # CPU: XLA's optimisations off
     state = jax.jit(lambda: nnx.state(make()), compiler_options=options)()
     return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), state)
 
