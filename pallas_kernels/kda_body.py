@@ -92,6 +92,7 @@ class KdaConfig:
     # which intra-chunk kernels run on Mosaic GPU where they apply, a sum of the HOPPER_* bits
     # (KernelTuning.hopper; kda_calls.hopper_intra_mode)
     hopper: int = 0
+    split_intra: bool = False  # intra_fwd as two kernels (KernelTuning.split_intra)
 
     @property
     def N(self) -> int:
@@ -515,7 +516,7 @@ def _rowsum(x):
 
 def fwd_intra(io, n, cfg: KdaConfig):
     """One chunk's state-independent work, K slice by K slice (registers hold [C, C] and
-    [C, BK] tiles, never [C, K]).
+    [C, BK] tiles, never [C, K]): ``fwd_scores``, then ``fwd_wy``, in one kernel.
 
     ``io`` loads: qkg(s) -> q, k, g slices [C, BK] (g: the gate logits f when ``cfg.gate`` is
     not "given", with gate_params(s) -> A, dt_bias [1, BK]); v(t) -> v tile [C, BV];
@@ -523,40 +524,67 @@ def fwd_intra(io, n, cfg: KdaConfig):
     (by K slice), U (by V tile) and Aqk (masked); if ``io.residuals``, also G (by K slice), Akk
     (masked) and Tinv for the backward.
     """
-    C, nk, nv = cfg.C, cfg.K // cfg.bk, cfg.V // cfg.bv_intra
+    Akk = fwd_scores(io, n, cfg)
+    if io.residuals:  # for bwd_intra_scores: O(C^2) per chunk, cheaper than recomputing
+        io.put("Akk", 0, Akk)
     lv = last_valid_row(n, cfg)
-    a, lm, segc, segr = io.seg
+    beta = io.beta.astype(f32)
+    # W's operand beta k e^G is recomputed slice by slice rather than kept from the scores
+    # loop: kept, it would hold [C, K] in registers across the inverse.
+    fwd_wy(io, Akk, lambda s: beta * _fwd_slice(io, lv, s, cfg).KGa, cfg)
+
+
+def _fwd_slice(io, lv, s, cfg: KdaConfig) -> Slice:
+    """K slice s of the chunk's q, k and gate (the gate computed from its logits when it is in
+    the kernel); lv: the chunk's last real row."""
+    q, k, g = io.qkg(s)
+    if cfg.gate != "given":
+        g = gate_from_logits(g, *io.gate_params(s), iota((cfg.C, 1), 0) <= lv, cfg)
+    a, lm, _, _ = io.seg
+    return Slice(q, k, g, a, lm, cfg)
+
+
+def fwd_scores(io, n, cfg: KdaConfig):
+    """The decayed scores of chunk n, summed over the K slices: stores QG, Kg, gam (and G with
+    ``io.residuals``) by K slice and Aqk (masked, whole); returns Akk [C, C] float32, masked to
+    the strictly lower pairs of one segment. With ``io.handoff`` (``fwd_intra`` split in two
+    kernels) it also stores "bKGa" = beta k e^G by K slice, W's operand in ``fwd_wy``.
+    """
+    C, nk = cfg.C, cfg.K // cfg.bk
+    lv = last_valid_row(n, cfg)
+    _, _, segc, segr = io.seg
     beta = io.beta.astype(f32)
 
-    def qkg(s):
-        q, k, g = io.qkg(s)
-        if cfg.gate != "given":
-            g = gate_from_logits(g, *io.gate_params(s), iota((C, 1), 0) <= lv, cfg)
-        return q, k, g
-
     def scores(s, acc):
-        p = Slice(*qkg(s), a, lm, cfg)
+        p = _fwd_slice(io, lv, s, cfg)
         Aqk, Akk = decayed_scores([p.qs, p.kf], p.kf, p.G, lv, cfg)
         io.put("QG", s, p.QG)
         io.put("Kg", s, p.Kg)
         io.put("gam", s, p.gam)
         if io.residuals:
             io.put("G", s, p.G)
+        if io.handoff:
+            io.put("bKGa", s, beta * p.KGa)
         return acc[0] + Aqk, acc[1] + Akk
 
     zero = jnp.zeros((C, C), f32)
     Aqk, Akk = _loop(nk, scores, (zero, zero))
     # Masks are rebuilt where used (iota compares): kept live they cost registers.
     io.put("Aqk", 0, jnp.where(pair_masks(segc, segr, cfg)[0], Aqk, 0.0))
-    Akk = jnp.where(pair_masks(segc, segr, cfg)[1], Akk, 0.0)
+    return jnp.where(pair_masks(segc, segr, cfg)[1], Akk, 0.0)
+
+
+def fwd_wy(io, Akk, bkga, cfg: KdaConfig):
+    """Tinv = (I + Diag(beta) Akk)^-1 (stored with ``io.residuals``), W = Tinv (beta k e^G) by
+    K slice and U = Tinv (beta v) by V tile; bkga(s) -> beta k e^G of K slice s [C, BK]."""
+    nk, nv = cfg.K // cfg.bk, cfg.V // cfg.bv_intra
+    beta = io.beta.astype(f32)
     Tinv = tril_inverse(Akk * beta, cfg)
-    if io.residuals:  # for bwd_intra_scores: O(C^2) per chunk, cheaper than recomputing
-        io.put("Akk", 0, Akk)
+    if io.residuals:
         io.put("Tinv", 0, Tinv)
 
     def w_slice(s, carry):
-        p = Slice(*qkg(s), a, lm, cfg)
-        io.put("W", s, mm(Tinv, beta * p.KGa, cfg))
+        io.put("W", s, mm(Tinv, bkga(s), cfg))
         return carry
 
     _loop(nk, w_slice, ())

@@ -244,6 +244,8 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
         interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
         return kda_mgpu.intra_fwd(cfg, q, k, v, g, beta, segs, gate_params,
                                   residuals=residuals, interpret=interpret)
+    if cfg.split_intra:
+        return _intra_fwd_split(cfg, q, k, v, g, beta, segs, gate_params, residuals=residuals)
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
@@ -278,13 +280,80 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
             v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put, residuals=residuals,
-            gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
+            handoff=False, gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
         body.fwd_intra(io, pl.program_id(1), cfg)
 
     args = (q, k, v, g, beta, *gate_params) + (tuple(segs) if cfg.has_seg else ())
     return _call(kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
                  out_shape=out_shape, name="kda_intra_fwd", warps=cfg.warps_intra,
                  stages=cfg.stages_intra)(*args)
+
+
+def _intra_fwd_split(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params, *, residuals: bool):
+    """``intra_fwd`` as two kernels (KernelTuning.split_intra): kda_intra_scores (body.fwd_scores)
+    stores QG, Kg, gam, Aqk, G and two hand-offs, Akk [B*HV, N, C, C] float32 and
+    bKGa = beta k e^G [B*HV, N, C, K] (cfg.cd, the dtype W's dot casts it to); kda_intra_wy
+    (body.fwd_wy) reads them back for Tinv, W and U. The same outputs, in the same order."""
+    BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
+    sp = _chunk_specs(cfg)
+    qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
+    gate_specs = [_gate_param_spec(cfg, K)] * 2 if cfg.gate != "given" else []
+    dt = cfg.dtype
+    ks, vs = _slicers(cfg)
+    gam_spec = pl.BlockSpec((None, None, 1, K), lambda bh, n: (bh, n, 0, 0))
+    # kda_intra_scores -> QG, Kg, Aqk, gam, Akk, bKGa (, G)
+    out_specs = [per_chunk(K), per_chunk(K), per_chunk(C), gam_spec, per_chunk(C), per_chunk(K)]
+    out_shape = [jax.ShapeDtypeStruct((BHV, N, C, x), t)
+                 for x, t in ((K, dt), (K, dt), (C, dt))]
+    out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32),
+                  jax.ShapeDtypeStruct((BHV, N, C, C), f32),
+                  jax.ShapeDtypeStruct((BHV, N, C, K), dt)]
+    if residuals:
+        out_specs.append(per_chunk(K))
+        out_shape.append(jax.ShapeDtypeStruct((BHV, N, C, K), f32))
+
+    def scores_kernel(q_r, k_r, g_r, b_r, *refs):
+        gate_r, refs = _take_gate(cfg, refs)
+        seg, outs = _take_seg(cfg, refs)
+        QG_r, Kg_r, A_r, gam_r, Akk_r, bKGa_r, *G_r = outs
+        by_k = {"QG": QG_r, "Kg": Kg_r, "gam": gam_r, "bKGa": bKGa_r}
+        if residuals:
+            by_k["G"] = G_r[0]
+        put = _writer(ks, vs, by_k=by_k, by_v={}, whole={"Aqk": A_r})
+        io = SimpleNamespace(
+            qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]), beta=b_r[...],
+            seg=seg, put=put, residuals=residuals, handoff=True,
+            gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
+        Akk_r[...] = body.fwd_scores(io, pl.program_id(1), cfg)
+
+    in_specs = [_tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
+                _tok_spec(cfg, K, v_head, chunk), _tok_spec(cfg, 1, v_head, chunk),
+                *gate_specs, *sp.seg]
+    args = (q, k, g, beta, *gate_params) + (tuple(segs) if cfg.has_seg else ())
+    QG, Kg, Aqk, gam, Akk, bKGa, *G = _call(
+        scores_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, name="kda_intra_scores", warps=cfg.warps_intra,
+        stages=cfg.stages_intra)(*args)
+
+    # kda_intra_wy -> W, U (, Tinv)
+    out_specs = [per_chunk(K), per_chunk(V)] + ([per_chunk(C)] if residuals else [])
+    out_shape = [jax.ShapeDtypeStruct((BHV, N, C, x), dt) for x in (K, V)]
+    if residuals:
+        out_shape.append(jax.ShapeDtypeStruct((BHV, N, C, C), dt))
+
+    def wy_kernel(Akk_r, bKGa_r, v_r, b_r, W_r, U_r, *Tinv_r):
+        whole = {"Tinv": Tinv_r[0]} if residuals else {}
+        put = _writer(ks, vs, by_k={"W": W_r}, by_v={"U": U_r}, whole=whole)
+        io = SimpleNamespace(v=lambda t: v_r[:, vs(t)], beta=b_r[...], put=put,
+                             residuals=residuals)
+        body.fwd_wy(io, Akk_r[...], lambda s: bKGa_r[:, ks(s)], cfg)
+
+    in_specs = [per_chunk(C), per_chunk(K), _tok_spec(cfg, V, v_head, chunk),
+                _tok_spec(cfg, 1, v_head, chunk)]
+    W, U, *Tinv = _call(wy_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, name="kda_intra_wy", warps=cfg.warps_intra,
+                        stages=cfg.stages_intra)(Akk, bKGa, v, beta)
+    return (W, U, QG, Kg, Aqk, gam) + ((G[0], Akk, Tinv[0]) if residuals else ())
 
 
 # ----------------------------------------------------------------------------- state passes

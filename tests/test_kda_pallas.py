@@ -353,18 +353,19 @@ def test_lowers_for_gpu_and_tpu():
     B, T, H, HV, K, V = 1, 130, 1, 2, 128, 128
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
+    split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
-        for lb, s in ((-5.0, None), (None, seg)):
-            def loss(q, k, v, g, beta, h0, backend=backend, lb=lb, s=s):
+        for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split)):
+            def loss(q, k, v, g, beta, h0, backend=backend, lb=lb, s=s, tuning=tuning):
                 o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=h0,
                                   segment_ids=s, chunk_size=64, lower_bound=lb,
-                                  backend=backend)
+                                  backend=backend, tuning=tuning)
                 return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
             text = grad.trace(q, k, v, g, beta, h0).lower(
                 lowering_platforms=(platform,)).as_text()
-            assert text.count("custom_call") >= 4, (backend, lb)
+            assert text.count("custom_call") >= 4 + (tuning is split), (backend, lb, tuning)
 
 
 def test_bad_tuning_is_named():
@@ -400,6 +401,56 @@ def test_tuning_reaches_the_kernels():
     assert rel(o, o_ref) < 1e-6 and rel(S, S_ref) < 1e-6
     with pytest.raises(TypeError, match="kda_pallas: tuning must be a KernelTuning"):
         run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
+
+
+@pytest.mark.parametrize(("backend", "gate_in_kernel"), [
+    *[pytest.param(b, False, id=f"{b}-given-gate") for b in ALL],
+    *[pytest.param(b, True, id=f"{b}-gate-in-kernel") for b in NO_TPU]])
+def test_split_intra_equals_one_kernel(backend, gate_in_kernel):
+    """KernelTuning.split_intra=1 (the forward's intra-chunk work as a scores kernel and a W/U
+    kernel, handing Akk and beta k e^G through memory) gives what the one kernel gives: output,
+    final state and every gradient, with packed documents, two K slices (bk = 16), grouped value
+    heads and T not a multiple of the chunk; and the definition within the usual tolerances."""
+    B, T, H, HV, K, V, C = 2, 75, 1, 2, 32, 16, 32
+    gate = "softplus" if gate_in_kernel else "bounded"
+    lb = None if gate_in_kernel else -5.0
+    q, k, v, g, beta, h0 = make_inputs(int(np.random.default_rng().integers(1 << 30)), B, T, H,
+                                       HV, K, V, gate=gate)
+    seg = segments(B, T, seed=int(np.random.default_rng().integers(1 << 30)))
+    rng = np.random.default_rng()
+    A_log = jnp.asarray(0.5 * rng.standard_normal(HV), jnp.float32) if gate_in_kernel else None
+    dt_bias = jnp.asarray(rng.standard_normal((HV, K)), jnp.float32) if gate_in_kernel else None
+    if gate_in_kernel:  # g becomes the gate's logits f
+        g = jnp.asarray(rng.standard_normal(g.shape), jnp.float32)
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
+    S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
+    narrow = KernelTuning(bk=16)  # the first test above checks bk=16 itself
+
+    def run(split):
+        def fn(q, k, v, g, beta, h0):
+            return kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
+                              segment_ids=seg, chunk_size=C, lower_bound=lb, backend=backend,
+                              tuning=dataclasses.replace(narrow, split_intra=split),
+                              poison=True, A_log=A_log, dt_bias=dt_bias)
+        kernels = str(jax.make_jaxpr(fn)(q, k, v, g, beta, h0))
+        assert ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == bool(split)
+        out = jax.jit(fn)(q, k, v, g, beta, h0)
+        grads = jax.jit(jax.grad(loss_fn(fn, o_w, S_w), argnums=range(6)))(q, k, v, g, beta, h0)
+        return [*out, *grads]
+
+    split, fused = run(1), run(0)
+    names = ("o", "S", *(f"d{n}" for n in GRAD_NAMES))
+    for name, a, b in zip(names, split, fused, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite (unwritten?)"
+        assert rel(a, b) < 1e-6, (backend, name, rel(a, b))
+    # and the definition (the gate applied outside, the token-by-token recurrence)
+    g_def = g if not gate_in_kernel else -jnp.exp(A_log)[:, None] * jax.nn.softplus(g + dt_bias)
+    with jax.default_matmul_precision("highest"):
+        o_ref, S_ref = jax.jit(lambda *a: kda_recurrent(
+            *a, scale=K ** -0.5, initial_state_BxHVxKxV=h0, segment_ids_BxT=seg))(
+            q, k, v, g_def, beta)
+    assert rel(split[0], o_ref) < fwd_tol(backend, q.dtype)
+    assert rel(split[1], S_ref) < fwd_tol(backend, q.dtype)
 
 
 def test_gate_path_selection():
