@@ -290,10 +290,11 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
 
 
 def _intra_fwd_split(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params, *, residuals: bool):
-    """``intra_fwd`` as two kernels (KernelTuning.split_intra): kda_intra_scores (body.fwd_scores)
-    stores QG, Kg, gam, Aqk, G and two hand-offs, Akk [B*HV, N, C, C] float32 and
-    bKGa = beta k e^G [B*HV, N, C, K] (cfg.cd, the dtype W's dot casts it to); kda_intra_wy
-    (body.fwd_wy) reads them back for Tinv, W and U. The same outputs, in the same order."""
+    """``intra_fwd`` as two kernels (KernelTuning.split_intra): kda_intra_scores (body.fwd_scores,
+    or body.fwd_scores_rows per sub-chunk with split_intra = 2) stores QG, Kg, gam, Aqk, G and
+    two hand-offs, Akk [B*HV, N, C, C] float32 and bKGa = beta k e^G [B*HV, N, C, K] (cfg.cd,
+    the dtype W's dot casts it to); kda_intra_wy (body.fwd_wy) reads them back for Tinv, W and
+    U. The same outputs, in the same order."""
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
