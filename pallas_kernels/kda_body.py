@@ -262,6 +262,16 @@ def _block_bcast_row(x, t, s):
     return jnp.broadcast_to(sel, (C // s, s, X)).reshape(C, X)
 
 
+def _anchored_columns(y, G, Ga, ib, cfg: KdaConfig):
+    """y_j e^(G_a - G_j) [C, X] for the columns j of sub-chunk ib's factored dot, zero for the
+    rest: j < (ib+1)*s with a bounded gate, j < ib*s otherwise (the diagonal block is then
+    summed exactly). Ga: G at the sub-chunk's anchor [1, X]; every factor is <= 1 for j before
+    the sub-chunk and <= e^((s-1)|lower_bound|) inside it."""
+    jlim = (ib + 1) * cfg.sub if cfg.bounded else ib * cfg.sub
+    col_ok = iota((cfg.C, 1), 0) < jlim
+    return jnp.where(col_ok, y * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
+
+
 def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
     """For each x in xs: A[i, j] = sum_d x_id y_jd exp(G_id - G_jd) for j <= i (garbage above).
 
@@ -274,14 +284,12 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
     unrolled, to keep one sub-chunk's temporaries live at a time.
     """
     C, s = cfg.C, cfg.sub
-    ri, blk = _block_ids(cfg)
+    _, blk = _block_ids(cfg)
 
     def sub_chunk(ib, outs):
-        jlim = (ib + 1) * s if cfg.bounded else ib * s  # columns j < jlim in this dot
         Ga = row_at(G, jnp.minimum(ib * s, lv))  # [1, K]
         in_blk = blk == ib
-        col_ok = ri < jlim
-        y_t = jnp.where(col_ok, y * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
+        y_t = _anchored_columns(y, G, Ga, ib, cfg)
         e_row = jnp.exp(jnp.where(in_blk, G - Ga, 0.0))
         # [C, K] x [K, C] with the rows outside the sub-chunk zeroed: values cannot be sliced
         # in Triton, and row-blocking the dot by a masked sum measured slower (BENCHMARKS.md)
@@ -349,11 +357,9 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     def sub_chunk(ib, acc):
         rq, rk, cq, ck = acc
         in_blk = blk == ib
-        # row side: columns j < jlim, factors e^(G_a - G_j) <= 1 (and <= e^((s-1)|lb|) inside)
-        jlim = (ib + 1) * s if cfg.bounded else ib * s
-        col_ok = ri < jlim
+        # row side: the columns before (and with a bounded gate inside) the sub-chunk
         Ga = G_row(jnp.minimum(ib * s, lv))
-        X_t = jnp.where(col_ok, kf * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
+        X_t = _anchored_columns(kf, G, Ga, ib, cfg)
         e_i = jnp.where(in_blk, jnp.exp(jnp.where(in_blk, G - Ga, 0.0)), 0.0)
         rq = rq + e_i * _place_rows(mm(rows("dAqk", ib), X_t, cfg, split_b=True), ib, C)
         rk = rk + e_i * _place_rows(mm(rows("dAkk", ib), X_t, cfg, split_b=True), ib, C)
@@ -603,9 +609,7 @@ def fwd_scores_rows(io, n, ib, cfg: KdaConfig):
         p = _fwd_slice(io, lv, sl, cfg)
         G_rows = _rows_of(p.G, ib, s)
         Ga = row_at(p.G, a_row)
-        jlim = (ib + 1) * s if cfg.bounded else ib * s
-        col_ok = iota((C, 1), 0) < jlim
-        y_t = jnp.where(col_ok, p.kf * jnp.exp(jnp.where(col_ok, Ga - p.G, 0.0)), 0.0)
+        y_t = _anchored_columns(p.kf, p.G, Ga, ib, cfg)
         e_rows = jnp.exp(G_rows - Ga)
         xs = (_rows_of(p.qs, ib, s), _rows_of(p.kf, ib, s))
         out = [o + mm(x * e_rows, y_t, cfg, tb=True) for o, x in zip(acc, xs, strict=True)]

@@ -12,7 +12,10 @@ import functools
 
 import jax
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+from kimi_k3.train_lib import INIT_CPU_COMPILER_OPTIONS
+
+# The options the library's run-once initialisers compile with on a CPU.
+FAST_COMPILE = INIT_CPU_COMPILER_OPTIONS
 
 # jax.jit with FAST_COMPILE (static arguments etc. as keywords, like jax.jit).
 fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
