@@ -33,7 +33,7 @@ from kimi_k3.data import first_bad_id
 from kimi_k3.eval_report import format_table, write_outputs
 from kimi_k3.eval_scoring import EvalOptions, Scorer, evaluate_windows, heldout_documents, make_windows
 from kimi_k3.model import HybridLM
-from kimi_k3.train_lib import check_workdir, init_compiler_options, make_model, quiet_library_logs
+from kimi_k3.train_lib import check_workdir, make_model, quiet_library_logs, run_once_compiler_options
 
 INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
 
@@ -107,7 +107,7 @@ def init_model(model_cfg, seed: int) -> HybridLM:
     9 s for configs/mqar.py's two layers on a CPU). The same threefry keys, so the same
     weights up to float32 rounding (XLA fuses the initialisers' arithmetic)."""
     make = lambda: make_model(model_cfg, seed)
-    options = init_compiler_options(jax.default_backend())  # CPU: XLA's optimisations off
+    options = run_once_compiler_options(jax.default_backend())  # LLVM without optimisations
     state = jax.jit(lambda: nnx.state(make()), compiler_options=options)()
     return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), state)
 

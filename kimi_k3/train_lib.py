@@ -62,16 +62,21 @@ from kimi_k3.model import HybridLM, flops_per_token, layer_numbers, unused_exper
 # ---------------------------------------------------------------------------------------------
 
 
-# XLA's CPU backend optimisations are off for initialisers (run once): on a CPU their compile
-# takes far longer than their run (the tiny trainer's: about 3 s instead of 8 s).
-INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+# XLA's LLVM backend without its optimisations, for programs compiled once and run once or not
+# at all: the jitted initialisers and the micro-batch estimate, whose compile takes far longer
+# than their run. The tiny trainer's initialiser compiles in ~3 s instead of 8 on a CPU; the
+# unrolled 1B initialiser in 21.6 s instead of 119.7 s on an H200, its weights bit for bit the
+# same (benchmarks/init_compile.py --options). Only the code generated for each kernel changes,
+# not the HLO program or its buffers, so the estimate's scratch memory is the same too.
+RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
                              "xla_llvm_disable_expensive_passes": True}
 
 
-def init_compiler_options(platform: str) -> dict | None:
-    """``compiler_options`` for jitting a run-once initialiser on ``platform`` (a device's
-    ``.platform``): INIT_CPU_COMPILER_OPTIONS on "cpu", None (XLA's defaults) elsewhere."""
-    return INIT_CPU_COMPILER_OPTIONS if platform == "cpu" else None
+def run_once_compiler_options(platform: str) -> dict | None:
+    """``compiler_options`` for a run-once program on ``platform`` (a device's ``.platform``):
+    RUN_ONCE_COMPILER_OPTIONS where XLA generates code through LLVM (CPU, GPU), None (XLA's
+    defaults) on a TPU."""
+    return RUN_ONCE_COMPILER_OPTIONS if platform in ("cpu", "gpu", "cuda", "rocm") else None
 
 
 def make_model(model_spec, seed: int) -> HybridLM:
@@ -300,15 +305,38 @@ def _wait_until_ready(tree) -> None:
     jax.block_until_ready(tree)
 
 
+def _platform(mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
+def gradient_scratch_bytes(rows: int, T: int, mesh, graphdef, rest, abstract_state,
+                           batch_sharding, rules, compiler_options=None) -> int:
+    """XLA's scratch memory (bytes per device) for the gradient of the mean loss of ``rows``
+    rows of ``T`` tokens: what ``choose_microbatch`` plans a micro-batch by. It is compiled,
+    never run."""
+
+    def loss(params, model_state, tokens, segs):
+        model = merge_model(graphdef, params, rest, model_state)
+        s, c = next_token_loss(model, tokens, segs)
+        return s / jnp.maximum(c, 1)
+
+    tokens = jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=batch_sharding)
+    with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
+        compiled = jax.jit(jax.grad(loss)).lower(
+            abstract_state["params"], abstract_state.get("model_state"), tokens,
+            tokens).compile(compiler_options)
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
 def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batch_sharding,
                       rules, limit: int | None = None) -> int:
     """``train.microbatch_size = 0``: the largest micro-batch (a multiple of data x fsdp x expert
     that divides the global batch ``B``) whose forward + backward fits the device.
 
-    XLA compiles the gradient of the smallest such micro-batch and reports its scratch memory;
-    activations grow with the rows, so a micro-batch of m rows is planned at m / smallest times
-    that, plus the training state each device holds. With no known device memory (CPU), the
-    whole batch is one micro-batch.
+    XLA compiles the gradient of the smallest such micro-batch (run-once options: it never
+    runs) and reports its scratch memory; activations grow with the rows, so a micro-batch of
+    m rows is planned at m / smallest times that, plus the training state each device holds.
+    With no known device memory (CPU), the whole batch is one micro-batch.
     """
     limit = device_memory_bytes() if limit is None else limit
     n = mesh_lib.data_parallel_size(mesh)
@@ -316,17 +344,9 @@ def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batc
     if limit is None or not sizes:
         return B
     smallest = sizes[0]
-
-    def loss(params, model_state, tokens, segs):
-        model = merge_model(graphdef, params, rest, model_state)
-        s, c = next_token_loss(model, tokens, segs)
-        return s / jnp.maximum(c, 1)
-
-    rows = jax.ShapeDtypeStruct((smallest, T), jnp.int32, sharding=batch_sharding)
-    with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
-        compiled = jax.jit(jax.grad(loss)).lower(
-            abstract_state["params"], abstract_state.get("model_state"), rows, rows).compile()
-    scratch = compiled.memory_analysis().temp_size_in_bytes
+    scratch = gradient_scratch_bytes(smallest, T, mesh, graphdef, rest, abstract_state,
+                                     batch_sharding, rules,
+                                     run_once_compiler_options(_platform(mesh)))
     state = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
                 for s in jax.tree.leaves(abstract_state))
     grads = sum(math.prod(s.sharding.shard_shape(s.shape)) * 4
@@ -404,7 +424,7 @@ def build(config, mesh, model_fn=None) -> Setup:
     micro = spec.train.microbatch_size or choose_microbatch(
         B, T, mesh, graphdef, abs_rest, abstract_state, batch_sharding, rules)
     jit_init = jax.jit(lambda: init_state()[0], out_shardings=state_shardings,
-                       compiler_options=init_compiler_options(mesh.devices.flat[0].platform))
+                       compiler_options=run_once_compiler_options(_platform(mesh)))
     # The rest of the model's state: a constant of the steps. Measurements (MoeStat) are
     # overwritten by every forward pass, so zeros will do; anything else comes from the
     # initialiser (compiled for it alone).

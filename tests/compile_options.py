@@ -12,10 +12,10 @@ import functools
 
 import jax
 
-from kimi_k3.train_lib import INIT_CPU_COMPILER_OPTIONS
+from kimi_k3.train_lib import RUN_ONCE_COMPILER_OPTIONS
 
-# The options the library's run-once initialisers compile with on a CPU.
-FAST_COMPILE = INIT_CPU_COMPILER_OPTIONS
+# The options the library compiles its run-once programs (initialisers) with.
+FAST_COMPILE = RUN_ONCE_COMPILER_OPTIONS
 
 # jax.jit with FAST_COMPILE (static arguments etc. as keywords, like jax.jit).
 fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)

@@ -508,6 +508,25 @@ def test_eval_restore_reads_the_parameters_of_a_checkpoint(tmp_path):
         ckpt_lib.restore_model_for_eval(config, str(tmp_path / "nowhere"))
 
 
+def test_run_once_options_leave_the_estimates_scratch_as_it_was():
+    """The micro-batch estimate compiles with RUN_ONCE_COMPILER_OPTIONS (LLVM unoptimised): the
+    scratch memory it reads is XLA's buffer plan, the same as with XLA's defaults, for the real
+    model (a KDA and an MLA layer of configs/tiny.py)."""
+    from configs import load_config
+
+    config = load_config("tiny.py")
+    config.model.num_layers, config.model.kda_per_mla = 2, 1
+    config.data.seq_len = 64
+    mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+    setup = train_lib.build(config, mesh)
+    scratch = [train_lib.gradient_scratch_bytes(
+        2, 64, mesh, setup.graphdef, setup.rest, setup.abstract_state, setup.batch_sharding,
+        setup.rules, options) for options in (None, train_lib.RUN_ONCE_COMPILER_OPTIONS)]
+    assert scratch[0] > 0 and scratch[0] == scratch[1], scratch
+    assert train_lib.run_once_compiler_options("gpu") == train_lib.RUN_ONCE_COMPILER_OPTIONS
+    assert train_lib.run_once_compiler_options("tpu") is None
+
+
 def test_automatic_microbatch_fits_the_memory_it_is_given():
     """train.microbatch_size = 0: from XLA's estimate of the smallest micro-batch's scratch
     memory, the largest micro-batch that fits the device; the whole batch where memory is
