@@ -113,9 +113,9 @@ class KernelTuning:
     # 1: the forward's intra-chunk work as two kernels, the decayed scores (Aqk, Akk) and then
     # the inverse with W and U, handing Akk (float32) and beta k e^G (the dot operand it is
     # cast to anyway) through memory: the same arithmetic, each kernel with fewer live
-    # registers and a shorter chain of dependent dots. 2: the same, the scores kernel with one
-    # program per sub-chunk of rows (its dots [sub, BK] x [BK, C], no zeroed rows). 0: one
-    # kernel. Triton and TPU paths.
+    # registers and a shorter chain of dependent dots. 0: one kernel. Triton and TPU paths.
+    # On the H200 at 8 x 4096 the two run even (BENCHMARKS.md, ninth pass); a scores kernel
+    # with one program per sub-chunk of rows was 1.5x slower and is gone.
     split_intra: int = 0
 
     def __post_init__(self):
@@ -164,7 +164,7 @@ _TUNING_RULES = {
     "stages_seq": _STAGES, "stages_intra": _STAGES,
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
     "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
-    "split_intra": ("0, 1 or 2", lambda x: x in (0, 1, 2)),
+    "split_intra": ("0 or 1", lambda x: x in (0, 1)),
 }
 
 

@@ -92,7 +92,7 @@ class KdaConfig:
     # which intra-chunk kernels run on Mosaic GPU where they apply, a sum of the HOPPER_* bits
     # (KernelTuning.hopper; kda_calls.hopper_intra_mode)
     hopper: int = 0
-    split_intra: int = 0  # intra_fwd as two kernels, 2: scores by sub-chunk (KernelTuning)
+    split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
 
     @property
     def N(self) -> int:
@@ -578,64 +578,6 @@ def fwd_scores(io, n, cfg: KdaConfig):
     # Masks are rebuilt where used (iota compares): kept live they cost registers.
     io.put("Aqk", 0, jnp.where(pair_masks(segc, segr, cfg)[0], Aqk, 0.0))
     return jnp.where(pair_masks(segc, segr, cfg)[1], Akk, 0.0)
-
-
-def _rows_of(x, ib, s: int):
-    """Rows ib*s .. ib*s+s-1 of x [C, X] as [s, X] float32, exactly (a masked sum over the
-    sub-chunks: Triton cannot slice a value)."""
-    C, X = x.shape
-    x3 = x.astype(f32).reshape(C // s, s, X)
-    return jnp.sum(jnp.where(iota((C // s, 1, 1), 0) == ib, x3, 0.0), axis=0)
-
-
-def fwd_scores_rows(io, n, ib, cfg: KdaConfig):
-    """``fwd_scores`` for the rows of sub-chunk ib only (one program per sub-chunk,
-    KernelTuning.split_intra = 2): A[i, j] for i in ib*s .. ib*s+s-1 is
-    [x_i e^(G_i - G_a)] . [y_j e^(G_a - G_j)] with the sub-chunk's anchor a = min(ib*s, lv), one
-    [s, BK] x [BK, C] dot per K slice instead of a [C, BK] one with the other rows zeroed;
-    unbounded gates sum the diagonal block exactly, as ``_diag_scores`` does. ``io`` loads the
-    whole chunk (the cumulative gate needs every earlier row) and stores only these rows
-    (gam: the chunk's, from every program). Returns Akk's rows [s, C] float32, masked.
-    """
-    C, s, nk = cfg.C, cfg.sub, cfg.K // cfg.bk
-    lv = last_valid_row(n, cfg)
-    _, _, segc, segr = io.seg
-    beta = io.beta.astype(f32)
-    ri = ib * s + iota((s, C), 0)  # the rows' places in the chunk
-    cj = iota((s, C), 1)
-    a_row = jnp.minimum(ib * s, lv)
-
-    def scores(sl, acc):
-        p = _fwd_slice(io, lv, sl, cfg)
-        G_rows = _rows_of(p.G, ib, s)
-        Ga = row_at(p.G, a_row)
-        y_t = _anchored_columns(p.kf, p.G, Ga, ib, cfg)
-        e_rows = jnp.exp(G_rows - Ga)
-        xs = (_rows_of(p.qs, ib, s), _rows_of(p.kf, ib, s))
-        out = [o + mm(x * e_rows, y_t, cfg, tb=True) for o, x in zip(acc, xs, strict=True)]
-        if not cfg.bounded:  # the diagonal block, exactly: column ib*s + t at step t
-            def diag(t, out):
-                j = ib * s + t
-                ye = row_at(p.kf, j) * jnp.exp(jnp.minimum(G_rows - row_at(p.G, j), 0.0))
-                return tuple(o + jnp.where(cj == j, _rowsum(x * ye), 0.0)
-                             for o, x in zip(out, xs, strict=True))
-            out = lax.fori_loop(0, s, diag, tuple(out))
-        io.put("QG", sl, _rows_of(p.QG, ib, s))
-        io.put("Kg", sl, _rows_of(p.Kg, ib, s))
-        io.put("bKGa", sl, _rows_of(beta * p.KGa, ib, s))
-        io.put("gam", sl, p.gam)
-        if io.residuals:
-            io.put("G", sl, G_rows)
-        return tuple(out)
-
-    zero = jnp.zeros((s, C), f32)
-    Aqk, Akk = _loop(nk, scores, (zero, zero))
-    incl, strict = cj <= ri, cj < ri
-    if cfg.has_seg:
-        same = _rows_of(segc, ib, s) == segr
-        incl, strict = incl & same, strict & same
-    io.put("Aqk", 0, jnp.where(incl, Aqk, 0.0))
-    return jnp.where(strict, Akk, 0.0)
 
 
 def fwd_wy(io, Akk, bkga, cfg: KdaConfig):

@@ -290,34 +290,27 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
 
 
 def _intra_fwd_split(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params, *, residuals: bool):
-    """``intra_fwd`` as two kernels (KernelTuning.split_intra): kda_intra_scores (body.fwd_scores,
-    or body.fwd_scores_rows per sub-chunk with split_intra = 2) stores QG, Kg, gam, Aqk, G and
-    two hand-offs, Akk [B*HV, N, C, C] float32 and bKGa = beta k e^G [B*HV, N, C, K] (cfg.cd,
-    the dtype W's dot casts it to); kda_intra_wy (body.fwd_wy) reads them back for Tinv, W and
-    U. The same outputs, in the same order."""
+    """``intra_fwd`` as two kernels (KernelTuning.split_intra): kda_intra_scores (body.fwd_scores)
+    stores QG, Kg, gam, Aqk, G and two hand-offs, Akk [B*HV, N, C, C] float32 and bKGa = beta k
+    e^G [B*HV, N, C, K] (cfg.cd, the dtype W's dot casts it to); kda_intra_wy (body.fwd_wy)
+    reads them back for Tinv, W and U. The same outputs, in the same order."""
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
     gate_specs = [_gate_param_spec(cfg, K)] * 2 if cfg.gate != "given" else []
     dt = cfg.dtype
     ks, vs = _slicers(cfg)
-    # split_intra = 2: a third grid axis over the sub-chunks, each program its rows' blocks
-    by_rows = cfg.split_intra == 2
-    nb, rows = (C // cfg.sub, cfg.sub) if by_rows else (1, C)
-    grid = (BHV, N, nb) if by_rows else (BHV, N)
-    block_of = lambda bh, n, *ib: (bh, n, *(ib or (0,)), 0)  # ib: the sub-chunk, by_rows only
-    out_block = lambda x: pl.BlockSpec((None, None, rows, x), block_of)
-    # gam [B*HV, N, nb, 1, K]: one copy per program (a [1, K] block: TPU tiles take whole dims)
-    gam_spec = pl.BlockSpec((None, None, None, 1, K), lambda *gi: (*block_of(*gi), 0))
-    # kda_intra_scores -> QG, Kg, Aqk, gam (one row per program), Akk, bKGa (, G)
-    out_specs = [out_block(K), out_block(K), out_block(C), gam_spec, out_block(C), out_block(K)]
+    # kda_intra_scores -> QG, Kg, Aqk, gam, Akk, bKGa (, G)
+    out_specs = [per_chunk(K), per_chunk(K), per_chunk(C),
+                 pl.BlockSpec((None, None, 1, K), lambda bh, n: (bh, n, 0, 0)),
+                 per_chunk(C), per_chunk(K)]
     out_shape = [jax.ShapeDtypeStruct((BHV, N, C, x), t)
                  for x, t in ((K, dt), (K, dt), (C, dt))]
-    out_shape += [jax.ShapeDtypeStruct((BHV, N, nb, 1, K), f32),
+    out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32),
                   jax.ShapeDtypeStruct((BHV, N, C, C), f32),
                   jax.ShapeDtypeStruct((BHV, N, C, K), dt)]
     if residuals:
-        out_specs.append(out_block(K))
+        out_specs.append(per_chunk(K))
         out_shape.append(jax.ShapeDtypeStruct((BHV, N, C, K), f32))
 
     def scores_kernel(q_r, k_r, g_r, b_r, *refs):
@@ -332,20 +325,16 @@ def _intra_fwd_split(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params, *, res
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]), beta=b_r[...],
             seg=seg, put=put, residuals=residuals, handoff=True,
             gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
-        if by_rows:
-            Akk_r[...] = body.fwd_scores_rows(io, pl.program_id(1), pl.program_id(2), cfg)
-        else:
-            Akk_r[...] = body.fwd_scores(io, pl.program_id(1), cfg)
+        Akk_r[...] = body.fwd_scores(io, pl.program_id(1), cfg)
 
     in_specs = [_tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
                 _tok_spec(cfg, K, v_head, chunk), _tok_spec(cfg, 1, v_head, chunk),
                 *gate_specs, *sp.seg]
     args = (q, k, g, beta, *gate_params) + (tuple(segs) if cfg.has_seg else ())
     QG, Kg, Aqk, gam, Akk, bKGa, *G = _call(
-        scores_kernel, cfg, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scores_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="kda_intra_scores", warps=cfg.warps_intra,
         stages=cfg.stages_intra)(*args)
-    gam = gam[:, :, 0]  # every sub-chunk's program wrote the chunk's gam
 
     # kda_intra_wy -> W, U (, Tinv)
     out_specs = [per_chunk(K), per_chunk(V)] + ([per_chunk(C)] if residuals else [])

@@ -353,11 +353,10 @@ def test_lowers_for_gpu_and_tpu():
     B, T, H, HV, K, V = 1, 130, 1, 2, 128, 128
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
-    # the forward's intra-chunk work as two kernels; the scores by sub-chunk
-    split, by_rows = KernelTuning(split_intra=1), KernelTuning(split_intra=2)
+    split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
         for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split),
-                              (-5.0, seg, by_rows), (None, seg, by_rows)):
+                              (None, seg, split)):
             def loss(q, k, v, g, beta, h0, backend=backend, lb=lb, s=s, tuning=tuning):
                 o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=h0,
                                   segment_ids=s, chunk_size=64, lower_bound=lb,
@@ -410,11 +409,11 @@ def test_tuning_reaches_the_kernels():
     *[pytest.param(b, True, id=f"{b}-gate-in-kernel") for b in NO_TPU]])
 def test_split_intra_equals_one_kernel(backend, gate_in_kernel):
     """KernelTuning.split_intra=1 (the forward's intra-chunk work as a scores kernel and a W/U
-    kernel, handing Akk and beta k e^G through memory) and 2 (the scores kernel by sub-chunk of
-    rows) give what the one kernel gives: output, final state and every gradient, with packed
-    documents, two K slices (bk = 16), two sub-chunks per chunk, grouped value heads, T not a
-    multiple of the chunk, the bounded gate (anchored diagonal blocks) and the softplus gate
-    (exact ones); and the definition within the usual tolerances."""
+    kernel, handing Akk and beta k e^G through memory) gives what the one kernel gives: output,
+    final state and every gradient, with packed documents, two K slices (bk = 16), two
+    sub-chunks per chunk, grouped value heads, T not a multiple of the chunk, the bounded gate
+    (anchored diagonal blocks) and the softplus gate (exact ones); and the definition within
+    the usual tolerances."""
     B, T, H, HV, K, V, C = 2, 75, 1, 2, 32, 16, 32
     gate = "softplus" if gate_in_kernel else "bounded"
     lb = None if gate_in_kernel else -5.0
@@ -438,18 +437,16 @@ def test_split_intra_equals_one_kernel(backend, gate_in_kernel):
                               poison=True, A_log=A_log, dt_bias=dt_bias)
         kernels = str(jax.make_jaxpr(fn)(q, k, v, g, beta, h0))
         assert ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == bool(split)
-        assert split != 2 or f"grid=({B * HV}, 3, 2)" in kernels  # by sub-chunk: 2 per chunk
         out = jax.jit(fn)(q, k, v, g, beta, h0)
         grads = jax.jit(jax.grad(loss_fn(fn, o_w, S_w), argnums=range(6)))(q, k, v, g, beta, h0)
         return [*out, *grads]
 
     fused = run(0)
     names = ("o", "S", *(f"d{n}" for n in GRAD_NAMES))
-    for mode in (1, 2):
-        split = run(mode)
-        for name, a, b in zip(names, split, fused, strict=True):
-            assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite (unwritten?)"
-            assert rel(a, b) < 1e-6, (backend, mode, name, rel(a, b))
+    split = run(1)
+    for name, a, b in zip(names, split, fused, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite (unwritten?)"
+        assert rel(a, b) < 1e-6, (backend, name, rel(a, b))
     # and the definition (the gate applied outside, the token-by-token recurrence)
     g_def = g if not gate_in_kernel else -jnp.exp(A_log)[:, None] * jax.nn.softplus(g + dt_bias)
     with jax.default_matmul_precision("highest"):
