@@ -24,15 +24,17 @@
 # paths:    configs/small.py with 6 KDA heads of 128, STEPS steps, on the card's default KDA
 #           path and on the portable Triton kernels (model.kda.kernel_tuning=hopper=0): #19's
 #           loss curves.
-# paths_1b: configs/1b.py as written on each of the two (one call: the first needs ~430 s cold).
+# paths_1b: configs/1b.py as written on each of the two, its micro-batch of 4 rows given (the
+#           automatic estimate compiles the gradient once more); ~300 s cold, then ~130 s.
 # unrolled: step_profile.py on configs/1b.py at 4 rows with the layers unrolled
 #           (scan_layers=False: SourceList Attention Residuals), and its compile time.
 # prof NAME LIMIT FLAGS...:  one step_profile.py run (profile_NAME.md), e.g.
 #           bash benchmarks/gpu_mfu.sh prof 1b_b4 240 --config=configs/1b.py \
 #               --config.data.global_batch_size=4
 # tp NAME LIMIT STEPS EVERY FLAGS...:  one train_throughput.py run (throughput_NAME.md). On a
-#           fresh machine the unrolled configs/1b.py needs LIMIT >= 450 (initialiser ~3.5 min,
-#           step ~2.5 min to compile); a second tp in the same call ~180 s.
+#           fresh machine the unrolled configs/1b.py with --config.train.microbatch_size=4
+#           reached its fourth step in ~300 s (the initialiser compiled for ~2 min of it: 21.6 s
+#           since, by init_compile.py --options; the step ~2.5 min); a second tp ~130 s.
 # py NAME LIMIT SCRIPT ARGS...:  any benchmark script, its table to NAME.md, e.g.
 #           bash benchmarks/gpu_mfu.sh py attn_res 150 benchmarks/attn_res_bench.py
 # TREE=DIR runs prof and tp from another copy of the code (carried, like .old/), to compare a
@@ -167,7 +169,7 @@ if [ "$PHASE" = paths ]; then
     # 64). The 1B step on each: phase paths_1b.
     rm -rf "$W/run_small_default" "$W/run_small_triton"
     small_flags="--config=configs/small.py --config.model.num_heads=6 --config.model.kda.head_dim=128"
-    limit=${LOSS_LIMIT:-200} steps=${STEPS:-50}
+    limit=${LOSS_LIMIT:-200} steps=${STEPS:-50}  # the first run ~150 s cold, the second ~100 s
     tp small_default "$limit" "$steps" 1 $small_flags
     tp small_triton "$limit" "$steps" 1 $small_flags --config.model.kda.kernel_tuning=hopper=0
     python3 benchmarks/loss_curves.py "default=$W/run_small_default/metrics.jsonl" \
@@ -176,8 +178,9 @@ if [ "$PHASE" = paths ]; then
 fi
 
 if [ "$PHASE" = paths_1b ]; then  # configs/1b.py as written: the default path, then Triton only
-    tp 1b_default "${LIMIT_1B:-430}" 4 2 --config=configs/1b.py
-    tp 1b_triton 160 4 2 --config=configs/1b.py --config.model.kda.kernel_tuning=hopper=0
+    mb4="--config.train.microbatch_size=4"
+    tp 1b_default "${LIMIT_1B:-350}" 4 2 --config=configs/1b.py $mb4
+    tp 1b_triton 225 4 2 --config=configs/1b.py $mb4 --config.model.kda.kernel_tuning=hopper=0
 fi
 
 if [ "$PHASE" = unrolled ]; then
