@@ -5,6 +5,8 @@
     python benchmarks/kda_kernel.py --shapes 8x4096 --no-xla --breakdown --sweep 8x4096
     python benchmarks/kda_kernel.py --sweep 8x4096 --variants "bk=64;bv_intra=128" --adopt
     python benchmarks/kda_kernel.py --tune bk=16,warps_grad=8 --shapes 8x4096
+    python benchmarks/kda_kernel.py --shapes 8x4096 --documents 3000 --sweep 8x4096 \
+        --variants "hopper=0"   # rows of ~1.3 documents, as configs/1b.py trains on: ours only
 
 Ours is ``pallas_kernels.kda.kda_pallas``, what ``kda(..., impl="pallas")`` runs for these
 inputs, called with an explicit ``tuning=``: the card's ``default_tuning`` changed by --tune;
@@ -25,6 +27,11 @@ dependencies; carry their wheels): fla's ``chunk_kda(..., safe_gate=True, lower_
 (fla-core, PyTorch + Triton) and jla's Mosaic GPU KDA (jax-linear-attention,
 ``jla.ops.mosaic_gpu.kda.kda``; Python 3.12, sm_90). A peer that is missing or fails leaves
 "—" in its columns. Writes a markdown table (--out) and prints it.
+
+--documents L packs every row with documents of about L tokens (segment ids, as the trainer's
+rows of packed documents; lengths drawn from an exponential law with mean L, at least 16):
+ours, the gate in the kernel and --sweep take them; the peers and impl="xla" are skipped
+(they would compute another function), as is --breakdown.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -69,6 +77,19 @@ def make_inputs(B, T, H=16, D=128, seed=0):
     return jax.block_until_ready((q, k, v, g, beta, do))
 
 
+def document_ids(B: int, T: int, mean_len: int, seed: int = 2):
+    """segment_ids [B, T] int32: each row packed with documents numbered 1, 2, ... whose
+    lengths are drawn from an exponential law of mean ``mean_len`` (at least 16 tokens)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(B):
+        lengths = []
+        while sum(lengths) < T:
+            lengths.append(max(16, int(rng.exponential(mean_len))))
+        rows.append(np.repeat(np.arange(1, len(lengths) + 1), lengths)[:T])
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
 def time_jax(fn, args, *, min_reps=3, max_reps=30, budget_s=1.5):
     out = fn(*args)
     jax.block_until_ready(out)  # compile + warm-up
@@ -88,14 +109,15 @@ def xla_fwd(q, k, v, g, beta):
     return kda(q, k, v, g, beta, lower_bound=LOWER, impl="xla")[0]
 
 
-def ours_fwd(tuning: pk.KernelTuning):
-    """(q, k, v, g, beta) -> o [B, T, H, D] of the Pallas kernel launched with ``tuning``."""
-    return functools.partial(_ours, tuning=tuning)
+def ours_fwd(tuning: pk.KernelTuning, segs=None):
+    """(q, k, v, g, beta) -> o [B, T, H, D] of the Pallas kernel launched with ``tuning``, over
+    the documents ``segs`` [B, T] (None: one document per row)."""
+    return functools.partial(_ours, tuning=tuning, segs=segs)
 
 
-def _ours(q, k, v, g, beta, *, tuning):
+def _ours(q, k, v, g, beta, *, tuning, segs):
     return pk.kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
-                         segment_ids=None, chunk_size=64, lower_bound=LOWER, tuning=tuning)[0]
+                         segment_ids=segs, chunk_size=64, lower_bound=LOWER, tuning=tuning)[0]
 
 
 def gate_inputs(arrays, seed=1):
@@ -109,11 +131,11 @@ def gate_inputs(arrays, seed=1):
     return f, A_log, dt_bias
 
 
-def ours_gate_in_kernel(tuning: pk.KernelTuning, A_log, dt_bias):
+def ours_gate_in_kernel(tuning: pk.KernelTuning, A_log, dt_bias, segs=None):
     """(q, k, v, f, beta) -> o of the Pallas kernel computing the bounded gate from f itself."""
     def fwd(q, k, v, f, beta):
         return pk.kda_pallas(q, k, v, f, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
-                             segment_ids=None, chunk_size=64, lower_bound=LOWER, tuning=tuning,
+                             segment_ids=segs, chunk_size=64, lower_bound=LOWER, tuning=tuning,
                              A_log=A_log, dt_bias=dt_bias)[0]
     return fwd
 
@@ -233,8 +255,15 @@ def main(argv=None):
     ap.add_argument("--adopt", action="store_true",
                     help="run --sweep first and measure the table with its fastest forward+backward "
                          "(the defaults included)")
+    ap.add_argument("--documents", type=int, default=0,
+                    help="pack the rows with documents of about this many tokens (ours only)")
     ap.add_argument("--out", default="", help="write the markdown table here")
     args = ap.parse_args(argv)
+    if args.documents < 0 or (args.documents and (args.breakdown or args.breakdown_only)):
+        ap.error(f"--documents must be 0 or a positive length, without --breakdown; got "
+                 f"{args.documents}{' with --breakdown' * (args.breakdown or args.breakdown_only)}")
+    packed = args.documents > 0
+    segs_of = lambda name: (document_ids(*SHAPES[name][:2], args.documents) if packed else None)
     dev = jax.devices()[0]
     tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(dev.device_kind),
                                    source="--tune")
@@ -245,14 +274,15 @@ def main(argv=None):
     results = {n: dict.fromkeys(COLUMNS) for n in names}
 
     def report():
-        table = format_table(dev, results, tuning)
+        table = format_table(dev, results, tuning, args.documents)
         print(table, flush=True)
         if args.out:
             Path(args.out).write_text(table + "\n")
 
     if args.adopt and args.sweep:
         candidates = [(args.tune or "defaults", tuning), *variants]
-        times = sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), candidates)
+        times = sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), candidates,
+                      segs_of(args.sweep))
         if not times:
             raise SystemExit(f"--adopt: every variant failed at {args.sweep}")
         label, tuning = candidates[min(times, key=lambda i: times[i][1])]
@@ -261,7 +291,9 @@ def main(argv=None):
         for name in names:
             breakdown(name, make_inputs(*SHAPES[name]), tuning)
         return
-    jla = None if args.no_jla else jla_fwd()
+    if packed:
+        print(f"rows of packed documents (mean {args.documents} tokens): ours only", flush=True)
+    jla = None if args.no_jla or packed else jla_fwd()
 
     def measure(name, column, bench, *bench_args):
         """One cell, bench(*bench_args): a failure is printed and leaves the cell empty."""
@@ -272,25 +304,25 @@ def main(argv=None):
         print(f"{name}: {column} fwd / fwd+bwd {fmt(results[name][column])} ms", flush=True)
 
     for i, name in enumerate(names):  # shape by shape, so a run cut short keeps whole rows
-        arrays = make_inputs(*SHAPES[name])
-        results[name]["ours"] = bench_jax(ours_fwd(tuning), arrays)
+        arrays, segs = make_inputs(*SHAPES[name]), segs_of(name)
+        results[name]["ours"] = bench_jax(ours_fwd(tuning, segs), arrays)
         print(f"{name}: ours fwd / fwd+bwd {fmt(results[name]['ours'])} ms", flush=True)
         if args.breakdown and i == 0:  # every kernel compiles again: the first shape only
             breakdown(name, arrays, tuning)
         if not args.no_gate_in_kernel:
             f, A_log, dt_bias = gate_inputs(arrays)
-            measure(name, "ours_gk", bench_jax, ours_gate_in_kernel(tuning, A_log, dt_bias),
-                    (*arrays[:3], f, *arrays[4:]))
-        if not args.no_fla:  # fla autotunes its kernels on first use: slow to start
+            measure(name, "ours_gk", bench_jax,
+                    ours_gate_in_kernel(tuning, A_log, dt_bias, segs), (*arrays[:3], f, *arrays[4:]))
+        if not args.no_fla and not packed:  # fla autotunes its kernels on first use: slow to start
             measure(name, "fla", bench_fla, arrays)
         if jla is not None:
             measure(name, "jla", bench_jax, jla, arrays)
-        if not args.no_xla:
+        if not args.no_xla and not packed:
             measure(name, "xla", bench_jax, xla_fwd, arrays)
         del arrays
         report()
     if args.sweep and not args.adopt:  # last: a run cut short still has the table
-        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), variants)
+        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), variants, segs_of(args.sweep))
 
 
 # The default --variants: one launch parameter changed at a time.
@@ -305,12 +337,13 @@ def parse_variants(spec: str, base: pk.KernelTuning) -> list[tuple[str, pk.Kerne
             for item in spec.split(";") if item]
 
 
-def sweep(name, arrays, variants) -> dict[int, tuple[float, float]]:
-    """Times of ours with each (label, tuning) of ``variants``: {index: (fwd, fwd+bwd) ms}."""
+def sweep(name, arrays, variants, segs=None) -> dict[int, tuple[float, float]]:
+    """Times of ours with each (label, tuning) of ``variants`` (over the documents ``segs``):
+    {index: (fwd, fwd+bwd) ms}."""
     times = {}
     for i, (label, tuning) in enumerate(variants):
         try:
-            times[i] = t = bench_jax(ours_fwd(tuning), arrays)
+            times[i] = t = bench_jax(ours_fwd(tuning, segs), arrays)
             print(f"  sweep {name} {label}: fwd {t[0]:.3f} ms, fwd+bwd {t[1]:.3f} ms", flush=True)
         except Exception as err:
             print(f"  sweep {name} {label}: failed {str(err).splitlines()[0][:200]}")
@@ -327,12 +360,14 @@ HEADERS = {"ours": "ours", "ours_gk": "ours, gate in kernel", "fla": "fla", "jla
            "xla": "xla"}
 
 
-def format_table(dev, results, tuning: pk.KernelTuning):
+def format_table(dev, results, tuning: pk.KernelTuning, documents: int = 0):
     """Markdown: per shape, forward / forward+backward ms of every column, and the speed-ups of
     ours (and ours with the gate in the kernel) over fla and jla: peer time / our time."""
+    rows = (f"rows of packed documents of ~{documents} tokens (ours only)" if documents
+            else "one document per row")
     lines = [
         f"Card: {dev.device_kind}; JAX {jax.__version__}; bf16 q/k/v/beta, fp32 bounded gate "
-        f"(lower_bound={LOWER}); K = V = head dim. Times in ms (median), forward / "
+        f"(lower_bound={LOWER}); K = V = head dim; {rows}. Times in ms (median), forward / "
         "forward+backward; Mtok/s = B*T / time; \"x fla\" = fla's time / ours.",
         "",
         f"Our launch parameters: {tuning}",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from configs import load_config
@@ -143,3 +144,20 @@ def test_kda_kernel_table_gives_each_peer_its_ratio_and_dashes_for_the_missing()
     assert cells[0] == "8 x 4096, 16 x 128"
     assert cells[1:6] == ["2.00 / 8.00", "1.60 / 6.40", "2.40 / 9.60", "—", "—"]
     assert cells[7:] == ["1.20x / 1.20x", "—", "1.50x / 1.50x", "—"]
+
+
+def test_kda_kernel_packs_rows_with_documents_of_about_the_given_length():
+    """kda_kernel.py --documents L: every row is documents 1, 2, ... in order, each at least 16
+    tokens (the last may be cut by the row's end), about L tokens on average."""
+    kk = load("kda_kernel")
+    rng = np.random.default_rng()
+    L = int(rng.integers(50, 200))
+    segs = np.asarray(kk.document_ids(16, 4096, L, seed=int(rng.integers(1 << 30))))
+    assert segs.shape == (16, 4096) and segs.dtype == np.int32
+    whole = []  # the documents the row's end did not cut
+    for row in segs:
+        assert row[0] == 1 and set(np.diff(row)) <= {0, 1}
+        whole.extend(np.bincount(row)[1:-1])
+    assert min(whole) >= 16 and 0.7 * L < np.mean(whole) < 1.3 * L, (L, np.mean(whole))
+    table = kk.format_table(jax.devices()[0], {}, kk.pk.KernelTuning(), documents=L)
+    assert f"packed documents of ~{L} tokens" in table
