@@ -117,6 +117,13 @@ class KernelTuning:
     # On the H200 at 8 x 4096 the two run even (BENCHMARKS.md, ninth pass); a scores kernel
     # with one program per sub-chunk of rows was 1.5x slower and is gone.
     split_intra: int = 0
+    # 1: intra_bwd_channels' four pairwise-decay sums (pair_grads) as one dot each over every
+    # sub-chunk at once, the sub-chunks' anchored operands side by side [C, C/sub * BK] and
+    # each row keeping its own sub-chunk's columns: 8 dots per program instead of 32, each
+    # C/sub times larger (the kernel's time is its chain of small dependent dots, not their
+    # multiply-adds). 0: a dot per sub-chunk. Triton and interpret paths; the TPU kernels keep
+    # 0 (the lane dimension is not split there). Not yet timed.
+    pair_dots: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -165,6 +172,7 @@ _TUNING_RULES = {
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
     "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
     "split_intra": ("0 or 1", lambda x: x in (0, 1)),
+    "pair_dots": ("0 or 1", lambda x: x in (0, 1)),
 }
 
 
@@ -258,6 +266,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
+        pair_dots=tuning.pair_dots if mode not in ("tpu", "tpu_interpret") else 0,
     )
 
 

@@ -93,6 +93,7 @@ class KdaConfig:
     # (KernelTuning.hopper; kda_calls.hopper_intra_mode)
     hopper: int = 0
     split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
+    pair_dots: int = 0  # pair_grads as one dot per sum over every sub-chunk (KernelTuning)
 
     @property
     def N(self) -> int:
@@ -373,11 +374,60 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
         ck = ck + e_j * _place_rows(mm(rows("dAkkT", ib), kf * e_b, cfg, split_b=True), ib, C)
         return rq, rk, cq, ck
 
-    zero = jnp.zeros(kf.shape, f32)
-    out = lax.fori_loop(0, C // s, sub_chunk, (zero,) * 4)
+    if cfg.pair_dots:
+        out = _stacked_pair_grads(cc, qs, kf, G, lv, cfg)
+    else:
+        out = lax.fori_loop(0, C // s, sub_chunk, (jnp.zeros(kf.shape, f32),) * 4)
     if not cfg.bounded:
         out = _diag_pair_grads(out, cc("dAqk"), cc("dAkk"), qs, kf, G, cfg)
     return out
+
+
+def _stacked_pair_grads(cc, qs, kf, G, lv, cfg: KdaConfig):
+    """``pair_grads``' factored sums (no exact diagonal blocks) with one dot per sum over all
+    nb = C/s sub-chunks at once (KernelTuning.pair_dots).
+
+    Each sub-chunk's anchored operand, e.g. k_j e^(G_a - G_j) for sub-chunk ib's anchor a, is
+    column block ib of a [C, nb * X] operand (built as [C, nb, X]); the whole [C, C] gradient
+    times it gives every row every sub-chunk's sum, and row i keeps block blk(i), its own:
+    R[i] = e^(G_i - G_a(blk(i))) sum_j dA_ij k_j e^(G_a(blk(i)) - G_j). The same products as
+    the dot per sub-chunk (the other blocks' columns are zeros), nb times the multiply-adds.
+    ``cc(name)`` loads dAqk, dAkk and their transposes whole [C, C].
+    """
+    C, s = cfg.C, cfg.sub
+    nb, X = C // s, kf.shape[1]
+    row3, blk3 = iota((C, nb, 1), 0), iota((C, nb, 1), 1)  # row i, sub-chunk ib
+    own3 = lax.div(row3, s) == blk3  # row i's own sub-chunk
+    G3 = jnp.broadcast_to(G.reshape(C, 1, X), (C, nb, X))
+
+    def anchor(rows3):  # G at row rows3[ib] of each sub-chunk ib, broadcast [C, nb, X]
+        at = jnp.sum(jnp.where(row3 == rows3, G3, 0.0), axis=0, keepdims=True)
+        return jnp.broadcast_to(at, (C, nb, X))
+
+    def own(y3):  # [C, nb, X] -> [C, X]: row i's own block
+        return jnp.sum(jnp.where(own3, y3, 0.0), axis=1)
+
+    def stacked(x, y3):  # [C, X] broadcast over the blocks times y3, flattened to [C, nb * X]
+        return (jnp.broadcast_to(x.reshape(C, 1, X), (C, nb, X)) * y3).reshape(C, nb * X)
+
+    def dot_own(name, b):  # row i's own block of cc(name) @ b
+        return own(mm(cc(name), b, cfg, split_b=True).reshape(C, nb, X))
+
+    # row side: columns j before (with a bounded gate, up to the end of) sub-chunk ib
+    Ga3 = anchor(jnp.minimum(blk3 * s, lv))
+    col_ok3 = row3 < ((blk3 + 1) * s if cfg.bounded else blk3 * s)
+    X3 = jnp.where(col_ok3, jnp.exp(jnp.where(col_ok3, Ga3 - G3, 0.0)), 0.0)
+    e_i = jnp.exp(G - own(Ga3))
+    Xk = stacked(kf, X3)
+    rq, rk = e_i * dot_own("dAqk", Xk), e_i * dot_own("dAkk", Xk)
+    # column side: rows i from (with a bounded gate, the start of) sub-chunk jb on
+    Gb3 = anchor(jnp.minimum(blk3 * s + s - 1, lv))
+    row_ok3 = row3 >= (blk3 * s if cfg.bounded else (blk3 + 1) * s)
+    E3 = jnp.where(row_ok3, jnp.exp(jnp.where(row_ok3, G3 - Gb3, 0.0)), 0.0)
+    e_j = jnp.exp(own(Gb3) - G)
+    cq = e_j * dot_own("dAqkT", stacked(qs, E3))
+    ck = e_j * dot_own("dAkkT", stacked(kf, E3))
+    return rq, rk, cq, ck
 
 
 def _diag_pair_grads(acc, dAqk, dAkk, qs, kf, G, cfg: KdaConfig):

@@ -354,9 +354,10 @@ def test_lowers_for_gpu_and_tpu():
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
     split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
+    pair = KernelTuning(pair_dots=1)  # intra_bwd_channels' sums as one dot each (GPU only)
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
         for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split),
-                              (None, seg, split)):
+                              (None, seg, split), (-5.0, seg, pair), (None, seg, pair)):
             def loss(q, k, v, g, beta, h0, backend=backend, lb=lb, s=s, tuning=tuning):
                 o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=h0,
                                   segment_ids=s, chunk_size=64, lower_bound=lb,
@@ -366,7 +367,7 @@ def test_lowers_for_gpu_and_tpu():
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
             text = grad.trace(q, k, v, g, beta, h0).lower(
                 lowering_platforms=(platform,)).as_text()
-            assert text.count("custom_call") >= 4 + (tuning is not None), (backend, lb, tuning)
+            assert text.count("custom_call") >= 4 + (tuning is split), (backend, lb, tuning)
 
 
 def test_bad_tuning_is_named():
@@ -404,13 +405,26 @@ def test_tuning_reaches_the_kernels():
         run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
 
 
-@pytest.mark.parametrize(("backend", "gate_in_kernel"), [
-    *[pytest.param(b, False, id=f"{b}-given-gate") for b in ALL],
-    *[pytest.param(b, True, id=f"{b}-gate-in-kernel") for b in NO_TPU]])
-def test_split_intra_equals_one_kernel(backend, gate_in_kernel):
+# KernelTuning variants that must give what the defaults give; the jaxpr shows each is on:
+# split_intra by its two kernels, pair_dots by its [C, C/sub, BK] stacked operands.
+VARIANTS = {
+    "split_intra": lambda on, kernels, C: (
+        ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on),
+    "pair_dots": lambda on, kernels, C: (f"f32[{C},{C // 16},16]" in kernels) == on,
+}
+
+
+@pytest.mark.parametrize(("backend", "gate_in_kernel", "variant"), [
+    *[pytest.param(b, False, "split_intra", id=f"{b}-given-gate-split_intra") for b in ALL],
+    *[pytest.param(b, True, "split_intra", id=f"{b}-gate-in-kernel-split_intra")
+      for b in NO_TPU],
+    *[pytest.param(b, gk, "pair_dots", id=f"{b}-{'gate-in-kernel' if gk else 'given-gate'}"
+                   f"-pair_dots") for b in NO_TPU for gk in (False, True)]])
+def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel, variant):
     """KernelTuning.split_intra=1 (the forward's intra-chunk work as a scores kernel and a W/U
-    kernel, handing Akk and beta k e^G through memory) gives what the one kernel gives: output,
-    final state and every gradient, with packed documents, two K slices (bk = 16), two
+    kernel, handing Akk and beta k e^G through memory) and pair_dots=1 (intra_bwd_channels'
+    pairwise-decay sums as one dot each over all sub-chunks) give what the defaults give:
+    output, final state and every gradient, with packed documents, two K slices (bk = 16), two
     sub-chunks per chunk, grouped value heads, T not a multiple of the chunk, the bounded gate
     (anchored diagonal blocks) and the softplus gate (exact ones); and the definition within
     the usual tolerances."""
@@ -429,22 +443,22 @@ def test_split_intra_equals_one_kernel(backend, gate_in_kernel):
     S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
     narrow = KernelTuning(bk=16)  # the first test above checks bk=16 itself
 
-    def run(split):
+    def run(on):
         def fn(q, k, v, g, beta, h0):
             return kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
                               segment_ids=seg, chunk_size=C, lower_bound=lb, backend=backend,
-                              tuning=dataclasses.replace(narrow, split_intra=split),
+                              tuning=dataclasses.replace(narrow, **{variant: int(on)}),
                               poison=True, A_log=A_log, dt_bias=dt_bias)
-        kernels = str(jax.make_jaxpr(fn)(q, k, v, g, beta, h0))
-        assert ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == bool(split)
         out = jax.jit(fn)(q, k, v, g, beta, h0)
-        grads = jax.jit(jax.grad(loss_fn(fn, o_w, S_w), argnums=range(6)))(q, k, v, g, beta, h0)
+        grad_fn = jax.grad(loss_fn(fn, o_w, S_w), argnums=range(6))
+        assert VARIANTS[variant](on, str(jax.make_jaxpr(grad_fn)(q, k, v, g, beta, h0)), C)
+        grads = jax.jit(grad_fn)(q, k, v, g, beta, h0)
         return [*out, *grads]
 
-    fused = run(0)
+    default = run(False)
     names = ("o", "S", *(f"d{n}" for n in GRAD_NAMES))
-    split = run(1)
-    for name, a, b in zip(names, split, fused, strict=True):
+    varied = run(True)
+    for name, a, b in zip(names, varied, default, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite (unwritten?)"
         assert rel(a, b) < 1e-6, (backend, name, rel(a, b))
     # and the definition (the gate applied outside, the token-by-token recurrence)
@@ -453,8 +467,19 @@ def test_split_intra_equals_one_kernel(backend, gate_in_kernel):
         o_ref, S_ref = jax.jit(lambda *a: kda_recurrent(
             *a, scale=K ** -0.5, initial_state_BxHVxKxV=h0, segment_ids_BxT=seg))(
             q, k, v, g_def, beta)
-    assert rel(split[0], o_ref) < fwd_tol(backend, q.dtype)
-    assert rel(split[1], S_ref) < fwd_tol(backend, q.dtype)
+    assert rel(varied[0], o_ref) < fwd_tol(backend, q.dtype)
+    assert rel(varied[1], S_ref) < fwd_tol(backend, q.dtype)
+
+
+def test_pair_dots_stays_off_on_tpu():
+    """KernelTuning.pair_dots splits the lane dimension ([C, nb * BK] -> [C, nb, BK]), which the
+    TPU kernels do not: there the config keeps a dot per sub-chunk."""
+    cfg = lambda mode: pk.make_config(jnp.zeros((1, 64, 1, 128)), jnp.zeros((1, 64, 1, 128)),
+                                      scale=1.0, segment_ids=None, chunk_size=64,
+                                      lower_bound=-5.0, mode=mode,
+                                      tuning=KernelTuning(pair_dots=1))
+    assert cfg("interpret").pair_dots == cfg("gpu").pair_dots == 1
+    assert cfg("tpu").pair_dots == cfg("tpu_interpret").pair_dots == 0
 
 
 def test_gate_path_selection():
