@@ -124,6 +124,11 @@ class KernelTuning:
     # multiply-adds). 0: a dot per sub-chunk. Triton and interpret paths; the TPU kernels keep
     # 0 (the lane dimension is not split there). Not yet timed.
     pair_dots: int = 0
+    # 1: the same for the forward's decayed scores (decayed_scores: Aqk and Akk in intra_fwd or
+    # kda_intra_scores), one [C, C/sub * BK] x [C/sub * BK, C] dot per score matrix and K slice
+    # instead of C/sub dots with the other rows zeroed. Triton and interpret paths. Not yet
+    # timed.
+    score_dots: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -173,6 +178,7 @@ _TUNING_RULES = {
     "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
     "split_intra": ("0 or 1", lambda x: x in (0, 1)),
     "pair_dots": ("0 or 1", lambda x: x in (0, 1)),
+    "score_dots": ("0 or 1", lambda x: x in (0, 1)),
 }
 
 
@@ -266,7 +272,9 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
+        # the TPU kernels keep a dot per sub-chunk: Mosaic does not split the lane dimension
         pair_dots=tuning.pair_dots if mode not in ("tpu", "tpu_interpret") else 0,
+        score_dots=tuning.score_dots if mode not in ("tpu", "tpu_interpret") else 0,
     )
 
 

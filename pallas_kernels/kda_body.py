@@ -94,6 +94,7 @@ class KdaConfig:
     hopper: int = 0
     split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
     pair_dots: int = 0  # pair_grads as one dot per sum over every sub-chunk (KernelTuning)
+    score_dots: int = 0  # decayed_scores likewise, one dot per score matrix (KernelTuning)
 
     @property
     def N(self) -> int:
@@ -273,6 +274,49 @@ def _anchored_columns(y, G, Ga, ib, cfg: KdaConfig):
     return jnp.where(col_ok, y * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
 
 
+class _Blocks:
+    """[C, X] arrays spread over the nb = C/s sub-chunks as [C, nb, X] (row i, block ib), for
+    the dots that take every sub-chunk at once (KernelTuning.score_dots, pair_dots)."""
+
+    def __init__(self, G, cfg: KdaConfig):
+        self.C, self.nb, self.X = cfg.C, cfg.C // cfg.sub, G.shape[1]
+        self.row3, self.blk3 = iota((self.C, self.nb, 1), 0), iota((self.C, self.nb, 1), 1)
+        self.own3 = lax.div(self.row3, cfg.sub) == self.blk3  # row i's own sub-chunk
+        self.G3 = self.spread(G)
+
+    def spread(self, x):  # [C, X] -> [C, nb, X], the same in every block
+        return jnp.broadcast_to(x.reshape(self.C, 1, self.X), (self.C, self.nb, self.X))
+
+    def flat(self, x3):  # [C, nb, X] -> [C, nb * X], block ib in columns ib*X .. ib*X+X-1
+        return x3.reshape(self.C, self.nb * self.X)
+
+    def anchor(self, rows3):  # G at row rows3[ib] of each block ib, [C, nb, X]
+        at = jnp.sum(jnp.where(self.row3 == rows3, self.G3, 0.0), axis=0, keepdims=True)
+        return jnp.broadcast_to(at, (self.C, self.nb, self.X))
+
+    def own(self, y3):  # [C, nb, X] -> [C, X]: row i's own block
+        return jnp.sum(jnp.where(self.own3, y3, 0.0), axis=1)
+
+    @staticmethod
+    def decay(ok3, exponent3):  # e^exponent where ok3, else 0 (the exponent never evaluated)
+        return jnp.where(ok3, jnp.exp(jnp.where(ok3, exponent3, 0.0)), 0.0)
+
+
+def _stacked_scores(xs, y, G, lv, cfg: KdaConfig):
+    """``decayed_scores``' factored sub-blocks with one dot per x over all sub-chunks at once
+    (KernelTuning.score_dots): row i's x_i e^(G_i - G_a(blk(i))) sits in column block blk(i) of
+    a [C, nb * K] operand (zeros in the other blocks), and block ib of the other operand holds
+    y_j e^(G_a(ib) - G_j) for the columns j of sub-chunk ib's factored dot; their product sums
+    over d within each row's own block only. One [C, nb*K] x [nb*K, C] dot per x instead of
+    nb [C, K] x [K, C] ones with the other rows zeroed: the same products."""
+    b, s = _Blocks(G, cfg), cfg.sub
+    Ga3 = b.anchor(jnp.minimum(b.blk3 * s, lv))
+    x_decay3 = b.decay(b.own3, b.G3 - Ga3)
+    jlim3 = (b.blk3 + 1) * s if cfg.bounded else b.blk3 * s
+    y3 = b.spread(y) * b.decay(b.row3 < jlim3, Ga3 - b.G3)
+    return [mm(b.flat(b.spread(x) * x_decay3), b.flat(y3), cfg, tb=True) for x in xs]
+
+
 def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
     """For each x in xs: A[i, j] = sum_d x_id y_jd exp(G_id - G_jd) for j <= i (garbage above).
 
@@ -298,7 +342,11 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
                      for o, x in zip(outs, xs, strict=True))
 
     first = 0 if cfg.bounded else 1  # the safe path has no off-diagonal block in sub-chunk 0
-    outs = lax.fori_loop(first, C // s, sub_chunk, tuple(jnp.zeros((C, C), f32) for _ in xs))
+    if cfg.score_dots:
+        outs = _stacked_scores(xs, y, G, lv, cfg)
+    else:
+        outs = lax.fori_loop(first, C // s, sub_chunk,
+                             tuple(jnp.zeros((C, C), f32) for _ in xs))
     if not cfg.bounded:
         diag = _diag_scores(xs, y, G, cfg)
         outs = [o + d for o, d in zip(outs, diag, strict=True)]
@@ -388,45 +436,30 @@ def _stacked_pair_grads(cc, qs, kf, G, lv, cfg: KdaConfig):
     nb = C/s sub-chunks at once (KernelTuning.pair_dots).
 
     Each sub-chunk's anchored operand, e.g. k_j e^(G_a - G_j) for sub-chunk ib's anchor a, is
-    column block ib of a [C, nb * X] operand (built as [C, nb, X]); the whole [C, C] gradient
-    times it gives every row every sub-chunk's sum, and row i keeps block blk(i), its own:
+    column block ib of a [C, nb * X] operand (``_Blocks``); the whole [C, C] gradient times it
+    gives every row every sub-chunk's sum, and row i keeps block blk(i), its own:
     R[i] = e^(G_i - G_a(blk(i))) sum_j dA_ij k_j e^(G_a(blk(i)) - G_j). The same products as
     the dot per sub-chunk (the other blocks' columns are zeros), nb times the multiply-adds.
     ``cc(name)`` loads dAqk, dAkk and their transposes whole [C, C].
     """
-    C, s = cfg.C, cfg.sub
-    nb, X = C // s, kf.shape[1]
-    row3, blk3 = iota((C, nb, 1), 0), iota((C, nb, 1), 1)  # row i, sub-chunk ib
-    own3 = lax.div(row3, s) == blk3  # row i's own sub-chunk
-    G3 = jnp.broadcast_to(G.reshape(C, 1, X), (C, nb, X))
+    b = _Blocks(G, cfg)
+    s = cfg.sub
 
-    def anchor(rows3):  # G at row rows3[ib] of each sub-chunk ib, broadcast [C, nb, X]
-        at = jnp.sum(jnp.where(row3 == rows3, G3, 0.0), axis=0, keepdims=True)
-        return jnp.broadcast_to(at, (C, nb, X))
-
-    def own(y3):  # [C, nb, X] -> [C, X]: row i's own block
-        return jnp.sum(jnp.where(own3, y3, 0.0), axis=1)
-
-    def stacked(x, y3):  # [C, X] broadcast over the blocks times y3, flattened to [C, nb * X]
-        return (jnp.broadcast_to(x.reshape(C, 1, X), (C, nb, X)) * y3).reshape(C, nb * X)
-
-    def dot_own(name, b):  # row i's own block of cc(name) @ b
-        return own(mm(cc(name), b, cfg, split_b=True).reshape(C, nb, X))
+    def dot_own(name, y3):  # row i's own block of cc(name) @ y3
+        return b.own(mm(cc(name), b.flat(y3), cfg, split_b=True).reshape(b.C, b.nb, b.X))
 
     # row side: columns j before (with a bounded gate, up to the end of) sub-chunk ib
-    Ga3 = anchor(jnp.minimum(blk3 * s, lv))
-    col_ok3 = row3 < ((blk3 + 1) * s if cfg.bounded else blk3 * s)
-    X3 = jnp.where(col_ok3, jnp.exp(jnp.where(col_ok3, Ga3 - G3, 0.0)), 0.0)
-    e_i = jnp.exp(G - own(Ga3))
-    Xk = stacked(kf, X3)
+    Ga3 = b.anchor(jnp.minimum(b.blk3 * s, lv))
+    X3 = b.decay(b.row3 < ((b.blk3 + 1) * s if cfg.bounded else b.blk3 * s), Ga3 - b.G3)
+    e_i = jnp.exp(G - b.own(Ga3))
+    Xk = b.spread(kf) * X3
     rq, rk = e_i * dot_own("dAqk", Xk), e_i * dot_own("dAkk", Xk)
     # column side: rows i from (with a bounded gate, the start of) sub-chunk jb on
-    Gb3 = anchor(jnp.minimum(blk3 * s + s - 1, lv))
-    row_ok3 = row3 >= (blk3 * s if cfg.bounded else (blk3 + 1) * s)
-    E3 = jnp.where(row_ok3, jnp.exp(jnp.where(row_ok3, G3 - Gb3, 0.0)), 0.0)
-    e_j = jnp.exp(own(Gb3) - G)
-    cq = e_j * dot_own("dAqkT", stacked(qs, E3))
-    ck = e_j * dot_own("dAkkT", stacked(kf, E3))
+    Gb3 = b.anchor(jnp.minimum(b.blk3 * s + s - 1, lv))
+    E3 = b.decay(b.row3 >= (b.blk3 * s if cfg.bounded else (b.blk3 + 1) * s), b.G3 - Gb3)
+    e_j = jnp.exp(b.own(Gb3) - G)
+    cq = e_j * dot_own("dAqkT", b.spread(qs) * E3)
+    ck = e_j * dot_own("dAkkT", b.spread(kf) * E3)
     return rq, rk, cq, ck
 
 

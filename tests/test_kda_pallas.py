@@ -354,7 +354,7 @@ def test_lowers_for_gpu_and_tpu():
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
     split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
-    pair = KernelTuning(pair_dots=1)  # intra_bwd_channels' sums as one dot each (GPU only)
+    pair = KernelTuning(pair_dots=1, score_dots=1)  # one dot over all sub-chunks (GPU only)
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
         for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split),
                               (None, seg, split), (-5.0, seg, pair), (None, seg, pair)):
@@ -411,6 +411,7 @@ VARIANTS = {
     "split_intra": lambda on, kernels, C: (
         ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on),
     "pair_dots": lambda on, kernels, C: (f"f32[{C},{C // 16},16]" in kernels) == on,
+    "score_dots": lambda on, kernels, C: (f"f32[{C},{C // 16},16]" in kernels) == on,
 }
 
 
@@ -418,12 +419,14 @@ VARIANTS = {
     *[pytest.param(b, False, "split_intra", id=f"{b}-given-gate-split_intra") for b in ALL],
     *[pytest.param(b, True, "split_intra", id=f"{b}-gate-in-kernel-split_intra")
       for b in NO_TPU],
-    *[pytest.param(b, gk, "pair_dots", id=f"{b}-{'gate-in-kernel' if gk else 'given-gate'}"
-                   f"-pair_dots") for b in NO_TPU for gk in (False, True)]])
+    *[pytest.param(b, gk, v, id=f"{b}-{'gate-in-kernel' if gk else 'given-gate'}"
+                   f"-{v}") for b in NO_TPU for gk in (False, True)
+      for v in ("pair_dots", "score_dots")]])
 def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel, variant):
     """KernelTuning.split_intra=1 (the forward's intra-chunk work as a scores kernel and a W/U
-    kernel, handing Akk and beta k e^G through memory) and pair_dots=1 (intra_bwd_channels'
-    pairwise-decay sums as one dot each over all sub-chunks) give what the defaults give:
+    kernel, handing Akk and beta k e^G through memory), pair_dots=1 (intra_bwd_channels'
+    pairwise-decay sums as one dot each over all sub-chunks) and score_dots=1 (the forward's
+    decayed scores likewise) give what the defaults give:
     output, final state and every gradient, with packed documents, two K slices (bk = 16), two
     sub-chunks per chunk, grouped value heads, T not a multiple of the chunk, the bounded gate
     (anchored diagonal blocks) and the softplus gate (exact ones); and the definition within
@@ -471,15 +474,16 @@ def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel, variant):
     assert rel(varied[1], S_ref) < fwd_tol(backend, q.dtype)
 
 
-def test_pair_dots_stays_off_on_tpu():
-    """KernelTuning.pair_dots splits the lane dimension ([C, nb * BK] -> [C, nb, BK]), which the
-    TPU kernels do not: there the config keeps a dot per sub-chunk."""
+def test_stacked_dots_stay_off_on_tpu():
+    """KernelTuning.pair_dots and score_dots split the lane dimension ([C, nb * BK] <-> [C, nb,
+    BK]), which the TPU kernels do not: there the config keeps a dot per sub-chunk."""
     cfg = lambda mode: pk.make_config(jnp.zeros((1, 64, 1, 128)), jnp.zeros((1, 64, 1, 128)),
                                       scale=1.0, segment_ids=None, chunk_size=64,
                                       lower_bound=-5.0, mode=mode,
-                                      tuning=KernelTuning(pair_dots=1))
-    assert cfg("interpret").pair_dots == cfg("gpu").pair_dots == 1
-    assert cfg("tpu").pair_dots == cfg("tpu_interpret").pair_dots == 0
+                                      tuning=KernelTuning(pair_dots=1, score_dots=1))
+    for field in ("pair_dots", "score_dots"):
+        assert getattr(cfg("interpret"), field) == getattr(cfg("gpu"), field) == 1
+        assert getattr(cfg("tpu"), field) == getattr(cfg("tpu_interpret"), field) == 0
 
 
 def test_gate_path_selection():
