@@ -326,7 +326,8 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
     always one tensor-core matmul. For j inside the sub-chunk the second factor is up to
     e^((s-1)|lower_bound|): allowed only for a bounded gate (``cfg.bounded``); otherwise the
     diagonal sub-blocks are summed exactly by ``_diag_scores``. The sub-chunks are a loop, not
-    unrolled, to keep one sub-chunk's temporaries live at a time.
+    unrolled, to keep one sub-chunk's temporaries live at a time; with ``cfg.score_dots`` one
+    dot takes them all (``_stacked_scores``).
     """
     C, s = cfg.C, cfg.sub
     _, blk = _block_ids(cfg)
@@ -341,10 +342,10 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
         return tuple(o + mm(jnp.where(in_blk, x * e_row, 0.0), y_t, cfg, tb=True)
                      for o, x in zip(outs, xs, strict=True))
 
-    first = 0 if cfg.bounded else 1  # the safe path has no off-diagonal block in sub-chunk 0
     if cfg.score_dots:
         outs = _stacked_scores(xs, y, G, lv, cfg)
     else:
+        first = 0 if cfg.bounded else 1  # the safe path: no off-diagonal block in sub-chunk 0
         outs = lax.fori_loop(first, C // s, sub_chunk,
                              tuple(jnp.zeros((C, C), f32) for _ in xs))
     if not cfg.bounded:
@@ -398,7 +399,8 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     unbounded gate the factored dots cover only j < a (row side) and i > b (column side);
     ``_diag_pair_grads`` adds the diagonal sub-blocks exactly from the whole matrices
     ``cc(name)`` for dAqk and dAkk. The b operands are split bf16 hi + lo (``mm(split_b=True)``): dG takes
-    the difference of the two sides, which cancel up to rounding.
+    the difference of the two sides, which cancel up to rounding. With ``cfg.pair_dots`` one
+    dot per sum takes every sub-chunk (``_stacked_pair_grads``).
     """
     C, s = cfg.C, cfg.sub
     ri, blk = _block_ids(cfg)
