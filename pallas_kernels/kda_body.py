@@ -275,26 +275,27 @@ def _anchored_columns(y, G, Ga, ib, cfg: KdaConfig):
 
 
 class _Blocks:
-    """[C, X] arrays spread over the nb = C/s sub-chunks as [C, nb, X] (row i, block ib), for
-    the dots that take every sub-chunk at once (KernelTuning.score_dots, pair_dots)."""
+    """[C, X] arrays seen over the nb = C/s sub-chunks as [C, nb, X] (row i, block ib), for the
+    dots that take every sub-chunk at once (KernelTuning.score_dots, pair_dots). What does not
+    vary along an axis keeps it as 1 ([C, 1, X], [1, nb, X]) and is broadcast only inside the
+    arithmetic that needs it: fewer [C, nb, X] arrays live at once (registers)."""
 
     def __init__(self, G, cfg: KdaConfig):
         self.C, self.nb, self.X = cfg.C, cfg.C // cfg.sub, G.shape[1]
-        self.row3, self.blk3 = iota((self.C, self.nb, 1), 0), iota((self.C, self.nb, 1), 1)
-        self.own3 = lax.div(self.row3, cfg.sub) == self.blk3  # row i's own sub-chunk
-        self.G3 = self.spread(G)
+        self.row, self.blk = iota((self.C, 1, 1), 0), iota((1, self.nb, 1), 1)
+        self.own3 = lax.div(self.row, cfg.sub) == self.blk  # [C, nb, 1]: row i's own block
+        self.G = self.spread(G)
 
-    def spread(self, x):  # [C, X] -> [C, nb, X], the same in every block
-        return jnp.broadcast_to(x.reshape(self.C, 1, self.X), (self.C, self.nb, self.X))
+    def spread(self, x):  # [C, X] -> [C, 1, X]
+        return x.reshape(self.C, 1, self.X)
 
     def flat(self, x3):  # [C, nb, X] -> [C, nb * X], block ib in columns ib*X .. ib*X+X-1
-        return x3.reshape(self.C, self.nb * self.X)
+        return jnp.broadcast_to(x3, (self.C, self.nb, self.X)).reshape(self.C, self.nb * self.X)
 
-    def anchor(self, rows3):  # G at row rows3[ib] of each block ib, [C, nb, X]
-        at = jnp.sum(jnp.where(self.row3 == rows3, self.G3, 0.0), axis=0, keepdims=True)
-        return jnp.broadcast_to(at, (self.C, self.nb, self.X))
+    def anchor(self, rows):  # G at row rows[ib] of each block ib ([1, nb, 1]) -> [1, nb, X]
+        return jnp.sum(jnp.where(self.row == rows, self.G, 0.0), axis=0, keepdims=True)
 
-    def own(self, y3):  # [C, nb, X] -> [C, X]: row i's own block
+    def own(self, y3):  # [C or 1, nb, X] -> [C, X]: row i's own block
         return jnp.sum(jnp.where(self.own3, y3, 0.0), axis=1)
 
     @staticmethod
@@ -310,10 +311,10 @@ def _stacked_scores(xs, y, G, lv, cfg: KdaConfig):
     over d within each row's own block only. One [C, nb*K] x [nb*K, C] dot per x instead of
     nb [C, K] x [K, C] ones with the other rows zeroed: the same products."""
     b, s = _Blocks(G, cfg), cfg.sub
-    Ga3 = b.anchor(jnp.minimum(b.blk3 * s, lv))
-    x_decay3 = b.decay(b.own3, b.G3 - Ga3)
-    jlim3 = (b.blk3 + 1) * s if cfg.bounded else b.blk3 * s
-    y3 = b.spread(y) * b.decay(b.row3 < jlim3, Ga3 - b.G3)
+    Ga = b.anchor(jnp.minimum(b.blk * s, lv))
+    x_decay3 = b.decay(b.own3, b.G - Ga)
+    jlim = (b.blk + 1) * s if cfg.bounded else b.blk * s
+    y3 = b.spread(y) * b.decay(b.row < jlim, Ga - b.G)
     return [mm(b.flat(b.spread(x) * x_decay3), b.flat(y3), cfg, tb=True) for x in xs]
 
 
@@ -451,15 +452,15 @@ def _stacked_pair_grads(cc, qs, kf, G, lv, cfg: KdaConfig):
         return b.own(mm(cc(name), b.flat(y3), cfg, split_b=True).reshape(b.C, b.nb, b.X))
 
     # row side: columns j before (with a bounded gate, up to the end of) sub-chunk ib
-    Ga3 = b.anchor(jnp.minimum(b.blk3 * s, lv))
-    X3 = b.decay(b.row3 < ((b.blk3 + 1) * s if cfg.bounded else b.blk3 * s), Ga3 - b.G3)
-    e_i = jnp.exp(G - b.own(Ga3))
+    Ga = b.anchor(jnp.minimum(b.blk * s, lv))
+    X3 = b.decay(b.row < ((b.blk + 1) * s if cfg.bounded else b.blk * s), Ga - b.G)
+    e_i = jnp.exp(G - b.own(Ga))
     Xk = b.spread(kf) * X3
     rq, rk = e_i * dot_own("dAqk", Xk), e_i * dot_own("dAkk", Xk)
     # column side: rows i from (with a bounded gate, the start of) sub-chunk jb on
-    Gb3 = b.anchor(jnp.minimum(b.blk3 * s + s - 1, lv))
-    E3 = b.decay(b.row3 >= (b.blk3 * s if cfg.bounded else (b.blk3 + 1) * s), b.G3 - Gb3)
-    e_j = jnp.exp(b.own(Gb3) - G)
+    Gb = b.anchor(jnp.minimum(b.blk * s + s - 1, lv))
+    E3 = b.decay(b.row >= (b.blk * s if cfg.bounded else (b.blk + 1) * s), b.G - Gb)
+    e_j = jnp.exp(b.own(Gb) - G)
     cq = e_j * dot_own("dAqkT", b.spread(qs) * E3)
     ck = e_j * dot_own("dAkkT", b.spread(kf) * E3)
     return rq, rk, cq, ck
