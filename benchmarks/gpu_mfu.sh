@@ -188,13 +188,13 @@ if [ "$PHASE" = paths_1b ]; then  # configs/1b.py as written: the default path, 
 fi
 
 if [ "$PHASE" = stacked ]; then
-    both=pair_dots=1,score_dots=1
+    both=pair_dots=4,score_dots=4,warps_chan=8,warps_intra=8  # all four sub-chunks per dot
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kda_pallas.py \
         -k "gpu and (variants or bf16)" 2>&1 | tail -n 8 | tee "$OUT/tests.txt"
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     timeout 120 python3 benchmarks/kda_kernel.py --shapes 8x4096 --sweep 8x4096 --no-xla \
-        --no-fla --no-jla --no-gate-in-kernel --variants "pair_dots=1;pair_dots=1,warps_chan=8;\
-score_dots=1;score_dots=1,warps_intra=8;$both" 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/stacked.md"
+        --no-fla --no-jla --no-gate-in-kernel --variants "pair_dots=4;pair_dots=4,warps_chan=8;\
+pair_dots=2,warps_chan=8;score_dots=4;score_dots=4,warps_intra=8;$both" 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/stacked.md"
     timeout 60 python3 benchmarks/kda_kernel.py --breakdown-only --shapes 8x4096 --tune "$both" \
         2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/stacked_breakdown.md"
     timeout 60 python3 benchmarks/kda_kernel.py --shapes 8x4096 --documents 3000 --sweep 8x4096 \

@@ -117,17 +117,18 @@ class KernelTuning:
     # On the H200 at 8 x 4096 the two run even (BENCHMARKS.md, ninth pass); a scores kernel
     # with one program per sub-chunk of rows was 1.5x slower and is gone.
     split_intra: int = 0
-    # 1: intra_bwd_channels' four pairwise-decay sums (pair_grads) as one dot each over every
-    # sub-chunk at once, the sub-chunks' anchored operands side by side [C, C/sub * BK] and
-    # each row keeping its own sub-chunk's columns: 8 dots per program instead of 32, each
-    # C/sub times larger (the kernel's time is its chain of small dependent dots, not their
-    # multiply-adds). 0: a dot per sub-chunk. Triton and interpret paths; the TPU kernels keep
-    # 0 (the lane dimension is not split there). Not yet timed.
+    # m >= 1: intra_bwd_channels' four pairwise-decay sums (pair_grads) as one dot each for every
+    # m sub-chunks (all of them when m >= C/sub), the sub-chunks' anchored operands side by
+    # side [C, m * BK] and each row keeping its own sub-chunk's columns: with all four
+    # sub-chunks of a 64-row chunk, 8 dots per program instead of 32, each 4x larger (the
+    # kernel's time is its chain of small dependent dots, not their multiply-adds). 0: a dot
+    # per sub-chunk. Triton and interpret paths; the TPU kernels keep 0 (the lane dimension is
+    # not split there). Not yet timed.
     pair_dots: int = 0
-    # 1: the same for the forward's decayed scores (decayed_scores: Aqk and Akk in intra_fwd or
-    # kda_intra_scores), one [C, C/sub * BK] x [C/sub * BK, C] dot per score matrix and K slice
-    # instead of C/sub dots with the other rows zeroed. Triton and interpret paths. Not yet
-    # timed.
+    # m >= 1: the same for the forward's decayed scores (decayed_scores: Aqk and Akk in
+    # intra_fwd or kda_intra_scores), one [C, m * BK] x [m * BK, C] dot per score matrix, K slice
+    # and m sub-chunks instead of m dots with the other rows zeroed. Triton and interpret paths.
+    # Not yet timed.
     score_dots: int = 0
 
     def __post_init__(self):
@@ -177,8 +178,8 @@ _TUNING_RULES = {
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
     "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
     "split_intra": ("0 or 1", lambda x: x in (0, 1)),
-    "pair_dots": ("0 or 1", lambda x: x in (0, 1)),
-    "score_dots": ("0 or 1", lambda x: x in (0, 1)),
+    "pair_dots": ("0 or a power of two >= 1", lambda x: x == 0 or _power_of_two(x, 1)),
+    "score_dots": ("0 or a power of two >= 1", lambda x: x == 0 or _power_of_two(x, 1)),
 }
 
 
