@@ -405,38 +405,37 @@ def test_tuning_reaches_the_kernels():
         run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
 
 
+def _split_shown(on, kernels, C):  # split_intra: its two kernels instead of the one
+    return ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on
+
+
 def _stacked(m_pairs: int, m_scores: int):
-    """pair_dots and score_dots together (one test for the two: each run costs half a minute on
-    a CPU), shown by their stacked [C, m, BK] operands (BK = 16 below)."""
-    return ({"pair_dots": m_pairs, "score_dots": m_scores}, lambda on, kernels, C: all(
-        (f"f32[{C},{m},16]" in kernels) == on for m in (m_pairs, m_scores)))
+    """pair_dots and score_dots (with split_intra: each interpret run costs half a minute on a
+    CPU, so one run checks all three), shown by their stacked [C, m, BK] operands (BK = 16)."""
+    fields = {"split_intra": 1, "pair_dots": m_pairs, "score_dots": m_scores}
+    return fields, lambda on, kernels, C: _split_shown(on, kernels, C) and all(
+        (f"f32[{C},{m},16]" in kernels) == on for m in (m_pairs, m_scores))
 
 
 # KernelTuning variants that must give what the defaults give, and how the jaxpr shows each
 # is on. Below, C = 32 with sub-chunks of 16: m = 2 takes both in one dot, m = 1 loops over
-# groups of one.
+# groups of one. The TPU kernels take split_intra only.
 VARIANTS = {
-    "split_intra": ({"split_intra": 1}, lambda on, kernels, C: (
-        ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on)),
-    "stacked_dots": _stacked(1, 2),
-    "stacked_dots_swapped": _stacked(2, 1),
+    "split_intra": ({"split_intra": 1}, _split_shown),
+    "split_stacked": _stacked(1, 2),
+    "split_stacked_swapped": _stacked(2, 1),
 }
 
 
-def _gate_id(gate_in_kernel: bool) -> str:
-    return "gate-in-kernel" if gate_in_kernel else "given-gate"
-
-
 @pytest.mark.parametrize(("backend", "gate_in_kernel", "variant"), [
-    *[pytest.param(b, False, "split_intra", id=f"{b}-given-gate-split_intra") for b in ALL],
-    *[pytest.param(b, gk, v, id=f"{b}-{_gate_id(gk)}-{v}") for b in NO_TPU
-      for gk, v in ((True, "split_intra"), (False, "stacked_dots"),
-                    (True, "stacked_dots_swapped"))]])
+    *[pytest.param(b, False, "split_stacked", id=f"{b}-given-gate") for b in NO_TPU],
+    *[pytest.param(b, True, "split_stacked_swapped", id=f"{b}-gate-in-kernel") for b in NO_TPU],
+    pytest.param("tpu_interpret", False, "split_intra", id="tpu_interpret-given-gate")])
 def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel, variant):
     """KernelTuning.split_intra=1 (the forward's intra-chunk work as a scores kernel and a W/U
-    kernel, handing Akk and beta k e^G through memory), pair_dots (intra_bwd_channels'
+    kernel, handing Akk and beta k e^G through memory), with pair_dots (intra_bwd_channels'
     pairwise-decay sums as one dot each per group of sub-chunks) and score_dots (the forward's
-    decayed scores likewise), by groups of one and of all, give what the defaults give:
+    decayed scores likewise) by groups of one and of all, gives what the defaults give:
     output, final state and every gradient, with packed documents, two K slices (bk = 16), two
     sub-chunks per chunk, grouped value heads, T not a multiple of the chunk, the bounded gate
     (anchored diagonal blocks) and the softplus gate (exact ones); and the definition within
