@@ -254,7 +254,8 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
     cd = "float32" if cd not in (jnp.bfloat16, jnp.float16) else jnp.dtype(cd).name
     Kp, Vp = _next_pow2(K), _next_pow2(V)
     platform = {"gpu": "gpu", "tpu": "tpu"}.get(mode, "cpu")
-    if mode in ("tpu", "tpu_interpret"):
+    tpu = mode in ("tpu", "tpu_interpret")
+    if tpu:
         # Mosaic: lane-dim tiles of 128 (or the whole dim)
         bv_seq = bv_intra = Vp if Vp <= 128 else 128
         bk = Kp if Kp <= 128 else 128
@@ -274,8 +275,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
         # the TPU kernels keep a dot per sub-chunk: Mosaic does not split the lane dimension
-        pair_dots=tuning.pair_dots if mode not in ("tpu", "tpu_interpret") else 0,
-        score_dots=tuning.score_dots if mode not in ("tpu", "tpu_interpret") else 0,
+        pair_dots=0 if tpu else tuning.pair_dots, score_dots=0 if tpu else tuning.score_dots,
     )
 
 

@@ -28,6 +28,8 @@ Without that axis (or with one device on it) the layer runs the one-device code 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,6 +44,14 @@ from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
 from kimi_k3.sharding import BTHK, constrain, context_layout, param
 from pallas_kernels.kda import KernelTuning, default_tuning
+
+
+@functools.cache
+def _parsed_tuning(spec: str, device_kind: str) -> KernelTuning:
+    """model.kda.kernel_tuning over the card's defaults (what the kernel runs given None),
+    parsed once per spec and card rather than at every layer's every trace."""
+    return KernelTuning.parse(spec, base=default_tuning(device_kind),
+                              source="config.model.kda.kernel_tuning")
 
 
 class KDALayer(nnx.Module):
@@ -89,9 +99,7 @@ class KDALayer(nnx.Module):
         overrides some (model.kda.kernel_tuning)."""
         if not self.spec.kernel_tuning:
             return None
-        base = default_tuning(jax.devices()[0].device_kind)  # what the kernel runs given None
-        return KernelTuning.parse(self.spec.kernel_tuning, base=base,
-                                  source="config.model.kda.kernel_tuning")
+        return _parsed_tuning(self.spec.kernel_tuning, jax.devices()[0].device_kind)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
         """Zero cache: state [B, HV, K, V] f32 and the conv tails [B, W-1, heads, dim]. Its
