@@ -26,10 +26,6 @@
 #           loss curves.
 # paths_1b: configs/1b.py as written on each of the two, its micro-batch of 4 rows given (the
 #           automatic estimate compiles the gradient once more); ~300 s cold, then ~130 s.
-# stacked:  the opt-in one-dot-over-all-sub-chunks kernels (KernelTuning.pair_dots, score_dots):
-#           their compiled GPU tests, kda_kernel.py's sweep of them at 8 x 4096 (and of hopper=0
-#           over packed rows), the per-kernel times with both, then configs/1b.py as written
-#           with both (model.kda.kernel_tuning), ~500 s cold.
 # unrolled: step_profile.py on configs/1b.py at 4 rows with the layers unrolled
 #           (scan_layers=False: SourceList Attention Residuals), and its compile time.
 # prof NAME LIMIT FLAGS...:  one step_profile.py run (profile_NAME.md), e.g.
@@ -47,7 +43,7 @@
 # Several phases in one call: separate them with ";" in the device command.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, paths, paths_1b, stacked, unrolled, prof, tp, py}
+PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, paths, paths_1b, unrolled, prof, tp, py}
 shift
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
@@ -185,24 +181,6 @@ if [ "$PHASE" = paths_1b ]; then  # configs/1b.py as written: the default path, 
     mb4="--config.train.microbatch_size=4"
     tp 1b_default "${LIMIT_1B:-350}" 4 2 --config=configs/1b.py $mb4
     tp 1b_triton 225 4 2 --config=configs/1b.py $mb4 --config.model.kda.kernel_tuning=hopper=0
-fi
-
-if [ "$PHASE" = stacked ]; then
-    both=pair_dots=4,score_dots=4,warps_chan=8,warps_intra=8  # all four sub-chunks per dot
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kda_pallas.py \
-        -k "gpu and (variants or bf16)" 2>&1 | tail -n 8 | tee "$OUT/tests.txt"
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    timeout 120 python3 benchmarks/kda_kernel.py --shapes 8x4096 --sweep 8x4096 --no-xla \
-        --no-fla --no-jla --no-gate-in-kernel --variants "pair_dots=4;pair_dots=4,warps_chan=8;\
-pair_dots=2,warps_chan=8;score_dots=4;score_dots=4,warps_intra=8;$both" 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/stacked.md"
-    timeout 60 python3 benchmarks/kda_kernel.py --breakdown-only --shapes 8x4096 --tune "$both" \
-        2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/stacked_breakdown.md"
-    timeout 60 python3 benchmarks/kda_kernel.py --shapes 8x4096 --documents 3000 --sweep 8x4096 \
-        --no-gate-in-kernel --variants "hopper=0" 2>&1 | grep -v "^[IW][0-9]" \
-        | tee "$OUT/packed.md"
-    unset XLA_PYTHON_CLIENT_PREALLOCATE
-    tp 1b_stacked "${LIMIT_1B:-300}" 4 2 --config=configs/1b.py \
-        --config.train.microbatch_size=4 --config.model.kda.kernel_tuning="$both"
 fi
 
 if [ "$PHASE" = unrolled ]; then

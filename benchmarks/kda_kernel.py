@@ -327,8 +327,7 @@ def main(argv=None):
 
 # The default --variants: one launch parameter changed at a time.
 SWEEP = ("inverse_x3=1;bv_seq=32;bv_seq=64;warps_seq=8;bk=64;warps_grad=8;stages_seq=3;"
-         "split_intra=1;hopper=0;pair_dots=4;pair_dots=4,warps_chan=8;pair_dots=2,warps_chan=8;"
-         "score_dots=4;score_dots=4,warps_intra=8")
+         "split_intra=1;hopper=0")
 
 
 def parse_variants(spec: str, base: pk.KernelTuning) -> list[tuple[str, pk.KernelTuning]]:

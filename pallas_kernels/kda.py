@@ -117,19 +117,9 @@ class KernelTuning:
     # On the H200 at 8 x 4096 the two run even (BENCHMARKS.md, ninth pass); a scores kernel
     # with one program per sub-chunk of rows was 1.5x slower and is gone.
     split_intra: int = 0
-    # m >= 1: intra_bwd_channels' four pairwise-decay sums (pair_grads) as one dot each for every
-    # m sub-chunks (all of them when m >= C/sub), the sub-chunks' anchored operands side by
-    # side [C, m * BK] and each row keeping its own sub-chunk's columns: with all four
-    # sub-chunks of a 64-row chunk, 8 dots per program instead of 32, each 4x larger (the
-    # kernel's time is its chain of small dependent dots, not their multiply-adds). 0: a dot
-    # per sub-chunk. Triton and interpret paths; the TPU kernels keep 0 (the lane dimension is
-    # not split there). Not yet timed.
-    pair_dots: int = 0
-    # m >= 1: the same for the forward's decayed scores (decayed_scores: Aqk and Akk in
-    # intra_fwd or kda_intra_scores), one [C, m * BK] x [m * BK, C] dot per score matrix, K slice
-    # and m sub-chunks instead of m dots with the other rows zeroed. Triton and interpret paths.
-    # Not yet timed.
-    score_dots: int = 0
+    # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
+    # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:
+    # forward + backward 17.2 against 7.27 ms, the forward 3.8 against 2.2 ms.)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -178,8 +168,6 @@ _TUNING_RULES = {
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
     "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
     "split_intra": ("0 or 1", lambda x: x in (0, 1)),
-    "pair_dots": ("0 or a power of two >= 1", lambda x: x == 0 or _power_of_two(x, 1)),
-    "score_dots": ("0 or a power of two >= 1", lambda x: x == 0 or _power_of_two(x, 1)),
 }
 
 
@@ -254,8 +242,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
     cd = "float32" if cd not in (jnp.bfloat16, jnp.float16) else jnp.dtype(cd).name
     Kp, Vp = _next_pow2(K), _next_pow2(V)
     platform = {"gpu": "gpu", "tpu": "tpu"}.get(mode, "cpu")
-    tpu = mode in ("tpu", "tpu_interpret")
-    if tpu:
+    if mode in ("tpu", "tpu_interpret"):
         # Mosaic: lane-dim tiles of 128 (or the whole dim)
         bv_seq = bv_intra = Vp if Vp <= 128 else 128
         bk = Kp if Kp <= 128 else 128
@@ -274,8 +261,6 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
-        # the TPU kernels keep a dot per sub-chunk: Mosaic does not split the lane dimension
-        pair_dots=0 if tpu else tuning.pair_dots, score_dots=0 if tpu else tuning.score_dots,
     )
 
 

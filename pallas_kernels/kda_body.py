@@ -93,8 +93,6 @@ class KdaConfig:
     # (KernelTuning.hopper; kda_calls.hopper_intra_mode)
     hopper: int = 0
     split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
-    pair_dots: int = 0  # pair_grads: one dot per sum for this many sub-chunks (KernelTuning)
-    score_dots: int = 0  # decayed_scores likewise, one dot per score matrix (KernelTuning)
 
     @property
     def N(self) -> int:
@@ -274,69 +272,6 @@ def _anchored_columns(y, G, Ga, ib, cfg: KdaConfig):
     return jnp.where(col_ok, y * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
 
 
-class _Blocks:
-    """[C, X] arrays seen over a group of m sub-chunks (blocks first .. first+m-1) as [C, m, X]
-    (row i, block ib), for the dots that take several sub-chunks at once
-    (KernelTuning.score_dots, pair_dots). What does not vary along an axis keeps it as 1
-    ([C, 1, X], [1, m, X]) and is broadcast only inside the arithmetic that needs it."""
-
-    def __init__(self, G, cfg: KdaConfig, first, m: int):
-        self.C, self.m, self.X = cfg.C, m, G.shape[1]
-        self.row, self.blk = iota((self.C, 1, 1), 0), first + iota((1, m, 1), 1)
-        self.own3 = lax.div(self.row, cfg.sub) == self.blk  # [C, m, 1]: row i's own block
-        self.in_group = jnp.sum(self.own3.astype(jnp.int32), axis=1) > 0  # [C, 1]
-        self.G = self.spread(G)
-
-    def spread(self, x):  # [C, X] -> [C, 1, X]
-        return x.reshape(self.C, 1, self.X)
-
-    def flat(self, x3):  # [C, m, X] -> [C, m * X], block ib in columns ib*X .. ib*X+X-1
-        return jnp.broadcast_to(x3, (self.C, self.m, self.X)).reshape(self.C, self.m * self.X)
-
-    def anchor(self, rows):  # G at row rows[ib] of each block ib ([1, m, 1]) -> [1, m, X]
-        return jnp.sum(jnp.where(self.row == rows, self.G, 0.0), axis=0, keepdims=True)
-
-    def own(self, y3):  # [C or 1, m, X] -> [C, X]: row i's own block (0 outside the group)
-        return jnp.sum(jnp.where(self.own3, y3, 0.0), axis=1)
-
-    @staticmethod
-    def decay(ok, exponent):  # e^exponent where ok, else 0 (the exponent never evaluated)
-        return jnp.where(ok, jnp.exp(jnp.where(ok, exponent, 0.0)), 0.0)
-
-
-def _by_groups(m: int, fn, init, cfg: KdaConfig):
-    """Sums fn(first block, m) over the groups of m sub-chunks (one call when m covers the
-    chunk): fn returns a tuple like ``init``."""
-    nb = cfg.C // cfg.sub
-    m = min(m, nb)
-    if m == nb:
-        return tuple(fn(0, m))
-    return lax.fori_loop(0, nb // m, lambda grp, acc: tuple(
-        a + x for a, x in zip(acc, fn(grp * m, m), strict=True)), tuple(init))
-
-
-def _stacked_scores(xs, y, G, lv, cfg: KdaConfig):
-    """``decayed_scores``' factored sub-blocks with one dot per x for each group of m =
-    KernelTuning.score_dots sub-chunks: row i's x_i e^(G_i - G_a(blk(i))) sits in column block
-    blk(i) of a [C, m * K] operand (zeros in the other blocks, and in rows of other groups), and
-    block ib of the other operand holds y_j e^(G_a(ib) - G_j) for the columns j of sub-chunk
-    ib's factored dot; their product sums over d within each row's own block only. C/(s m)
-    [C, m*K] x [m*K, C] dots per x instead of C/s [C, K] x [K, C] ones with the other rows
-    zeroed: the same products."""
-    s = cfg.sub
-
-    def group(first, m):
-        b = _Blocks(G, cfg, first, m)
-        Ga = b.anchor(jnp.minimum(b.blk * s, lv))
-        x_decay3 = b.decay(b.own3, b.G - Ga)
-        jlim = (b.blk + 1) * s if cfg.bounded else b.blk * s
-        y3 = b.spread(y) * b.decay(b.row < jlim, Ga - b.G)
-        return [mm(b.flat(b.spread(x) * x_decay3), b.flat(y3), cfg, tb=True) for x in xs]
-
-    return list(_by_groups(cfg.score_dots, group, [jnp.zeros((cfg.C, cfg.C), f32)] * len(xs),
-                           cfg))
-
-
 def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
     """For each x in xs: A[i, j] = sum_d x_id y_jd exp(G_id - G_jd) for j <= i (garbage above).
 
@@ -346,8 +281,7 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
     always one tensor-core matmul. For j inside the sub-chunk the second factor is up to
     e^((s-1)|lower_bound|): allowed only for a bounded gate (``cfg.bounded``); otherwise the
     diagonal sub-blocks are summed exactly by ``_diag_scores``. The sub-chunks are a loop, not
-    unrolled, to keep one sub-chunk's temporaries live at a time; with ``cfg.score_dots`` one
-    dot takes a group of sub-chunks (``_stacked_scores``).
+    unrolled, to keep one sub-chunk's temporaries live at a time.
     """
     C, s = cfg.C, cfg.sub
     _, blk = _block_ids(cfg)
@@ -362,12 +296,8 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
         return tuple(o + mm(jnp.where(in_blk, x * e_row, 0.0), y_t, cfg, tb=True)
                      for o, x in zip(outs, xs, strict=True))
 
-    if cfg.score_dots:
-        outs = _stacked_scores(xs, y, G, lv, cfg)
-    else:
-        first = 0 if cfg.bounded else 1  # the safe path: no off-diagonal block in sub-chunk 0
-        outs = lax.fori_loop(first, C // s, sub_chunk,
-                             tuple(jnp.zeros((C, C), f32) for _ in xs))
+    first = 0 if cfg.bounded else 1  # the safe path has no off-diagonal block in sub-chunk 0
+    outs = lax.fori_loop(first, C // s, sub_chunk, tuple(jnp.zeros((C, C), f32) for _ in xs))
     if not cfg.bounded:
         diag = _diag_scores(xs, y, G, cfg)
         outs = [o + d for o, d in zip(outs, diag, strict=True)]
@@ -419,8 +349,7 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     unbounded gate the factored dots cover only j < a (row side) and i > b (column side);
     ``_diag_pair_grads`` adds the diagonal sub-blocks exactly from the whole matrices
     ``cc(name)`` for dAqk and dAkk. The b operands are split bf16 hi + lo (``mm(split_b=True)``): dG takes
-    the difference of the two sides, which cancel up to rounding. With ``cfg.pair_dots`` one
-    dot per sum takes a group of sub-chunks (``_stacked_pair_grads``).
+    the difference of the two sides, which cancel up to rounding.
     """
     C, s = cfg.C, cfg.sub
     ri, blk = _block_ids(cfg)
@@ -444,49 +373,11 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
         ck = ck + e_j * _place_rows(mm(rows("dAkkT", ib), kf * e_b, cfg, split_b=True), ib, C)
         return rq, rk, cq, ck
 
-    if cfg.pair_dots:
-        out = _stacked_pair_grads(cc, qs, kf, G, lv, cfg)
-    else:
-        out = lax.fori_loop(0, C // s, sub_chunk, (jnp.zeros(kf.shape, f32),) * 4)
+    zero = jnp.zeros(kf.shape, f32)
+    out = lax.fori_loop(0, C // s, sub_chunk, (zero,) * 4)
     if not cfg.bounded:
         out = _diag_pair_grads(out, cc("dAqk"), cc("dAkk"), qs, kf, G, cfg)
     return out
-
-
-def _stacked_pair_grads(cc, qs, kf, G, lv, cfg: KdaConfig):
-    """``pair_grads``' factored sums (no exact diagonal blocks) with one dot per sum for each
-    group of m = KernelTuning.pair_dots sub-chunks.
-
-    Each sub-chunk's anchored operand, e.g. k_j e^(G_a - G_j) for sub-chunk ib's anchor a, is
-    column block ib of a [C, m * X] operand (``_Blocks``); the whole [C, C] gradient times it
-    gives every row every block's sum, and row i keeps block blk(i), its own (rows of other
-    groups keep nothing): R[i] = e^(G_i - G_a(blk(i))) sum_j dA_ij k_j e^(G_a(blk(i)) - G_j).
-    The same products as the dot per sub-chunk (the other blocks' columns are zeros), m times
-    the multiply-adds. ``cc(name)`` loads dAqk, dAkk and their transposes whole [C, C].
-    """
-    s = cfg.sub
-
-    def group(first, m):
-        b = _Blocks(G, cfg, first, m)
-
-        def dot_own(name, y3):  # row i's own block of cc(name) @ y3
-            return b.own(mm(cc(name), b.flat(y3), cfg, split_b=True).reshape(b.C, b.m, b.X))
-
-        # row side: columns j before (with a bounded gate, up to the end of) sub-chunk ib
-        Ga = b.anchor(jnp.minimum(b.blk * s, lv))
-        X3 = b.decay(b.row < ((b.blk + 1) * s if cfg.bounded else b.blk * s), Ga - b.G)
-        e_i = b.decay(b.in_group, G - b.own(Ga))
-        Xk = b.spread(kf) * X3
-        rq, rk = e_i * dot_own("dAqk", Xk), e_i * dot_own("dAkk", Xk)
-        # column side: rows i from (with a bounded gate, the start of) sub-chunk jb on
-        Gb = b.anchor(jnp.minimum(b.blk * s + s - 1, lv))
-        E3 = b.decay(b.row >= (b.blk * s if cfg.bounded else (b.blk + 1) * s), b.G - Gb)
-        e_j = b.decay(b.in_group, b.own(Gb) - G)  # e^(-G) outside the group would overflow
-        cq = e_j * dot_own("dAqkT", b.spread(qs) * E3)
-        ck = e_j * dot_own("dAkkT", b.spread(kf) * E3)
-        return rq, rk, cq, ck
-
-    return _by_groups(cfg.pair_dots, group, (jnp.zeros(kf.shape, f32),) * 4, cfg)
 
 
 def _diag_pair_grads(acc, dAqk, dAkk, qs, kf, G, cfg: KdaConfig):

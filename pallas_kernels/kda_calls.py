@@ -641,7 +641,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
         _, vs = _slicers(cfg)
         by_v = {"Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
         dA = dict(zip(DA_NAMES, dA_r, strict=True))
-        cc = {"Tinv": Ti_r, **dA}  # pair_dots: the four dA matrices whole
+        cc = {"Tinv": Ti_r, "dAqk": dA["dAqk"], "dAkk": dA["dAkk"]}
         whole = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
         if gated:
             whole.update(dbias=dgate_r[0], dA=dgate_r[1])

@@ -354,10 +354,9 @@ def test_lowers_for_gpu_and_tpu():
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
     split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
-    pair = KernelTuning(pair_dots=4, score_dots=2)  # dots over groups of sub-chunks (GPU only)
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
         for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split),
-                              (None, seg, split), (-5.0, seg, pair), (None, seg, pair)):
+                              (None, seg, split)):
             def loss(q, k, v, g, beta, h0, backend=backend, lb=lb, s=s, tuning=tuning):
                 o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=h0,
                                   segment_ids=s, chunk_size=64, lower_bound=lb,
@@ -405,37 +404,12 @@ def test_tuning_reaches_the_kernels():
         run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
 
 
-def _split_shown(on, kernels, C):  # split_intra: its two kernels instead of the one
-    return ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on
-
-
-def _stacked(m_pairs: int, m_scores: int):
-    """pair_dots and score_dots (with split_intra: each interpret run costs half a minute on a
-    CPU, so one run checks all three), shown by their stacked [C, m, BK] operands (BK = 16)."""
-    fields = {"split_intra": 1, "pair_dots": m_pairs, "score_dots": m_scores}
-    return fields, lambda on, kernels, C: _split_shown(on, kernels, C) and all(
-        (f"f32[{C},{m},16]" in kernels) == on for m in (m_pairs, m_scores))
-
-
-# KernelTuning variants that must give what the defaults give, and how the jaxpr shows each
-# is on. Below, C = 32 with sub-chunks of 16: m = 2 takes both in one dot, m = 1 loops over
-# groups of one. The TPU kernels take split_intra only.
-VARIANTS = {
-    "split_intra": ({"split_intra": 1}, _split_shown),
-    "split_stacked": _stacked(1, 2),
-    "split_stacked_swapped": _stacked(2, 1),
-}
-
-
-@pytest.mark.parametrize(("backend", "gate_in_kernel", "variant"), [
-    *[pytest.param(b, False, "split_stacked", id=f"{b}-given-gate") for b in NO_TPU],
-    *[pytest.param(b, True, "split_stacked_swapped", id=f"{b}-gate-in-kernel") for b in NO_TPU],
-    pytest.param("tpu_interpret", False, "split_intra", id="tpu_interpret-given-gate")])
-def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel, variant):
+@pytest.mark.parametrize(("backend", "gate_in_kernel"), [
+    *[pytest.param(b, False, id=f"{b}-given-gate") for b in ALL],
+    *[pytest.param(b, True, id=f"{b}-gate-in-kernel") for b in NO_TPU]])
+def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel):
     """KernelTuning.split_intra=1 (the forward's intra-chunk work as a scores kernel and a W/U
-    kernel, handing Akk and beta k e^G through memory), with pair_dots (intra_bwd_channels'
-    pairwise-decay sums as one dot each per group of sub-chunks) and score_dots (the forward's
-    decayed scores likewise) by groups of one and of all, gives what the defaults give:
+    kernel, handing Akk and beta k e^G through memory) gives what the defaults give:
     output, final state and every gradient, with packed documents, two K slices (bk = 16), two
     sub-chunks per chunk, grouped value heads, T not a multiple of the chunk, the bounded gate
     (anchored diagonal blocks) and the softplus gate (exact ones); and the definition within
@@ -454,17 +428,18 @@ def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel, variant):
     o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
     S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
     narrow = KernelTuning(bk=16)  # the first test above checks bk=16 itself
-    fields, shown = VARIANTS[variant]
 
     def run(on):
         def fn(q, k, v, g, beta, h0):
             return kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
                               segment_ids=seg, chunk_size=C, lower_bound=lb, backend=backend,
-                              tuning=dataclasses.replace(narrow, **(fields if on else {})),
+                              tuning=dataclasses.replace(narrow, split_intra=int(on)),
                               poison=True, A_log=A_log, dt_bias=dt_bias)
         out = jax.jit(fn)(q, k, v, g, beta, h0)
         grad_fn = jax.grad(loss_fn(fn, o_w, S_w), argnums=range(6))
-        assert shown(on, str(jax.make_jaxpr(grad_fn)(q, k, v, g, beta, h0)), C)
+        kernels = str(jax.make_jaxpr(grad_fn)(q, k, v, g, beta, h0))
+        # split_intra: its two kernels instead of the one
+        assert ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on
         grads = jax.jit(grad_fn)(q, k, v, g, beta, h0)
         return [*out, *grads]
 
@@ -482,18 +457,6 @@ def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel, variant):
             q, k, v, g_def, beta)
     assert rel(varied[0], o_ref) < fwd_tol(backend, q.dtype)
     assert rel(varied[1], S_ref) < fwd_tol(backend, q.dtype)
-
-
-def test_stacked_dots_stay_off_on_tpu():
-    """KernelTuning.pair_dots and score_dots split the lane dimension ([C, nb * BK] <-> [C, nb,
-    BK]), which the TPU kernels do not: there the config keeps a dot per sub-chunk."""
-    cfg = lambda mode: pk.make_config(jnp.zeros((1, 64, 1, 128)), jnp.zeros((1, 64, 1, 128)),
-                                      scale=1.0, segment_ids=None, chunk_size=64,
-                                      lower_bound=-5.0, mode=mode,
-                                      tuning=KernelTuning(pair_dots=4, score_dots=2))
-    for field in ("pair_dots", "score_dots"):
-        assert getattr(cfg("interpret"), field) == getattr(cfg("gpu"), field) > 0
-        assert getattr(cfg("tpu"), field) == getattr(cfg("tpu_interpret"), field) == 0
 
 
 def test_gate_path_selection():
