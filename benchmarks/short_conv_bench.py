@@ -1,27 +1,27 @@
-r"""KDA's short convolution, forward + backward, in the forms its weight gradient can take.
+r"""KDA's short convolution, forward and forward + backward: XLA's form against the kernels.
 
     python benchmarks/short_conv_bench.py                        # configs/1b.py: 4 x 4096 x 2048
-    python benchmarks/short_conv_bench.py --batch=1 --seq=256    # CPU
+    python benchmarks/short_conv_bench.py --batch=1 --seq=256    # CPU (interpret mode: slow)
+    python benchmarks/short_conv_bench.py --tiles="32,128,4;64,128,8"
 
-The weight gradient of a depthwise convolution is one reduction per tap over every token,
+Rows timed:
 
-    dweight[w, c] = sum_{b, t} x[b, t - (W-1) + w, c] * dy[b, t, c]   (taps inside the document),
+    copy        one elementwise pass over the same tensors (y = c x; dx = c dy): the floor.
+    xla         ``kimi_k3.layers.ShortConv(impl="xla")``: the layer's float32 XLA form with its
+                own backward pass (input gradient and the weight gradient's column sums).
+    pallas      ``ShortConv(impl="pallas")``: ``pallas_kernels.short_conv``'s forward kernel and
+                its one-pass backward kernel (input and weight gradients).
+    R,BC,warps  the kernels called directly with other launch parameters (ConvTiles).
 
-a column sum over B T rows of C channels. Forms timed (each checked against "model"):
-
-    model       ``kimi_k3.layers.ShortConv`` as it is (its own backward pass, the "rows" sum).
-    derived     the forward alone, differentiated by JAX (the layer's form before 2026-12-01).
-    rows        the sum written over a [B T, C] view, in float32.
-    two_stage   partial sums over row blocks of 512 tokens, then over the blocks.
-    dot         one dot_general per tap with the channel as batch dimension (a batched GEMV).
-
-Prints the median forward + backward ms of each and its largest gradient error.
+Rows of packed documents (~1500 tokens: the mask matters), bf16 on the GPU. Prints the median
+forward and forward + backward ms, the bandwidth that time means for the tensors the step must
+read and write (forward: x in, y out; backward: x, dy in, dx out), and the largest error of
+each output and gradient against ``xla`` (``copy``'s are meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import jax
@@ -30,71 +30,46 @@ import numpy as np
 from flax import nnx
 
 from kimi_k3.layers import ShortConv
+from pallas_kernels import short_conv as kernels
 
 
-def _taps(x_BxTxC, seg_BxT, W):
-    """x shifted by each lag (x_{t-lag}, zero before the row and across documents)."""
-    B, T, _ = x_BxTxC.shape
-    out = []
-    for lag in range(W):
-        x_lag = jnp.pad(x_BxTxC, ((0, 0), (lag, 0), (0, 0)))[:, :T]
-        if lag:
-            prev = jnp.pad(seg_BxT, ((0, 0), (lag, 0)), mode="edge")[:, :T]
-            x_lag = jnp.where((prev == seg_BxT)[..., None], x_lag, 0)
-        out.append(x_lag)
-    return out
+def _median_ms(fn, *args, reps: int = 10, calls: int = 20) -> float:
+    """Median over ``reps`` of the mean time of ``calls`` calls dispatched back to back (one
+    wait each: a wait per call would add the host's round trip, ~0.1 ms, to a ~0.1 ms op)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / calls)
+    return 1e3 * float(np.median(times))
 
 
-def _dweight(x_lag, dy, how: str):
-    B, T, C = dy.shape
-    if how == "rows":
-        return jnp.sum((x_lag.astype(jnp.float32) * dy.astype(jnp.float32)).reshape(B * T, C), 0)
-    if how == "two_stage":
-        R = 512 if (B * T) % 512 == 0 else 1
-        part = jnp.sum((x_lag.astype(jnp.float32) * dy.astype(jnp.float32))
-                       .reshape(B * T // R, R, C), axis=1)
-        return jnp.sum(part, axis=0)
-    if how == "dot":
-        return jax.lax.dot_general(x_lag.reshape(B * T, C), dy.reshape(B * T, C),
-                                   (((0,), (0,)), ((1,), (1,))),
-                                   preferred_element_type=jnp.float32)
-    raise ValueError(how)
+def _layer_fns(layer_impl: str, C: int, W: int, seg):
+    layer = ShortConv((C,), W, names=("kda_heads",), rngs=nnx.Rngs(0), impl=layer_impl)
+    graphdef, state = nnx.split(layer)
+
+    def conv(x, w):
+        m = nnx.merge(graphdef, jax.tree.map(lambda _: w, state))  # the weight is its one leaf
+        return m(x, seg)[0]
+
+    def fwd_bwd(x, w, dy):  # dy an argument: as a closed-over constant XLA folds pads of it
+        y, vjp = jax.vjp(conv, x, w)
+        return (y, *vjp(dy))
+
+    return jax.jit(conv), jax.jit(fwd_bwd), layer.weight[...]
 
 
-def derived(x_BxTxC, w_WxC, seg_BxT):
-    """The convolution's forward; JAX derives its backward pass."""
-    W = w_WxC.shape[0]
-    y = sum(t.astype(jnp.float32) * w_WxC[W - 1 - lag]
-            for lag, t in enumerate(_taps(x_BxTxC, seg_BxT, W)))
-    return y.astype(x_BxTxC.dtype)
+def _kernel_fns(tiles: kernels.ConvTiles, seg, tail):
+    def conv(x, w):
+        return kernels.conv_forward(x, tail, w, seg, tiles=tiles)
 
+    def fwd_bwd(x, w, dy):
+        y = kernels.conv_forward(x, tail, w, seg, tiles=tiles)
+        return (y, *kernels.conv_backward(x, tail, w, seg, dy, tiles=tiles))
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def conv(x_BxTxC, w_WxC, seg_BxT, how):
-    return derived(x_BxTxC, w_WxC, seg_BxT)
-
-
-def _fwd(x, w, seg, how):
-    return conv(x, w, seg, how), (x, w, seg)
-
-
-def _bwd(how, res, dy):
-    x, w, seg = res
-    W = w.shape[0]
-    taps = _taps(x, seg, W)
-    dw = jnp.stack([_dweight(taps[lag], dy, how) for lag in range(W)][::-1])
-    # dx_s = sum_lag w[W-1-lag] dy_{s+lag} (same document).
-    dx = jnp.zeros(x.shape, jnp.float32)
-    for lag in range(W):
-        dy_lead = jnp.pad(dy, ((0, 0), (0, lag), (0, 0)))[:, lag:]
-        if lag:
-            nxt = jnp.pad(seg, ((0, 0), (0, lag)), mode="edge")[:, lag:]
-            dy_lead = jnp.where((nxt == seg)[..., None], dy_lead, 0)
-        dx = dx + dy_lead.astype(jnp.float32) * w[W - 1 - lag]
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
-
-
-conv.defvjp(_fwd, _bwd)
+    return jax.jit(conv), jax.jit(fwd_bwd)
 
 
 def main(argv=None):
@@ -103,7 +78,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--channels", type=int, default=2048)
     ap.add_argument("--width", type=int, default=4)
-    ap.add_argument("--forms", default="model,derived,rows,two_stage,dot")
+    ap.add_argument("--tiles", default="",
+                    help="launch parameters to time besides the default, 'R,BC,warps;...'")
     a = ap.parse_args(argv)
     B, T, C, W = a.batch, a.seq, a.channels, a.width
     rng = np.random.default_rng(0)
@@ -111,42 +87,35 @@ def main(argv=None):
     x = jnp.asarray(rng.normal(size=(B, T, C)), dtype)
     dy = jnp.asarray(rng.normal(size=(B, T, C)), dtype)
     seg = jnp.asarray(np.cumsum(rng.random((B, T)) < 1 / 1500, axis=1), jnp.int32)
-    layer = ShortConv((C,), W, names=("kda_heads",), rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(layer)
-    w = layer.weight[...]
+    tail = jnp.zeros((B, W - 1, C), dtype)
 
-    def model_fn(x, w):
-        m = nnx.merge(graphdef, jax.tree.map(lambda _: w, state))  # the weight is its one leaf
-        return m(x, seg)[0]
+    # The floor: one elementwise pass (x in, y out; dx from dy) at the card's bandwidth.
+    rows = {"copy": (jax.jit(lambda x, w: x * w[0, 0].astype(x.dtype)),
+                     jax.jit(lambda x, w, dy: (x * w[0, 0].astype(x.dtype),
+                                               dy * w[0, 0].astype(x.dtype),
+                                               jnp.zeros_like(w))))}
+    for impl in ("xla", "pallas"):
+        fwd, fwd_bwd, w = _layer_fns(impl, C, W, seg)
+        rows[impl] = (fwd, fwd_bwd)
+    for spec in filter(None, a.tiles.split(";")):
+        R, BC, warps = (int(v) for v in spec.split(","))
+        rows[spec] = _kernel_fns(kernels.ConvTiles(R, BC, warps), seg, tail)
 
-    fns = {"model": model_fn, "derived": lambda x, w: derived(x, w, seg)}
-    for how in ("rows", "two_stage", "dot"):
-        fns[how] = functools.partial(lambda x, w, how: conv(x, w, seg, how), how=how)
-
-    def fwd_bwd(fn):
-        def run(x, w, dy):  # dy an argument: as a closed-over constant XLA folds pads of it
-            y, vjp = jax.vjp(fn, x, w)
-            return (y, *vjp(dy))
-        return jax.jit(run)
-
-    want = None
-    print(f"| form | fwd+bwd ms | dx err | dweight err |  ({jax.devices()[0].device_kind}, "
-          f"{B} x {T} x {C}, W {W}, {jnp.dtype(dtype).name})")
-    print("|---|---|---|---|")
-    for name in a.forms.split(","):
-        f = fwd_bwd(fns[name])
-        out = jax.block_until_ready(f(x, w, dy))
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, w, dy))
-            times.append(time.perf_counter() - t0)
-        if want is None:
-            want = out
+    nbytes = B * T * C * jnp.dtype(dtype).itemsize  # one [B, T, C] tensor
+    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: {B} x {T} x {C}, width {W}, "
+          f"{jnp.dtype(dtype).name}, default tiles {kernels.DEFAULT_TILES}\n")
+    print("| form | forward ms | GB/s | forward + backward ms | GB/s | largest error "
+          "(y, dx, dw) |")
+    print("|---|---|---|---|---|---|")
+    want = jax.block_until_ready(rows["xla"][1](x, w, dy))
+    for name, (fwd, fwd_bwd) in rows.items():
+        out = jax.block_until_ready(fwd_bwd(x, w, dy))
         err = [float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))
                      / (float(jnp.max(jnp.abs(r.astype(jnp.float32)))) + 1e-30))
-               for o, r in zip(out[1:], want[1:], strict=True)]
-        print(f"| {name} | {1e3 * np.median(times):.3f} | {err[0]:.1e} | {err[1]:.1e} |",
+               for o, r in zip(out, want, strict=True)]
+        t_fwd, t_all = _median_ms(fwd, x, w), _median_ms(fwd_bwd, x, w, dy)
+        print(f"| {name} | {t_fwd:.3f} | {2 * nbytes / t_fwd / 1e6:.0f} | {t_all:.3f} | "
+              f"{5 * nbytes / t_all / 1e6:.0f} | {err[0]:.1e}, {err[1]:.1e}, {err[2]:.1e} |",
               flush=True)
 
 

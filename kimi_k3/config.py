@@ -131,10 +131,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     # instead of before it. Off by default until its training step is measured on the GPU
     # (BENCHMARKS.md, third pass).
     cfg.kda.gate_in_kernel = False
-    # The short convolutions' weight gradient: "auto" (the kernel on the GPU for scanned
-    # layers, XLA elsewhere: dispatch.choose_conv_impl),
-    # "xla" (a column sum XLA fuses as it likes) or "pallas" (its own kernel,
-    # pallas_kernels/short_conv.py; interpret mode off the GPU).
+    # The short convolutions: "auto" (the kernels on the GPU, XLA elsewhere:
+    # dispatch.choose_conv_impl), "xla" (the layer's float32 form, fused as XLA likes) or
+    # "pallas" (forward and backward kernels, pallas_kernels/short_conv.py; interpret mode off
+    # the GPU).
     cfg.kda.conv_impl = "auto"
     # The Pallas KDA kernel's launch parameters over the card's own (pallas_kernels.kda.
     # default_tuning): "key=int,..." of KernelTuning's fields; e.g. "hopper=0" runs the
@@ -292,7 +292,7 @@ class KdaSpec:
     chunk_size: int  # tokens per chunk of the chunked forms
     impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
     gate_in_kernel: bool = False  # the decay gate computed inside the KDA op
-    conv_impl: str = "xla"  # the short convolutions' weight gradient: "xla" | "pallas" (resolved)
+    conv_impl: str = "xla"  # the short convolutions: "xla" | "pallas" (resolved)
     kernel_tuning: str = ""  # overrides of the Pallas kernel's launch parameters (KernelTuning.parse)
     norm_eps: float = 1e-6  # the output RMSNorm's epsilon: model.norm_eps (Kimi Linear's
     # rms_norm_eps reaches this norm too)
@@ -559,8 +559,7 @@ def scan_plan(pattern: str, scan_layers: bool = True) -> tuple[str, int, str]:
     return best
 
 
-def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6,
-              scanned: bool = True) -> KdaSpec:
+def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) -> KdaSpec:
     f, k = _Fields(cfg.kda, "config.model.kda."), cfg.kda
     H = _Fields(cfg, "config.model.").int("num_heads", 1)
     head_dim = f.int("head_dim", 0, "must be an integer >= 0 (0 = d_model // num_heads)")
@@ -583,7 +582,7 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6,
                    impl=dispatch.choose_kda_impl(impl, backend),
                    gate_in_kernel=f.bool("gate_in_kernel"),
                    conv_impl=dispatch.choose_conv_impl(f.choice("conv_impl", dispatch.CONV_IMPLS),
-                                                       backend, scanned),
+                                                       backend),
                    kernel_tuning=_kernel_tuning(f),
                    norm_eps=norm_eps)
 
@@ -685,7 +684,7 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
     return ModelSpec(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
         pattern=pattern, scan_prefix=prefix, scan_unit=unit, scan_repeats=repeats,
-        scan_tail=tail, kda=_kda_spec(cfg, cfg.d_model, backend, norm_eps, scanned=repeats > 1),
+        scan_tail=tail, kda=_kda_spec(cfg, cfg.d_model, backend, norm_eps),
         mla=_mla_spec(cfg, cfg.d_model),
         mlp_dim=cfg.mlp_dim, moe=moe, attn_res=f.choice("attn_res", ATTN_RES_MODES),
         attn_res_block_size=f.int("attn_res_block_size", 1,

@@ -38,7 +38,7 @@ from pallas_kernels.kda import pallas_supported
 KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
 EXPERT_MATMULS = ("auto", "ragged", "mosaic_gpu", "dense")
 ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
-CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions' weight gradient
+CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX).
 # GPU: it trains to the reference's loss curve several times faster (BENCHMARKS.md). TPU: the
@@ -73,22 +73,21 @@ def kda_kernel_error(backend: str) -> str | None:
     return None
 
 
-def choose_conv_impl(requested: str, backend: str | None = None, scanned: bool = True) -> str:
-    """Where the short convolutions' weight gradient is summed: "pallas" (its own kernel,
-    pallas_kernels/short_conv.py) or "xla". "auto" takes the kernel on the GPU for a model
-    whose layers are scanned, when this JAX still has Pallas-Triton, and XLA's sum otherwise.
+def choose_conv_impl(requested: str, backend: str | None = None) -> str:
+    """How the short convolutions run: "pallas" (forward and backward kernels,
+    pallas_kernels/short_conv.py) or "xla" (the layer's float32 form with its own backward
+    pass). "auto" takes the kernels on the GPU when this JAX still has Pallas-Triton, XLA
+    elsewhere (off the GPU the kernels only run in interpret mode).
 
-    Why it depends on the scan (1B step, 4 x 4096 rows, H200, BENCHMARKS.md): inside the
-    scanned layer XLA fuses the sum with the rest of the backward into a slow reduction (the
-    convolutions take 43.5 ms per step against 38.8 with the kernel); with the layers unrolled
-    it sums each convolution on its own, 10.3 ms for all 45 against the kernel's 16.8. On the
-    CPU the kernel only runs in interpret mode."""
+    On the H200, configs/1b.py's step (unrolled, 4 x 4096 rows): the convolutions 16.8 ms per
+    step with the kernels against 19.7 with XLA's fusions, which wrote the weight gradient as
+    slow column reductions (BENCHMARKS.md, tenth pass)."""
     if requested not in CONV_IMPLS:
         raise ValueError(f"conv: impl must be one of {CONV_IMPLS}, got {requested!r}")
     if requested != "auto":
         return requested
     on_gpu = (backend or jax.default_backend()) == "gpu"
-    return "pallas" if scanned and on_gpu and short_conv_kernel.available() else "xla"
+    return "pallas" if on_gpu and short_conv_kernel.available() else "xla"
 
 
 def choose_kda_impl(requested: str, backend: str | None = None) -> str:

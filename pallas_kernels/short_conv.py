@@ -1,40 +1,56 @@
-"""The short convolution's weight gradient as a Pallas kernel (GPU; interpret mode elsewhere).
+"""The causal depthwise short convolution as Pallas kernels: forward, and a backward that gives
+the input and weight gradients in one pass (GPU; interpret mode elsewhere).
 
-    dw[w, c] = sum_{b, t} same_lag(b, t) * x_{b, t-lag}[c] * dy_{b, t}[c],     lag = W - 1 - w
+    y_t[c]  = sum_{lag=0}^{W-1} same(t, t-lag) w[W-1-lag, c] x_{t-lag}[c]
+    dx_s[c] = sum_{lag=0}^{W-1} same(s+lag, s) w[W-1-lag, c] dy_{s+lag}[c]        (s+lag < T)
+    dw[W-1-lag, c] = sum_{b, t} same(t, t-lag) x_{b, t-lag}[c] dy_{b, t}[c]
 
-for the causal depthwise convolution of ``kimi_k3.layers.short_conv`` (y_t = sum_w w[w]
-x_{t-lag}, taps only inside the token's own document). ``x_ext`` [B, W-1+T, C] holds the W-1
-inputs before the first token, and same_lag(b, t) says x_{t-lag} has token t's segment id (the
-inputs before the sequence count as the first token's document, as in the layer).
+for ``kimi_k3.layers.short_conv``: same(t, s) says token s is in token t's document (equal
+segment ids). Inputs before the first token (t - lag < 0) come from ``tail`` [B, W-1, C] and
+count as the first token's document, as in the layer. float32 arithmetic, results in x's dtype
+(dw in float32).
 
-Why a kernel: this is a sum over every token (B T rows) per channel. Left to XLA:GPU it fused
-with the other consumers of x and dy (the input gradient, the SiLU's backward, the recomputed
-convolution) into one multi-output reduction that ran at 3.9 ms per KDA layer in the 1B step,
-where reading x and dy takes about 0.1 ms. Here the sum is a kernel of its own:
+Why kernels: XLA:GPU wrote the 1B step's convolutions as fusions far slower than their memory
+traffic (the forward at ~0.6 TB/s, the weight gradient as column reductions fused with the input
+gradient: 20 ms of each 4-row micro-batch where reading and writing the tensors takes ~2).
 
-    grid (B, T_pad / R, C_pad / BC); program (b, r, j) reads dy rows [r R, r R + R) and the
-    W shifted windows of x_ext it needs (rows r R + w, w = 0..W-1: R + W - 1 rows in all) of
-    channel tile j, and writes the W partial sums of its R rows: partial [B, T_pad/R, W_pad, C_pad]
-    float32. The caller's sum over (B, T_pad/R) is a small reduction (16 x fewer rows).
+    grid (B, T_pad / R, C_pad / BC); program (b, r, j) owns rows [r R, r R + R) of channel tile
+    j. It reads the W shifted row windows it needs straight from x (row indices clamped into
+    [0, T) and the rows outside masked: no padded copy of x is made), and the backward also
+    the W windows of dy ahead of its rows. The backward writes the W weight-gradient sums of its
+    R rows, partial [B, T_pad / R, W_pad, C_pad] float32, which the caller sums (R x fewer rows
+    than the tokens).
 
-Rows and channels are padded with zeros to whole tiles (nothing padded contributes).
+Tokens past T are computed on clamped rows and cut off; channels are padded to whole tiles
+only when C is not a multiple of the tile (a copy; configs' channel counts need none).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # Pallas-Triton (deprecated in JAX 0.11, may disappear: then XLA's sum is used)
+try:  # Pallas-Triton (deprecated in JAX 0.11, may disappear: then the layer's XLA form is used)
     from jax.experimental.pallas import triton as pl_triton
 except ImportError:  # pragma: no cover - depends on the installed JAX
     pl_triton = None
 
 f32 = jnp.float32
 
-ROWS = 256  # R: tokens per program (a power of two; fewer for short sequences)
-BLOCK_C = 128  # BC: channels per program
+
+@dataclasses.dataclass(frozen=True)
+class ConvTiles:
+    """Launch parameters: R rows and BC channels per program (powers of two), Triton warps."""
+
+    rows: int = 32
+    channels: int = 128
+    warps: int = 4
+
+
+DEFAULT_TILES = ConvTiles()
 
 
 def _next_pow2(n: int) -> int:
@@ -45,75 +61,176 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def conv_weight_grad(x_ext_BxTWxC: jax.Array, dy_BxTxC: jax.Array, seg_BxT: jax.Array,
-                     width: int, *, interpret: bool | None = None) -> jax.Array:
-    """dw [W, C] float32 for x_ext [B, W-1+T, C], dy [B, T, C] (any float dtype), segment ids
-    seg [B, T] int32, W = ``width``. ``interpret`` defaults to True off the GPU."""
-    B, T, C = dy_BxTxC.shape
-    W = width
-    if x_ext_BxTWxC.shape != (B, W - 1 + T, C):
-        raise ValueError(f"conv_weight_grad: x_ext must be [B, W-1+T, C] = {(B, W - 1 + T, C)}, "
-                         f"got {x_ext_BxTWxC.shape}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    R = min(ROWS, _next_pow2(T))
-    BC = min(BLOCK_C, _next_pow2(C))
-    Tp, Cp, Wp = _round_up(T, R), _round_up(C, BC), _next_pow2(W)
-    # Zeros past the last token and channel; x_ext gets the same rows past its end (its
-    # windows reach row Tp - 1 + W - 1), and the segment ids of the W-1 inputs before the first
-    # token are the first token's. (No copies when T and C are whole tiles already.)
-    dy = _pad(dy_BxTxC, Tp - T, Cp - C)
-    x = _pad(x_ext_BxTWxC, Tp - T, Cp - C)
-    seg = seg_BxT.astype(jnp.int32)
-    seg_ext = jnp.concatenate([jnp.broadcast_to(seg[:, :1], (B, W - 1)), seg], axis=1)
-    seg_ext = jnp.pad(seg_ext, ((0, 0), (0, Tp - T)), constant_values=-1)
-    TWp = Tp + W - 1
-
-    def kernel(x_ref, dy_ref, seg_ref, o_ref):
-        t0 = pl.program_id(1) * R
-        dy = dy_ref[...].astype(f32)  # [R, BC]
-        seg_t = seg_ref[pl.ds(t0 + W - 1, R)]  # token t's id (x_ext row t + W - 1)
-        for w in range(Wp):
-            if w >= W:  # the padding rows of the power-of-two output block
-                o_ref[pl.ds(w, 1), :] = jnp.zeros((1, BC), f32)
-                continue
-            # Tap w multiplies x_{t-lag}, lag = W-1-w: x_ext row t + w.
-            x = x_ref[pl.ds(t0 + w, R), :].astype(f32)
-            same = seg_ref[pl.ds(t0 + w, R)] == seg_t
-            prod = jnp.where(same[:, None], x * dy, 0.0)
-            o_ref[pl.ds(w, 1), :] = jnp.sum(prod, axis=0, keepdims=True)
-
-    partial = pl.pallas_call(
-        kernel,
-        grid=(B, Tp // R, Cp // BC),
-        in_specs=[
-            # Every row of the batch row's channel tile; the kernel reads its windows.
-            pl.BlockSpec((None, TWp, BC), lambda b, r, j: (b, 0, j)),
-            pl.BlockSpec((None, R, BC), lambda b, r, j: (b, r, j)),
-            pl.BlockSpec((None, TWp), lambda b, r, j: (b, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, Wp, BC), lambda b, r, j: (b, r, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((B, Tp // R, Wp, Cp), f32),
-        interpret=interpret,
-        # Triton, not the Mosaic GPU default: the whole-row x block stays in memory (only the
-        # windows are loaded), where Mosaic GPU would stage it in shared memory.
-        compiler_params=None if interpret else _triton_params(),
-        name="short_conv_weight_grad",
-    )(x, dy, seg_ext)
-    return jnp.sum(partial, axis=(0, 1))[:W, :C]
-
-
 def available() -> bool:
-    """Whether this JAX can compile the kernel for the GPU (it needs Pallas-Triton)."""
+    """Whether this JAX can compile the kernels for the GPU (they need Pallas-Triton)."""
     return pl_triton is not None
 
 
-def _triton_params():
+def _check(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, where: str):
+    B, T, C = x_BxTxC.shape
+    W = w_WxC.shape[0]
+    for name, a, want in (("tail", tail_BxWm1xC, (B, W - 1, C)), ("weight", w_WxC, (W, C)),
+                          ("segment_ids", seg_BxT, (B, T))):
+        if a.shape != want:
+            raise ValueError(f"{where}: {name} must have shape {want} for x {x_BxTxC.shape} and "
+                             f"width {W}, got {a.shape}")
+    if W < 2:
+        raise ValueError(f"{where}: width must be >= 2 (a width of 1 is a scaling), got {W}")
+
+
+class _Layout:
+    """Tile sizes and the padding of channels for one call."""
+
+    def __init__(self, B: int, T: int, C: int, W: int, tiles: ConvTiles, interpret):
+        self.R = min(tiles.rows, _next_pow2(T))
+        self.BC = min(tiles.channels, _next_pow2(C))
+        self.Tp, self.Cp, self.Wp = _round_up(T, self.R), _round_up(C, self.BC), _next_pow2(W)
+        self.grid = (B, self.Tp // self.R, self.Cp // self.BC)
+        self.interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+        self.params = None if self.interpret else _triton_params(tiles.warps)
+
+    def pad_c(self, a):
+        """a [..., C] with zero channels up to C_pad (nothing when C is whole tiles)."""
+        extra = self.Cp - a.shape[-1]
+        return a if extra == 0 else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
+
+    def specs(self, T: int, W: int):
+        """Block specs of x (the batch row's whole channel tile: the kernel reads its own row
+        windows), tail, weight and segment ids."""
+        BC = self.BC
+        return [
+            pl.BlockSpec((None, T, BC), lambda b, r, j: (b, 0, j)),
+            pl.BlockSpec((None, W - 1, BC), lambda b, r, j: (b, 0, j)),
+            pl.BlockSpec((W, BC), lambda b, r, j: (0, j)),
+            pl.BlockSpec((None, T), lambda b, r, j: (b, 0)),
+        ]
+
+
+def _window(ref, idx_R, T: int):
+    """ref's rows idx (clamped into [0, T): always a valid address; the caller masks)."""
+    return ref[jnp.clip(idx_R, 0, T - 1)]
+
+
+def _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag: int, T: int, W: int):
+    """x_{t-lag} for the program's rows t, float32 [R, BC]: from x, from the tail before the
+    first token, zero across documents (the tail counts as the first token's document)."""
+    src_R = rows_R - lag
+    x_RxBC = _window(x_ref, src_R, T).astype(f32)
+    if lag == 0:
+        return x_RxBC
+    same_R = _window(seg_ref, src_R, T) == seg_R
+    tail_RxBC = tail_ref[jnp.clip(src_R + (W - 1), 0, W - 2)].astype(f32)
+    first_R = seg_R == seg_ref[0]
+    from_x = jnp.where(same_R[:, None], x_RxBC, 0.0)
+    from_tail = jnp.where(first_R[:, None], tail_RxBC, 0.0)
+    return jnp.where((src_R >= 0)[:, None], from_x, from_tail)
+
+
+def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
+                 seg_BxT: jax.Array, *, tiles: ConvTiles = DEFAULT_TILES,
+                 interpret: bool | None = None) -> jax.Array:
+    """y [B, T, C] in x's dtype. ``interpret`` defaults to True off the GPU."""
+    _check(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, "conv_forward")
+    (B, T, C), W = x_BxTxC.shape, w_WxC.shape[0]
+    lay = _Layout(B, T, C, W, tiles, interpret)
+    R = lay.R
+
+    def kernel(x_ref, tail_ref, w_ref, seg_ref, y_ref):
+        rows_R = pl.program_id(1) * R + jnp.arange(R)
+        seg_R = _window(seg_ref, rows_R, T)
+        acc_RxBC = jnp.zeros((R, lay.BC), f32)
+        for lag in range(W):
+            w_1xBC = w_ref[pl.ds(W - 1 - lag, 1), :].astype(f32)
+            acc_RxBC += _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag, T, W) * w_1xBC
+        y_ref[...] = acc_RxBC.astype(y_ref.dtype)
+
+    y = pl.pallas_call(
+        kernel,
+        grid=lay.grid,
+        in_specs=lay.specs(T, W),
+        out_specs=pl.BlockSpec((None, R, lay.BC), lambda b, r, j: (b, r, j)),
+        out_shape=jax.ShapeDtypeStruct((B, lay.Tp, lay.Cp), x_BxTxC.dtype),
+        interpret=lay.interpret,
+        compiler_params=lay.params,
+        name="short_conv_fwd",
+    )(lay.pad_c(x_BxTxC), lay.pad_c(tail_BxWm1xC), lay.pad_c(w_WxC),
+      seg_BxT.astype(jnp.int32))
+    return y[:, :T, :C]
+
+
+def conv_backward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
+                  seg_BxT: jax.Array, dy_BxTxC: jax.Array, *, tiles: ConvTiles = DEFAULT_TILES,
+                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """(dx [B, T, C] in x's dtype, dw [W, C] float32) for the cotangent dy [B, T, C]. The
+    tail's gradient (W-1 rows) is the caller's: ``tail_grad``."""
+    _check(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, "conv_backward")
+    if dy_BxTxC.shape != x_BxTxC.shape:
+        raise ValueError(f"conv_backward: dy must have x's shape {x_BxTxC.shape}, "
+                         f"got {dy_BxTxC.shape}")
+    (B, T, C), W = x_BxTxC.shape, w_WxC.shape[0]
+    lay = _Layout(B, T, C, W, tiles, interpret)
+    R, Wp = lay.R, lay.Wp
+
+    def kernel(x_ref, tail_ref, w_ref, seg_ref, dy_ref, dx_ref, dw_ref):
+        rows_R = pl.program_id(1) * R + jnp.arange(R)
+        seg_R = _window(seg_ref, rows_R, T)
+        # dy of the program's own rows (zero past the last token: those rows add nothing).
+        dy_RxBC = jnp.where((rows_R < T)[:, None], _window(dy_ref, rows_R, T).astype(f32), 0.0)
+        dx_RxBC = jnp.zeros((R, lay.BC), f32)
+        for lag in range(W):
+            tap = W - 1 - lag
+            w_1xBC = w_ref[pl.ds(tap, 1), :].astype(f32)
+            # Input gradient: token s+lag read x_s through this tap, if s is in its document.
+            dst_R = rows_R + lag
+            dy_ahead = _window(dy_ref, dst_R, T).astype(f32)
+            if lag:
+                ok_R = (dst_R < T) & (_window(seg_ref, dst_R, T) == seg_R)
+                dy_ahead = jnp.where(ok_R[:, None], dy_ahead, 0.0)
+            dx_RxBC += dy_ahead * w_1xBC
+            # Weight gradient: this tap's products over the program's rows.
+            x_RxBC = _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag, T, W)
+            dw_ref[pl.ds(tap, 1), :] = jnp.sum(x_RxBC * dy_RxBC, axis=0, keepdims=True)
+        for tap in range(W, Wp):  # the padding rows of the power-of-two output block
+            dw_ref[pl.ds(tap, 1), :] = jnp.zeros((1, lay.BC), f32)
+        dx_ref[...] = dx_RxBC.astype(dx_ref.dtype)
+
+    dx, partial = pl.pallas_call(
+        kernel,
+        grid=lay.grid,
+        in_specs=[*lay.specs(T, W), pl.BlockSpec((None, T, lay.BC), lambda b, r, j: (b, 0, j))],
+        out_specs=[pl.BlockSpec((None, R, lay.BC), lambda b, r, j: (b, r, j)),
+                   pl.BlockSpec((None, None, Wp, lay.BC), lambda b, r, j: (b, r, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct((B, lay.Tp, lay.Cp), x_BxTxC.dtype),
+                   jax.ShapeDtypeStruct((B, lay.Tp // R, Wp, lay.Cp), f32)],
+        interpret=lay.interpret,
+        compiler_params=lay.params,
+        name="short_conv_bwd",
+    )(lay.pad_c(x_BxTxC), lay.pad_c(tail_BxWm1xC), lay.pad_c(w_WxC),
+      seg_BxT.astype(jnp.int32), lay.pad_c(dy_BxTxC))
+    return dx[:, :T, :C], jnp.sum(partial, axis=(0, 1))[:W, :C]
+
+
+def tail_grad(w_WxC: jax.Array, seg_BxT: jax.Array, dy_BxTxC: jax.Array) -> jax.Array:
+    """dtail [B, W-1, C] float32: tail row j is the input at position p = j - (W-1) < 0, read
+    by tokens t = p + lag < W-1 of the first document,
+
+        dtail_j = sum_{lag > (W-1) - j - 1} [seg_t = seg_0] w[W-1-lag] dy_t,   t = j - (W-1) + lag.
+
+    A few rows: plain JAX."""
+    W, T = w_WxC.shape[0], seg_BxT.shape[1]
+    first_BxT = (seg_BxT == seg_BxT[:, :1])[..., None]
+    rows = []
+    for j in range(W - 1):
+        acc = jnp.zeros((dy_BxTxC.shape[0], dy_BxTxC.shape[2]), f32)
+        for lag in range(W):
+            t = j - (W - 1) + lag
+            if 0 <= t < T:
+                term = jnp.where(first_BxT[:, t], dy_BxTxC[:, t].astype(f32), 0.0)
+                acc = acc + term * w_WxC[W - 1 - lag].astype(f32)
+        rows.append(acc)
+    return jnp.stack(rows, axis=1)
+
+
+def _triton_params(warps: int):
     cls = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
-    return cls(num_warps=4, num_stages=1)
-
-
-def _pad(a, rows: int, cols: int):
-    if rows == 0 and cols == 0:
-        return a
-    return jnp.pad(a, ((0, 0), (0, rows), (0, cols)))
+    return cls(num_warps=warps, num_stages=1)

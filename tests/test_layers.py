@@ -399,7 +399,7 @@ def test_short_conv_matches_direct_convolution_and_masks_documents():
 def test_short_conv_gradients_equal_float64(impl):
     """The convolution's own backward pass (input, weight, tail) against float64 NumPy, with
     channels [H, K], packed documents and a tail: y_t = sum_lag [same doc] w[W-1-lag] x_{t-lag}.
-    ``impl`` "pallas" takes the weight gradient from pallas_kernels/short_conv.py."""
+    ``impl`` "pallas" runs pallas_kernels/short_conv.py's kernels (interpret mode here)."""
     B, T, H, K, W = 2, 41, 2, 3, 4
     rng = np.random.default_rng()
     conv = ShortConv((H, K), W, names=(None, None), rngs=rngs(int(rng.integers(1 << 20))),
@@ -433,26 +433,85 @@ def test_short_conv_gradients_equal_float64(impl):
         np.testing.assert_allclose(g, want, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("B,T,C,W", [(2, 300, 200, 4), (1, 37, 16, 3), (3, 512, 128, 4)])
-def test_conv_weight_grad_kernel_equals_float64(B, T, C, W):
-    """pallas_kernels.short_conv (interpret mode here) against float64 NumPy: token and channel
-    counts that are and are not whole tiles (256 rows, 128 channels), a width whose output rows
-    are padded (3), many short documents, bf16 inputs of very different magnitudes."""
+def _conv_float64(x, tail, w, seg, dy):
+    """y, dx, dtail, dw of the causal depthwise convolution in float64 from the equations
+    (x_ext = [tail, x]; tap W-1-lag reads x_ext row t + W-1-lag when it is in token t's
+    document, the tail counting as the first token's), and bounds: sums of |terms|."""
+    (B, T, C), W = x.shape, w.shape[0]
+    x_ext = np.concatenate([tail, x], axis=1)
+    seg_ext = np.concatenate([np.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
+    y, y_abs = np.zeros((B, T, C)), np.zeros((B, T, C))
+    dx_ext, dx_abs = np.zeros_like(x_ext), np.zeros_like(x_ext)
+    dw, dw_abs = np.zeros((W, C)), np.zeros((W, C))
+    for lag in range(W):
+        rows = np.arange(T) + W - 1 - lag
+        same = (seg_ext[:, rows] == seg)[..., None]
+        term = np.where(same, x_ext[:, rows] * w[W - 1 - lag], 0.0)
+        y, y_abs = y + term, y_abs + np.abs(term)
+        back = np.where(same, dy * w[W - 1 - lag], 0.0)
+        for b in range(B):
+            np.add.at(dx_ext[b], rows, back[b])
+            np.add.at(dx_abs[b], rows, np.abs(back[b]))
+        prod = np.where(same, x_ext[:, rows] * dy, 0.0)
+        dw[W - 1 - lag], dw_abs[W - 1 - lag] = prod.sum((0, 1)), np.abs(prod).sum((0, 1))
+    return ((y, y_abs), (dx_ext[:, W - 1:], dx_abs[:, W - 1:]),
+            (dx_ext[:, :W - 1], dx_abs[:, :W - 1]), (dw, dw_abs))
+
+
+@pytest.mark.parametrize("B,T,C,W,dtype", [
+    (2, 300, 200, 4, jnp.bfloat16),  # rows and channels that are not whole tiles
+    (1, 37, 16, 3, jnp.float32),     # a width whose weight-gradient rows are padded
+    (3, 130, 128, 4, jnp.float32),
+    (2, 2, 8, 4, jnp.bfloat16),      # fewer tokens than the tail: the tail reaches every token
+])
+def test_conv_kernels_equal_float64(B, T, C, W, dtype):
+    """pallas_kernels.short_conv's forward and backward kernels (interpret mode here) and the
+    tail's gradient against float64 NumPy: many short documents, a random tail, channels of
+    very different magnitudes. y and dx (in x's dtype) within W roundings of the sum of their
+    terms' magnitudes; the float32 weight and tail gradients within 1e-6 of theirs."""
     rng = np.random.default_rng()
     scale = np.exp(rng.uniform(-8, 8, size=(1, 1, C)))
-    x_ext = jnp.asarray(rng.normal(size=(B, W - 1 + T, C)) * scale, jnp.bfloat16)
-    dy = jnp.asarray(rng.normal(size=(B, T, C)), jnp.bfloat16)
-    seg = np.cumsum(rng.random((B, T)) < 0.05, axis=1).astype(np.int32)
-    got = np.asarray(short_conv_kernel.conv_weight_grad(x_ext, dy, jnp.asarray(seg), W))
-    x64, dy64 = np.asarray(x_ext, np.float64), np.asarray(dy, np.float64)
-    seg_ext = np.concatenate([np.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
-    want, bound = np.zeros((W, C)), np.zeros((W, C))
-    for w in range(W):  # tap w reads x_ext row t + w, when that token is in t's document
-        same = (seg_ext[:, w:w + T] == seg)[..., None]
-        prod = x64[:, w:w + T] * dy64
-        want[w] = np.sum(np.where(same, prod, 0.0), axis=(0, 1))
-        bound[w] = np.sum(np.abs(prod), axis=(0, 1))  # float32 sums err relative to this
-    np.testing.assert_array_less(np.abs(got - want), 1e-5 * bound + 1e-30)
+    x = np.asarray(jnp.asarray(rng.normal(size=(B, T, C)) * scale, dtype), np.float64)
+    tail = np.asarray(jnp.asarray(rng.normal(size=(B, W - 1, C)) * scale, dtype), np.float64)
+    dy = np.asarray(jnp.asarray(rng.normal(size=(B, T, C)), dtype), np.float64)
+    w = rng.normal(size=(W, C)).astype(np.float32).astype(np.float64)
+    seg = np.cumsum(rng.random((B, T)) < 0.1, axis=1).astype(np.int32)
+    args = [jnp.asarray(a, dtype) for a in (x, tail)] + [jnp.asarray(w, jnp.float32),
+                                                         jnp.asarray(seg)]
+    y = short_conv_kernel.conv_forward(*args)
+    dx, dw = short_conv_kernel.conv_backward(*args, jnp.asarray(dy, dtype))
+    dtail = short_conv_kernel.tail_grad(args[2], args[3], jnp.asarray(dy, dtype))
+    assert y.dtype == dx.dtype == dtype and dw.dtype == dtail.dtype == jnp.float32
+    rounding = W * float(jnp.finfo(dtype).eps)  # W products and sums, or the output's rounding
+    for name, got, (want, bound), rel in (("y", y, (ys := _conv_float64(x, tail, w, seg, dy))[0],
+                                           rounding), ("dx", dx, ys[1], rounding),
+                                          ("dtail", dtail, ys[2], 1e-6), ("dw", dw, ys[3], 1e-6)):
+        err = np.abs(np.asarray(got, np.float64) - want)
+        assert np.all(err <= rel * bound + 1e-30), (name, float(np.max(err / (bound + 1e-30))))
+
+
+def test_conv_kernels_lower_for_the_gpu_and_name_bad_shapes():
+    """Both kernels lower to Triton from this CPU at the 1B step's shapes (a [4, 4096, 2048]
+    bf16 tensor: what sizes and block shapes Triton refuses shows here, without a device); a
+    tail or weight of the wrong shape is refused by name."""
+    assert short_conv_kernel.available()
+    B, T, C, W = 4, 4096, 2048, 4
+    x = jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16)
+    tail = jax.ShapeDtypeStruct((B, W - 1, C), jnp.bfloat16)
+    w, seg = jax.ShapeDtypeStruct((W, C), jnp.float32), jax.ShapeDtypeStruct((B, T), jnp.int32)
+    fwd = jax.jit(lambda *a: short_conv_kernel.conv_forward(*a, interpret=False))
+    bwd = jax.jit(lambda *a: short_conv_kernel.conv_backward(*a, interpret=False))
+    for fn, args in ((fwd, (x, tail, w, seg)), (bwd, (x, tail, w, seg, x))):
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+    xs = jnp.zeros((1, 8, 4))
+    with pytest.raises(ValueError, match=r"conv_forward: tail must have shape \(1, 3, 4\).*"
+                                         r"got \(1, 2, 4\)"):
+        short_conv_kernel.conv_forward(xs, jnp.zeros((1, 2, 4)), jnp.zeros((4, 4)),
+                                       jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"conv_backward: dy must have x's shape"):
+        short_conv_kernel.conv_backward(xs, jnp.zeros((1, 3, 4)), jnp.zeros((4, 4)),
+                                        jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 7, 4)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -108,16 +108,16 @@ def test_the_config_is_checked_once_on_its_way_to_the_layers(monkeypatch):
     assert setup.spec.model.kda.conv_impl == "xla"  # "auto" on the CPU
 
 
-def test_conv_impl_auto_takes_the_kernel_on_the_gpu_only_for_scanned_layers(monkeypatch):
+def test_conv_impl_auto_takes_the_kernels_on_the_gpu(monkeypatch):
     assert dispatch.choose_conv_impl("auto", backend="gpu") == "pallas"
-    assert dispatch.choose_conv_impl("auto", backend="gpu", scanned=False) == "xla"
-    assert dispatch.choose_conv_impl("pallas", backend="gpu", scanned=False) == "pallas"
+    assert dispatch.choose_conv_impl("xla", backend="gpu") == "xla"
     assert dispatch.choose_conv_impl("auto", backend="tpu") == "xla"
-    # the model's layers decide: configs/1b.py is unrolled, its scanned variant is not
-    for scan, want in ((False, "xla"), (True, "pallas")):
+    assert dispatch.choose_conv_impl("auto", backend="cpu") == "xla"
+    # scanned or unrolled, the model takes them (configs/1b.py is unrolled)
+    for scan in (False, True):
         model = load_config("1b.py").model
         model.scan_layers = scan
-        assert config_lib.model_spec(model, backend="gpu").kda.conv_impl == want, scan
+        assert config_lib.model_spec(model, backend="gpu").kda.conv_impl == "pallas", scan
     assert dispatch.choose_conv_impl("pallas", backend="cpu") == "pallas"  # interpret mode
     monkeypatch.setattr(dispatch.short_conv_kernel, "pl_triton", None)  # a JAX without Triton
     assert dispatch.choose_conv_impl("auto", backend="gpu") == "xla"

@@ -140,9 +140,10 @@ class KDALayer(nnx.Module):
             k, tail_k = self.k_conv(k, segment_ids_BxT, c.get("conv_k"))
             v, tail_v = self.v_conv(v, segment_ids_BxT, c.get("conv_v"))
             # The convolutions' outputs are written before the SiLU and the q/k norms read
-            # them. Without the barrier XLA fused the three convolutions into the norms' row
-            # reduction in the unrolled 1B step, one kernel of 3.9 ms per layer; with it the
-            # convolutions take 6.8 ms forward for all 15 layers (BENCHMARKS.md, sixth pass).
+            # them. Without the barrier XLA fused the three convolutions (conv_impl "xla") into
+            # the norms' row reduction in the unrolled 1B step, one kernel of 3.9 ms per layer;
+            # with it they take 6.8 ms forward for all 15 layers (BENCHMARKS.md, sixth pass).
+            # The kernels (conv_impl "pallas") write their outputs anyway.
             q, k, v = lax.optimization_barrier((q, k, v))
             q_BxTxHxK = constrain(l2_normalize(jax.nn.silu(q)).astype(self.dtype), BTHK)
             k_BxTxHxK = constrain(l2_normalize(jax.nn.silu(k)).astype(self.dtype), BTHK)

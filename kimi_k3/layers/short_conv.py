@@ -68,12 +68,18 @@ class ShortConv(nnx.Module):
             return y, x_BxTxC[:, T - Wm1:]
         if tail_BxWm1xC is None:
             tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
-        x_ext = jnp.concatenate([tail_BxWm1xC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
+        tail_BxWm1xC = tail_BxWm1xC.astype(x_BxTxC.dtype)
         seg = (jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None
                else segment_ids_BxT.astype(jnp.int32))
-        y = _depthwise_causal_conv(x_ext, self.weight[...], seg, self.impl)
-        new_tail = x_ext[:, x_ext.shape[1] - Wm1:] if Wm1 > 0 else x_ext[:, :0]
-        return y, new_tail
+        # No kernel for a width of 1 (a scaling) or for one token (a decoding step: a few
+        # multiply-adds XLA fuses with their neighbours, where a kernel is a launch of its own).
+        impl = self.impl if Wm1 > 0 and T > 1 else "xla"
+        y = _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, self.weight[...], seg, impl)
+        if Wm1 == 0:
+            return y, tail_BxWm1xC
+        if T >= Wm1:
+            return y, x_BxTxC[:, T - Wm1:]
+        return y, jnp.concatenate([tail_BxWm1xC, x_BxTxC], axis=1)[:, T:]
 
     def _context_parallel(self, x_BxTxC, segment_ids_BxT, tail_BxWm1xC, layout: ContextLayout):
         """The convolution with the tokens split over ``layout.axes``: the same taps, the W-1
@@ -107,36 +113,58 @@ def _same_doc_masks(seg_BxT, W: int, feat: tuple) -> list:
     return masks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _depthwise_causal_conv(x_ext_BxTWxC, w_WxC, seg_BxT, impl="xla"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, impl="xla"):
     """y_t = sum_lag where(same document, w[W-1-lag] * x_{t-lag}, 0) in float32, returned in
-    x's dtype; x_ext [B, W-1+T, *channels] holds the W-1 inputs before the first token.
+    x's dtype; ``tail`` [B, W-1, *channels] holds the W-1 inputs before the first token (they
+    count as the first token's document).
 
     Written with its own backward pass because the weight gradient is a column sum over every
     token (B T rows of C channels): taken as XLA derives it, it fused with the layer's other
     backward work into a reduction several times slower than reading its inputs. ``impl``
-    "pallas" takes that sum in its own kernel (``pallas_kernels.short_conv``).
+    "pallas" runs forward and backward as kernels (``pallas_kernels.short_conv``).
     """
+    if impl == "pallas":
+        return _on_channels(short_conv_kernel.conv_forward, x_BxTxC, tail_BxWm1xC, w_WxC,
+                            seg_BxT)
     W, T = w_WxC.shape[0], seg_BxT.shape[1]
-    feat = (1,) * (x_ext_BxTWxC.ndim - 2)
+    x_ext = jnp.concatenate([tail_BxWm1xC, x_BxTxC], axis=1)
+    feat = (1,) * (x_ext.ndim - 2)
     w = w_WxC.astype(jnp.float32)
-    y = jnp.zeros((x_ext_BxTWxC.shape[0], T, *x_ext_BxTWxC.shape[2:]), jnp.float32)
+    y = jnp.zeros(x_BxTxC.shape, jnp.float32)
     for lag, same in enumerate(_same_doc_masks(seg_BxT, W, feat)):
         # Tap W-1-lag multiplies x_{t-lag}.
-        term = lax.slice_in_dim(x_ext_BxTWxC, W - 1 - lag, W - 1 - lag + T, axis=1)
+        term = lax.slice_in_dim(x_ext, W - 1 - lag, W - 1 - lag + T, axis=1)
         term = term.astype(jnp.float32) * w[W - 1 - lag]
         y = y + (term if same is None else jnp.where(same, term, 0.0))
-    return y.astype(x_ext_BxTWxC.dtype)
+    return y.astype(x_BxTxC.dtype)
 
 
-def _conv_fwd(x_ext, w, seg, impl):
-    return _depthwise_causal_conv(x_ext, w, seg, impl), (x_ext, w, seg)
+def _on_channels(fn, x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, *rest):
+    """``fn`` of the kernels on [B, T, C] views of arrays whose channels are [*channels]."""
+    B, T, *channels = x_BxTxC.shape
+    flat = [a.reshape(*a.shape[:-len(channels)], -1)
+            for a in (x_BxTxC, tail_BxWm1xC, w_WxC, *rest)]
+    return jax.tree.map(lambda a: a.reshape(*a.shape[:-1], *channels),
+                        fn(flat[0], flat[1], flat[2], seg_BxT, *flat[3:]))
+
+
+def _conv_fwd(x, tail, w, seg, impl):
+    return _depthwise_causal_conv(x, tail, w, seg, impl), (x, tail, w, seg)
 
 
 def _conv_bwd(impl, res, dy_BxTxC):
-    x_ext, w_WxC, seg = res
-    W, (B, T) = w_WxC.shape[0], seg.shape
-    channels = x_ext.shape[2:]
+    x, tail, w_WxC, seg = res
+    W, T = w_WxC.shape[0], seg.shape[1]
+    channels = x.shape[2:]
+    seg_ct = np.zeros(seg.shape, jax.dtypes.float0)
+    if impl == "pallas":
+        dx, dw_WxC = _on_channels(short_conv_kernel.conv_backward, x, tail, w_WxC, seg,
+                                  dy_BxTxC)
+        dtail = _on_channels(lambda *a: short_conv_kernel.tail_grad(a[2], a[3], a[4]),
+                             x, tail, w_WxC, seg, dy_BxTxC)
+        return dx, dtail.astype(tail.dtype), dw_WxC.astype(w_WxC.dtype), seg_ct
+    x_ext = jnp.concatenate([tail, x], axis=1)
     w = w_WxC.astype(jnp.float32)
     dy = dy_BxTxC.astype(jnp.float32)
     # dy_lag[t] = dy_t where x_{t-lag} is in token t's document, else 0
@@ -146,15 +174,8 @@ def _conv_bwd(impl, res, dy_BxTxC):
     for lag, dy_lag in enumerate(dy_lags):
         dx = dx + jnp.pad(dy_lag * w[W - 1 - lag],
                           [(0, 0), (W - 1 - lag, lag)] + [(0, 0)] * len(channels))
-    if impl == "pallas":
-        C = math.prod(channels)
-        dw_WxC = short_conv_kernel.conv_weight_grad(
-            x_ext.reshape(B, -1, C), dy_BxTxC.reshape(B, T, C), seg, W)
-        dw_WxC = dw_WxC.reshape(W, *channels).astype(w_WxC.dtype)
-    else:
-        dw_WxC = _weight_grad_xla(x_ext, dy_lags, T).astype(w_WxC.dtype)
-    seg_ct = np.zeros(seg.shape, jax.dtypes.float0)
-    return dx.astype(x_ext.dtype), dw_WxC, seg_ct
+    dw_WxC = _weight_grad_xla(x_ext, dy_lags, T).astype(w_WxC.dtype)
+    return (dx[:, W - 1:].astype(x.dtype), dx[:, :W - 1].astype(tail.dtype), dw_WxC, seg_ct)
 
 
 _depthwise_causal_conv.defvjp(_conv_fwd, _conv_bwd)
@@ -162,11 +183,7 @@ _depthwise_causal_conv.defvjp(_conv_fwd, _conv_bwd)
 
 def _weight_grad_xla(x_ext, dy_lags, T: int):
     """dw [W, *channels] float32 from the masked float32 cotangents dy_lag [B, T, *channels]
-    (lag = 0..W-1), each tap one column sum over a [B T, C] view. (Neither ops.reductions'
-    two-stage column_sum (48 against 36 ms per 4 x 4096 rows) nor an
-    optimisation barrier before the sums (44.4 against 41.9 ms) made the scanned 1B step's
-    convolutions faster on the H200; the Pallas kernel did: 38.8 ms. With the layers unrolled
-    these sums are the faster, 10.3 against 16.8 ms: BENCHMARKS.md, dispatch.choose_conv_impl.)"""
+    (lag = 0..W-1), each tap one column sum over a [B T, C] view."""
     W, (B, _, *channels) = len(dy_lags), dy_lags[0].shape
     dw = []
     for lag, dy_lag in enumerate(dy_lags):
