@@ -25,6 +25,7 @@ from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
 from pallas_kernels import kda_mgpu, kda_mgpu_bwd
 from pallas_kernels.kda import HOPPER_ALL, HOPPER_BWD_SCORES, KernelTuning, kda_pallas
+from tests.compile_options import fast_jit
 from tests.test_kda_pallas import numpy_kda, rel
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -132,7 +133,7 @@ def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate
     args = kernel_args(q, k, v, g, beta, cfg)
     assert kda_mgpu.unsupported_reason(cfg, *args) is None
     interpret = None if HOPPER else kda_mgpu.interpret_params()
-    got = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals,
+    got = fast_jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals,
                                                 interpret=interpret))(*args)
     ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
     want = calls.intra_fwd(ref_cfg, *args, (), residuals=residuals)
@@ -189,7 +190,7 @@ def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls, packed):
                               segment_ids=seg, chunk_size=64, lower_bound=-5.0,
                               backend=backend, tuning=KernelTuning(hopper=hopper))
             return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
-        return jax.jit(jax.grad(fn, argnums=range(6)))
+        return fast_jit(jax.grad(fn, argnums=range(6)))
 
     got = loss(HOPPER_ALL)(q, k, v, g, beta, h0)
     bwd = ["intra_bwd_scores"] if packed else ["intra_bwd_scores", "intra_bwd_channels"]
@@ -240,7 +241,7 @@ def test_intra_bwd_channels_matches_triton(rng):
     kw = dict(dqk_dtype=jnp.float32, dg_dtype=jnp.float32)
     assert cfg.sub == 16 and kda_mgpu_bwd.unsupported_reason(cfg, **kw) is None
     interpret = None if HOPPER else kda_mgpu.interpret_params()
-    got = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
+    got = fast_jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
                   static_argnums=4)(*args)
     ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
     want = calls.intra_bwd_channels(ref_cfg, *args, **kw)
@@ -274,7 +275,7 @@ def test_intra_bwd_scores_matches_triton(rng, packed):
     args = (kp, vp, G, bp, segs, W, U, Akk, Tinv, rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
             rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
     interpret = None if HOPPER else kda_mgpu.interpret_params()
-    got = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(
+    got = fast_jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(
         cfg, *a, dv_dtype=jnp.bfloat16, interpret=interpret))(*args)
     want = calls.intra_bwd_scores(ref_cfg, *args, dv_dtype=jnp.bfloat16)
     # CPU: the same bf16 products in float32; dAkk (bf16) may differ in the last bit where

@@ -10,6 +10,7 @@ import pytest
 
 from kimi_k3.dispatch import choose_kda_impl as resolve_impl
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
+from tests.compile_options import fast_jit
 from tests.kda_numpy import kda_numpy, rel_err
 
 
@@ -106,7 +107,7 @@ def test_gradients_xla_match_recurrent(rng, gate):
         loss = _loss_fn(impl, w_o, w_S, seg)
         # Jitted: run eagerly, the gradient dispatches (and compiles) op by op, several times
         # slower than compiling it whole.
-        grads[impl] = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+        grads[impl] = fast_jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     for name, gx, gr in zip(names, grads["xla"], grads["recurrent"], strict=True):
         assert np.all(np.isfinite(gx)), name
@@ -149,7 +150,7 @@ def test_packed_segments_equal_documents_one_by_one(rng, impl):
     seg[0, 17:61] = 1
     seg[0, 61:] = 2
     # Jitted: run eagerly, each call dispatches (and compiles) op by op, several times slower.
-    run = jax.jit(kda, static_argnames=("output_final_state", "chunk_size", "impl"))
+    run = fast_jit(kda, static_argnames=("output_final_state", "chunk_size", "impl"))
     o, S = run(
         q, k, v, g, beta, initial_state=S0, segment_ids=jnp.asarray(seg),
         output_final_state=True, chunk_size=16, impl=impl,
@@ -180,7 +181,7 @@ def test_extreme_gates_finite_and_correct(rng, impl):
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(S))
     o_ref, S_ref = kda_numpy(*map(as64, (q, k, v, g, beta)))
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
-    grads = jax.jit(jax.grad(
+    grads = fast_jit(jax.grad(
         lambda *a: jnp.sum(kda(*a, impl=impl)[0] ** 2), argnums=(0, 1, 2, 3, 4)
     ))(q, k, v, g, beta)
     for grad in grads:

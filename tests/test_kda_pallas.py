@@ -26,6 +26,7 @@ from kimi_k3.ops.kda_recurrent import kda_recurrent
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
 from pallas_kernels.kda import KernelTuning, kda_pallas, pallas_supported
+from tests.compile_options import fast_jit
 
 ON_GPU = jax.default_backend() == "gpu"
 GPU = ["gpu"] if ON_GPU else []
@@ -144,10 +145,10 @@ def check_grads(backend, inputs, *, seg, lower_bound, chunk_size, names=GRAD_NAM
                                  segment_ids_BxT=seg)
 
     f32_inputs = [x.astype(jnp.float32) for x in inputs]
-    got = jax.jit(jax.grad(loss_fn(ours, o_w, S_w), argnums=range(6)))(*inputs)
+    got = fast_jit(jax.grad(loss_fn(ours, o_w, S_w), argnums=range(6)))(*inputs)
     # Jitted: the recurrence's gradient run eagerly dispatches (and compiles) op by op, several
     # times slower than compiling it whole.
-    want = jax.jit(jax.grad(loss_fn(ref, o_w, S_w), argnums=range(6)))(*f32_inputs)
+    want = fast_jit(jax.grad(loss_fn(ref, o_w, S_w), argnums=range(6)))(*f32_inputs)
     tols = grad_tols(backend)
     for name, a, b in zip(GRAD_NAMES, got, want, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: d{name} not finite (unwritten?)"
@@ -321,9 +322,9 @@ def test_gradients_bf16_inputs(backend):
     # Full float32 matmuls for the reference (TF32 by default on a GPU); the compiled kernels
     # set their own precision.
     with jax.default_matmul_precision("highest"):
-        got = jax.jit(jax.grad(loss(lambda *a: run_pallas(backend, *a)), argnums=range(6)))(
+        got = fast_jit(jax.grad(loss(lambda *a: run_pallas(backend, *a)), argnums=range(6)))(
             *inputs)
-        want = jax.jit(jax.grad(loss(ref_fn), argnums=range(6)))(
+        want = fast_jit(jax.grad(loss(ref_fn), argnums=range(6)))(
             *(x.astype(jnp.float32) for x in inputs))
     tols = dict(q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, h0=8e-3)
     for name, a, b, x in zip(GRAD_NAMES, got, want, inputs, strict=True):
@@ -435,13 +436,14 @@ def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel):
                               segment_ids=seg, chunk_size=C, lower_bound=lb, backend=backend,
                               tuning=dataclasses.replace(narrow, split_intra=int(on)),
                               poison=True, A_log=A_log, dt_bias=dt_bias)
-        out = jax.jit(fn)(q, k, v, g, beta, h0)
-        grad_fn = jax.grad(loss_fn(fn, o_w, S_w), argnums=range(6))
-        kernels = str(jax.make_jaxpr(grad_fn)(q, k, v, g, beta, h0))
+        def out_and_grads(*args):  # one program: the forward once, its outputs kept
+            out, vjp = jax.vjp(fn, *args)
+            return [*out, *vjp((o_w.astype(out[0].dtype), S_w))]
+
+        kernels = str(jax.make_jaxpr(out_and_grads)(q, k, v, g, beta, h0))
         # split_intra: its two kernels instead of the one
         assert ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on
-        grads = jax.jit(grad_fn)(q, k, v, g, beta, h0)
-        return [*out, *grads]
+        return fast_jit(out_and_grads)(q, k, v, g, beta, h0)
 
     default = run(False)
     names = ("o", "S", *(f"d{n}" for n in GRAD_NAMES))
@@ -452,7 +454,7 @@ def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel):
     # and the definition (the gate applied outside, the token-by-token recurrence)
     g_def = g if not gate_in_kernel else -jnp.exp(A_log)[:, None] * jax.nn.softplus(g + dt_bias)
     with jax.default_matmul_precision("highest"):
-        o_ref, S_ref = jax.jit(lambda *a: kda_recurrent(
+        o_ref, S_ref = fast_jit(lambda *a: kda_recurrent(
             *a, scale=K ** -0.5, initial_state_BxHVxKxV=h0, segment_ids_BxT=seg))(
             q, k, v, g_def, beta)
     assert rel(varied[0], o_ref) < fwd_tol(backend, q.dtype)
