@@ -509,6 +509,9 @@ def test_conv_kernels_lower_for_the_gpu_and_name_bad_shapes():
                                          r"got \(1, 2, 4\)"):
         short_conv_kernel.conv_forward(xs, jnp.zeros((1, 2, 4)), jnp.zeros((4, 4)),
                                        jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"conv_forward: width must be >= 2 .* got 1"):
+        short_conv_kernel.conv_forward(xs, jnp.zeros((1, 0, 4)), jnp.zeros((1, 4)),
+                                       jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(ValueError, match=r"conv_backward: dy must have x's shape"):
         short_conv_kernel.conv_backward(xs, jnp.zeros((1, 3, 4)), jnp.zeros((4, 4)),
                                         jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 7, 4)))

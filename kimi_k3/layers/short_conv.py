@@ -125,8 +125,10 @@ def _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, impl="xla"):
     "pallas" runs forward and backward as kernels (``pallas_kernels.short_conv``).
     """
     if impl == "pallas":
-        return _on_channels(short_conv_kernel.conv_forward, x_BxTxC, tail_BxWm1xC, w_WxC,
-                            seg_BxT)
+        n = x_BxTxC.ndim - 2  # channel dims, flattened for the kernels
+        y = short_conv_kernel.conv_forward(_flat(x_BxTxC, n), _flat(tail_BxWm1xC, n),
+                                           _flat(w_WxC, n), seg_BxT)
+        return y.reshape(x_BxTxC.shape)
     W, T = w_WxC.shape[0], seg_BxT.shape[1]
     x_ext = jnp.concatenate([tail_BxWm1xC, x_BxTxC], axis=1)
     feat = (1,) * (x_ext.ndim - 2)
@@ -140,13 +142,9 @@ def _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, impl="xla"):
     return y.astype(x_BxTxC.dtype)
 
 
-def _on_channels(fn, x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, *rest):
-    """``fn`` of the kernels on [B, T, C] views of arrays whose channels are [*channels]."""
-    B, T, *channels = x_BxTxC.shape
-    flat = [a.reshape(*a.shape[:-len(channels)], -1)
-            for a in (x_BxTxC, tail_BxWm1xC, w_WxC, *rest)]
-    return jax.tree.map(lambda a: a.reshape(*a.shape[:-1], *channels),
-                        fn(flat[0], flat[1], flat[2], seg_BxT, *flat[3:]))
+def _flat(a: jax.Array, n: int) -> jax.Array:
+    """a [..., *channels] (n channel dims) as [..., C]: the kernels' layout."""
+    return a.reshape(*a.shape[:a.ndim - n], -1)
 
 
 def _conv_fwd(x, tail, w, seg, impl):
@@ -159,11 +157,13 @@ def _conv_bwd(impl, res, dy_BxTxC):
     channels = x.shape[2:]
     seg_ct = np.zeros(seg.shape, jax.dtypes.float0)
     if impl == "pallas":
-        dx, dw_WxC = _on_channels(short_conv_kernel.conv_backward, x, tail, w_WxC, seg,
-                                  dy_BxTxC)
-        dtail = _on_channels(lambda *a: short_conv_kernel.tail_grad(a[2], a[3], a[4]),
-                             x, tail, w_WxC, seg, dy_BxTxC)
-        return dx, dtail.astype(tail.dtype), dw_WxC.astype(w_WxC.dtype), seg_ct
+        n = len(channels)
+        w_flat, dy_flat = _flat(w_WxC, n), _flat(dy_BxTxC, n)
+        dx, dw = short_conv_kernel.conv_backward(_flat(x, n), _flat(tail, n), w_flat, seg,
+                                                 dy_flat)
+        dtail = short_conv_kernel.tail_grad(w_flat, seg, dy_flat)
+        return (dx.reshape(x.shape), dtail.reshape(tail.shape).astype(tail.dtype),
+                dw.reshape(w_WxC.shape).astype(w_WxC.dtype), seg_ct)
     x_ext = jnp.concatenate([tail, x], axis=1)
     w = w_WxC.astype(jnp.float32)
     dy = dy_BxTxC.astype(jnp.float32)
