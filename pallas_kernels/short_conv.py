@@ -82,6 +82,7 @@ class _Layout:
     """Tile sizes and the padding of channels for one call."""
 
     def __init__(self, B: int, T: int, C: int, W: int, tiles: ConvTiles, interpret):
+        self.T, self.W = T, W
         self.R = min(tiles.rows, _next_pow2(T))
         self.BC = min(tiles.channels, _next_pow2(C))
         self.Tp, self.Cp, self.Wp = _round_up(T, self.R), _round_up(C, self.BC), _next_pow2(W)
@@ -94,10 +95,10 @@ class _Layout:
         extra = self.Cp - a.shape[-1]
         return a if extra == 0 else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
 
-    def specs(self, T: int, W: int):
+    def specs(self):
         """Block specs of x (the batch row's whole channel tile: the kernel reads its own row
-        windows), tail, weight and segment ids."""
-        BC = self.BC
+        windows; dy's too), tail, weight and segment ids."""
+        T, W, BC = self.T, self.W, self.BC
         return [
             pl.BlockSpec((None, T, BC), lambda b, r, j: (b, 0, j)),
             pl.BlockSpec((None, W - 1, BC), lambda b, r, j: (b, 0, j)),
@@ -147,7 +148,7 @@ def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
     y = pl.pallas_call(
         kernel,
         grid=lay.grid,
-        in_specs=lay.specs(T, W),
+        in_specs=lay.specs(),
         out_specs=pl.BlockSpec((None, R, lay.BC), lambda b, r, j: (b, r, j)),
         out_shape=jax.ShapeDtypeStruct((B, lay.Tp, lay.Cp), x_BxTxC.dtype),
         interpret=lay.interpret,
@@ -170,6 +171,7 @@ def conv_backward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
     (B, T, C), W = x_BxTxC.shape, w_WxC.shape[0]
     lay = _Layout(B, T, C, W, tiles, interpret)
     R, Wp = lay.R, lay.Wp
+    specs = lay.specs()
 
     def kernel(x_ref, tail_ref, w_ref, seg_ref, dy_ref, dx_ref, dw_ref):
         rows_R = pl.program_id(1) * R + jnp.arange(R)
@@ -197,7 +199,7 @@ def conv_backward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
     dx, partial = pl.pallas_call(
         kernel,
         grid=lay.grid,
-        in_specs=[*lay.specs(T, W), pl.BlockSpec((None, T, lay.BC), lambda b, r, j: (b, 0, j))],
+        in_specs=[*specs, specs[0]],  # dy as x
         out_specs=[pl.BlockSpec((None, R, lay.BC), lambda b, r, j: (b, r, j)),
                    pl.BlockSpec((None, None, Wp, lay.BC), lambda b, r, j: (b, r, 0, j))],
         out_shape=[jax.ShapeDtypeStruct((B, lay.Tp, lay.Cp), x_BxTxC.dtype),

@@ -417,20 +417,11 @@ def test_short_conv_gradients_equal_float64(impl):
 
     got = fast_jit(jax.grad(loss, argnums=(0, 1, 2)))(
         *(jnp.asarray(a, jnp.float32) for a in (x, tail, w)))
-    # NumPy: x_ext = [tail, x]; tap W-1-lag reads x_ext[t + W-1-lag] when in the document
-    # (the tail belongs to each row's first document).
-    x_ext = np.concatenate([tail, x], axis=1)
-    seg_ext = np.concatenate([np.repeat(seg[:, :1], W - 1, axis=1), seg], axis=1)
-    dx_ext, dw = np.zeros_like(x_ext), np.zeros_like(w)
-    for b in range(B):
-        for t in range(T):
-            for lag in range(W):
-                s = t + W - 1 - lag
-                if seg_ext[b, s] == seg[b, t]:
-                    dx_ext[b, s] += w[W - 1 - lag] * dy[b, t]
-                    dw[W - 1 - lag] += x_ext[b, s] * dy[b, t]
-    for g, want in zip(got, (dx_ext[:, W - 1:], dx_ext[:, :W - 1], dw), strict=True):
-        np.testing.assert_allclose(g, want, atol=1e-5 * np.abs(want).max())
+    # NumPy on [B, T, H K] views (the tail belongs to each row's first document)
+    flat = lambda a: a.reshape(*a.shape[:-2], H * K)
+    _, (dx, _), (dtail, _), (dw, _) = _conv_float64(flat(x), flat(tail), flat(w), seg, flat(dy))
+    for g, want in zip(got, (dx, dtail, dw), strict=True):
+        np.testing.assert_allclose(flat(np.asarray(g)), want, atol=1e-5 * np.abs(want).max())
 
 
 def _conv_float64(x, tail, w, seg, dy):
