@@ -52,9 +52,11 @@ def make_inputs(rng, B=1, T=37, H=1, HV=2, K=16, V=16, *, extreme=False, f_dtype
     return arrs
 
 
-def rel(x, ref):
+def rel(x, ref, scale=None):
+    """||x - ref|| / ||ref|| (or / ||scale|| when given)."""
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref if scale is None else scale),
+                                               1e-30))
 
 
 def loss_weights(rng, inputs):
@@ -110,24 +112,21 @@ def reduction_scales(inputs, df, lower_bound):
     return {"A_log": np.abs(df * r).sum((0, 1, 3)), "dt_bias": np.abs(df).sum((0, 1))}
 
 
-def assert_same(got, want, tol, what, tols=None, scales=None):
+def assert_same(got, want, tol, what, *, inputs, lower_bound, tols=None):
     """Outputs and gradients within ``tol`` (relative norm; ``tols``: per gradient name).
-    ``scales`` (from reduction_scales): those gradients' errors are measured against the norm
-    of their scale instead of their own."""
-    tols, scales = tols or {}, scales or {}
+    dA_log and d(dt_bias) are measured against the norm of their reduction_scales (of
+    ``inputs``, the gate form of ``lower_bound`` and the reference's df), not their own."""
+    tols = tols or {}
     o, S, grads = got
     o_ref, S_ref, grads_ref = want
+    scales = reduction_scales(inputs, grads_ref[GRAD_NAMES.index("f")], lower_bound)
     assert rel(o, o_ref) < tol, (what, "o", rel(o, o_ref))
     assert rel(S, S_ref) < tol, (what, "S", rel(S, S_ref))
     for name, a, b in zip(GRAD_NAMES, grads, grads_ref, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.dtype, b.dtype)
         assert np.all(np.isfinite(np.asarray(a, np.float32))), (what, f"d{name} not finite")
-        if name in scales:  # norm of the error over the norm of the sums of |term|
-            err = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-            worst = float(np.linalg.norm(err) / max(np.linalg.norm(scales[name]), 1e-30))
-            assert worst < tols.get(name, tol), (what, f"d{name}", worst)
-        else:
-            assert rel(a, b) < tols.get(name, tol), (what, f"d{name}", rel(a, b))
+        err = rel(a, b, scales.get(name))
+        assert err < tols.get(name, tol), (what, f"d{name}", err)
 
 
 # ----------------------------------------------------------------------------- the chain rule
@@ -213,8 +212,8 @@ def test_pallas_gate_in_kernel_equals_gate_outside(rng, monkeypatch, backend, ga
     want = value_and_grads(inputs, weights, gate_in_op=False, **kw)
     # Both paths round the same float32 df to f's dtype: bf16 ties may land either way.
     tol = 5e-3 if backend == "gpu" else 1e-5
-    assert_same(got, want, tol, backend, tols={"f": 5e-3} if f_dtype == jnp.bfloat16 else {},
-                scales=reduction_scales(inputs, want[2][3], kw["lower_bound"]))
+    assert_same(got, want, tol, backend, inputs=inputs, lower_bound=kw["lower_bound"],
+                tols={"f": 5e-3} if f_dtype == jnp.bfloat16 else {})
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
@@ -224,9 +223,9 @@ def test_xla_gate_in_op_equals_gate_outside(rng, gate):
     inputs = make_inputs(rng, B=2, T=23, H=1, HV=2, K=8, V=8, f_dtype=jnp.bfloat16)
     weights = loss_weights(rng, inputs)
     kw = dict(lower_bound=LOWER_BOUND[gate], impl="xla", chunk_size=8)
-    want = value_and_grads(inputs, weights, gate_in_op=False, **kw)
     assert_same(value_and_grads(inputs, weights, gate_in_op=True, flat_dt_bias=True, **kw),
-                want, 1e-6, gate, scales=reduction_scales(inputs, want[2][3], kw["lower_bound"]))
+                value_and_grads(inputs, weights, gate_in_op=False, **kw), 1e-6, gate,
+                inputs=inputs, lower_bound=kw["lower_bound"])
 
 
 def test_packed_documents_with_the_guard_keep_a_nan_inside_its_document(rng):
