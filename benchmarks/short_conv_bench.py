@@ -103,7 +103,8 @@ def main(argv=None):
 
     nbytes = B * T * C * jnp.dtype(dtype).itemsize  # one [B, T, C] tensor
     print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: {B} x {T} x {C}, width {W}, "
-          f"{jnp.dtype(dtype).name}, default tiles {kernels.DEFAULT_TILES}\n")
+          f"{jnp.dtype(dtype).name}, default tiles {kernels.DEFAULT_TILES}, backward "
+          f"{kernels.DEFAULT_BWD_TILES}\n")
     print("| form | forward ms | GB/s | forward + backward ms | GB/s | largest error "
           "(y, dx, dw) |")
     print("|---|---|---|---|---|---|")

@@ -775,6 +775,55 @@ def test_attn_res_source_list_gradients_equal_the_stacked_form(mode, block):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["stacked", "source_list"])
+def test_attn_res_gradients_equal_float64_finite_differences(unrolled):
+    """Every read's backward (its cotangent held whole behind a barrier) against the float64
+    NumPy reference: the directional derivative of sum_l <read_l, c_l> along random directions
+    of the queries, the outputs and the embedding, by central differences of naive_depth_mix.
+    The barrier is in the backward program of both forms (without it XLA merged the per-source
+    gradients into one slow fusion on the GPU)."""
+    L, shape, block = 5, (2, 6, 16), 2
+    rng = np.random.default_rng()
+    embed, outs = rng.normal(size=shape), [rng.normal(size=shape) * 3 for _ in range(L)]
+    ws = [rng.normal(size=16) for _ in range(L + 1)]
+    cots = [rng.normal(size=shape) for _ in range(L + 1)]
+    depth = DepthResidual("block", L, block_size=block)
+
+    def loss(ws, outs, embed):
+        state, total = depth.init(embed, unrolled=unrolled), 0.0
+        for l in range(L + 1):
+            total = total + jnp.sum(depth.read(state, ws[l]) * cots[l])
+            if l < L:
+                state = depth.write(state, outs[l])
+        return total
+
+    f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
+    args = (f32(ws), f32(outs), jnp.asarray(embed, jnp.float32))
+    grad_fn = jax.grad(loss, argnums=(0, 1, 2))
+    assert "optimization_barrier" in str(jax.make_jaxpr(grad_fn)(*args))
+    g_ws, g_outs, g_embed = fast_jit(grad_fn)(*args)
+
+    def loss64(ws, outs, embed):
+        reads = naive_depth_mix(ws, outs, embed, block)
+        return sum(float(np.sum(r * c)) for r, c in zip(reads, cots, strict=True))
+
+    for _ in range(3):
+        d_ws = [rng.normal(size=16) for _ in ws]
+        d_outs = [rng.normal(size=shape) for _ in outs]
+        d_embed = rng.normal(size=shape)
+        h = 1e-6
+        ends = [loss64([w + s * d for w, d in zip(ws, d_ws, strict=True)],
+                       [o + s * d for o, d in zip(outs, d_outs, strict=True)], embed + s * d_embed)
+                for s in (h, -h)]
+        want = (ends[0] - ends[1]) / (2 * h)
+        terms = ([np.asarray(g, np.float64) * d for g, d in zip(g_ws, d_ws, strict=True)]
+                 + [np.asarray(g, np.float64) * d for g, d in zip(g_outs, d_outs, strict=True)]
+                 + [np.asarray(g_embed, np.float64) * d_embed])
+        got = sum(float(np.sum(t)) for t in terms)
+        scale = sum(float(np.sum(np.abs(t))) for t in terms)  # float32 rounding of each term
+        assert abs(got - want) <= 1e-5 * scale, (got, want, scale)
+
+
 def test_attn_res_none_is_the_plain_residual_stream():
     depth = DepthResidual("none", 3)
     x = normal(12, (1, 2, 4))
