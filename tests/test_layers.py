@@ -742,6 +742,25 @@ def test_attn_res_matches_explicit_source_lists(block, unrolled):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _depth_loss_grad(depth, cots, unrolled):
+    """The gradient of sum_l <read_l, cots[l]> (every sublayer's read and the final one) with
+    respect to (queries, sublayer outputs, embedding)."""
+    def loss(ws, outs, embed):
+        state, total = depth.init(embed, unrolled=unrolled), 0.0
+        for l, cot in enumerate(cots):
+            total = total + jnp.sum(depth.read(state, ws[l]) * cot)
+            if l < len(outs):
+                state = depth.write(state, outs[l])
+        return total
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def _float32_depth_args(ws, outs, embed):
+    f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
+    return f32(ws), f32(outs), jnp.asarray(embed, jnp.float32)
+
+
 @pytest.mark.parametrize("mode,block", [("block", 3), ("full", 1)])
 def test_attn_res_source_list_gradients_equal_the_stacked_form(mode, block):
     """The unrolled (SourceList) form and the scanned (stacked) form are one function: equal
@@ -755,18 +774,8 @@ def test_attn_res_source_list_gradients_equal_the_stacked_form(mode, block):
     depth = DepthResidual(mode, L, block_size=block)
 
     def grads(unrolled):
-        def loss(ws, outs, embed):
-            state, total = depth.init(embed, unrolled=unrolled), 0.0
-            for l in range(L + 1):
-                total = total + jnp.sum(depth.read(state, ws[l]) * cots[l])
-                if l < L:
-                    state = depth.write(state, outs[l])
-            return total
-
-        f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
-        g = fast_jit(jax.grad(loss, argnums=(0, 1, 2)))(f32(ws), f32(outs),
-                                                      jnp.asarray(embed, jnp.float32))
-        return jax.tree.leaves(g)
+        args = _float32_depth_args(ws, outs, embed)
+        return jax.tree.leaves(fast_jit(_depth_loss_grad(depth, cots, unrolled))(*args))
 
     got, want = grads(True), grads(False)
     # One scale for all: a query over a single source has a zero gradient (exactly, or 1e-7).
@@ -789,17 +798,8 @@ def test_attn_res_gradients_equal_float64_finite_differences(unrolled):
     cots = [rng.normal(size=shape) for _ in range(L + 1)]
     depth = DepthResidual("block", L, block_size=block)
 
-    def loss(ws, outs, embed):
-        state, total = depth.init(embed, unrolled=unrolled), 0.0
-        for l in range(L + 1):
-            total = total + jnp.sum(depth.read(state, ws[l]) * cots[l])
-            if l < L:
-                state = depth.write(state, outs[l])
-        return total
-
-    f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
-    args = (f32(ws), f32(outs), jnp.asarray(embed, jnp.float32))
-    grad_fn = jax.grad(loss, argnums=(0, 1, 2))
+    args = _float32_depth_args(ws, outs, embed)
+    grad_fn = _depth_loss_grad(depth, cots, unrolled)
     assert "optimization_barrier" in str(jax.make_jaxpr(grad_fn)(*args))
     g_ws, g_outs, g_embed = fast_jit(grad_fn)(*args)
 
