@@ -1,7 +1,8 @@
 """Resource report of the Pallas-Triton KDA kernels for sm_90, on a machine without a GPU.
 
     pip install --target /tmp/tsite triton==3.6.0          # once, outside the project venv
-    PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report [--tune bk=16] [--safe]
+    PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report [--tune bk=16] [--safe] \
+        [--dim 64]
 
 Pallas lowers each kernel to Triton IR in Python (no GPU needed); Triton then compiles it for
 sm_90 and ptxas reports registers and spills. Per kernel this prints shared memory (the H200
@@ -99,11 +100,13 @@ def main(argv=None):
                          "bk=16,warps_grad=4 (pallas_kernels.kda.KernelTuning)")
     ap.add_argument("--safe", action="store_true", help="unbounded-gate path")
     ap.add_argument("--segments", action="store_true", help="packed-segment variant")
+    ap.add_argument("--dim", type=int, default=128,
+                    help="head dim K = V (configs/small.py's heads are 64)")
     args = ap.parse_args(argv)
     tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(DEVICE_KIND), source="--tune")
     print(f"tuning: {tuning}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        found = dump_ttir(tmp, tuning, lower_bound=None if args.safe else -5.0,
+        found = dump_ttir(tmp, tuning, D=args.dim, lower_bound=None if args.safe else -5.0,
                           segments=args.segments)
         for name, path in sorted(found.items()):
             print(f"{name}: {report(path, *launch_params(name, tuning))}", flush=True)
