@@ -103,6 +103,8 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128,
                     help="head dim K = V (configs/small.py's heads are 64)")
     args = ap.parse_args(argv)
+    if args.dim < 1:
+        ap.error(f"--dim: the head dim must be >= 1, got {args.dim}")
     tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(DEVICE_KIND), source="--tune")
     print(f"tuning: {tuning}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -802,23 +802,19 @@ def test_attn_res_gradients_equal_float64_finite_differences(unrolled):
     grad_fn = _depth_loss_grad(depth, cots, unrolled)
     assert "optimization_barrier" in str(jax.make_jaxpr(grad_fn)(*args))
     g_ws, g_outs, g_embed = fast_jit(grad_fn)(*args)
+    # Every input as one flat list: the queries, the outputs, the embedding.
+    x, grads = [*ws, *outs, embed], [np.asarray(g, np.float64) for g in (*g_ws, *g_outs, g_embed)]
 
-    def loss64(ws, outs, embed):
-        reads = naive_depth_mix(ws, outs, embed, block)
+    def loss64(x):
+        reads = naive_depth_mix(x[:L + 1], x[L + 1:-1], x[-1], block)
         return sum(float(np.sum(r * c)) for r, c in zip(reads, cots, strict=True))
 
+    h = 1e-6
     for _ in range(3):
-        d_ws = [rng.normal(size=16) for _ in ws]
-        d_outs = [rng.normal(size=shape) for _ in outs]
-        d_embed = rng.normal(size=shape)
-        h = 1e-6
-        ends = [loss64([w + s * d for w, d in zip(ws, d_ws, strict=True)],
-                       [o + s * d for o, d in zip(outs, d_outs, strict=True)], embed + s * d_embed)
-                for s in (h, -h)]
+        dirs = [rng.normal(size=a.shape) for a in x]
+        ends = [loss64([a + s * d for a, d in zip(x, dirs, strict=True)]) for s in (h, -h)]
         want = (ends[0] - ends[1]) / (2 * h)
-        terms = ([np.asarray(g, np.float64) * d for g, d in zip(g_ws, d_ws, strict=True)]
-                 + [np.asarray(g, np.float64) * d for g, d in zip(g_outs, d_outs, strict=True)]
-                 + [np.asarray(g_embed, np.float64) * d_embed])
+        terms = [g * d for g, d in zip(grads, dirs, strict=True)]
         got = sum(float(np.sum(t)) for t in terms)
         scale = sum(float(np.sum(np.abs(t))) for t in terms)  # float32 rounding of each term
         assert abs(got - want) <= 1e-5 * scale, (got, want, scale)

@@ -92,6 +92,13 @@ def _whole_cotangent_bwd(_, dh_BxTxD):
 _whole_cotangent.defvjp(_whole_cotangent_fwd, _whole_cotangent_bwd)
 
 
+def _read_output(h_BxTxD: jax.Array, dtype) -> jax.Array:
+    """A read's float32 mixture as the sublayer input, in both state forms: in the sources'
+    dtype, named for the remat policy, its cotangent held whole."""
+    h_BxTxD = checkpoint_name(constrain(h_BxTxD.astype(dtype), BTD), "attn_res_read")
+    return _whole_cotangent(h_BxTxD)
+
+
 def _inv_rms(x_BxTxD: jax.Array, eps: float) -> jax.Array:
     x = x_BxTxD.astype(jnp.float32)
     return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
@@ -192,8 +199,7 @@ class DepthResidual:
         # reduction, so the sources are read once in their own dtype, never copied to float32.
         a_NxBxT = checkpoint_name(a_NxBxT, "attn_res_weights")
         h = jnp.sum(a_NxBxT[..., None] * sources.astype(jnp.float32), axis=0)
-        h = checkpoint_name(constrain(h.astype(sources.dtype), BTD), "attn_res_read")
-        return _whole_cotangent(h)
+        return _read_output(h, sources.dtype)
 
     def _read_list(self, sources: tuple[jax.Array, ...], inv_rms: tuple[jax.Array, ...],
                    w_D: jax.Array) -> jax.Array:
@@ -217,8 +223,7 @@ class DepthResidual:
         h = a_NxBxT[0][..., None] * sources[0].astype(jnp.float32)
         for i in range(1, len(sources)):
             h = h + a_NxBxT[i][..., None] * sources[i].astype(jnp.float32)
-        h = checkpoint_name(constrain(h.astype(sources[0].dtype), BTD), "attn_res_read")
-        return _whole_cotangent(h)
+        return _read_output(h, sources[0].dtype)
 
     @jax.named_scope("attn_res")
     def write(self, state: dict[str, jax.Array], out_BxTxD: jax.Array) -> dict[str, jax.Array]:
