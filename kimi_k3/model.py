@@ -393,12 +393,16 @@ class HybridLM(nnx.Module):
 
         The same numbers as ``logsumexp(model(tokens)) - logits[target]``, but the head and the
         loss run ``spec.head_chunk`` tokens of each row at a time (``layers.embed.chunked_nll``),
-        so [B, T, V] float32 logits never exist: the trainer's loss and eval's scoring at long
-        context go through here. With a cache, the tokens continue the cached sequence as in
-        ``prefill``.
+        so the forward never holds [B, T, V] float32 logits at once: the trainer's loss and
+        eval's scoring at long context go through here. With a cache, the tokens continue the
+        cached sequence as in ``prefill``.
         """
         h_BxTxD, cache = self._forward(self._embed(tokens_BxT), segment_ids_BxT, cache)
-        nll_BxT = chunked_nll(h_BxTxD, self.logits, targets_BxT, self.spec.head_chunk)
+        # Under "full" remat the backward recomputes each chunk's logits; every other policy
+        # keeps matmul outputs, the head's included (on the H200, configs/1b.py: ~3 ms of a
+        # 4-row micro-batch for 2 GiB).
+        nll_BxT = chunked_nll(h_BxTxD, self.logits, targets_BxT, self.spec.head_chunk,
+                              keep_logits=self.spec.remat != "full")
         return nll_BxT, cache
 
     def init_cache(self, batch_size: int, max_len: int) -> dict:

@@ -26,6 +26,7 @@ from kimi_k3.layers.attention import (
     reference_attention,
 )
 from kimi_k3.layers.attn_res import DepthResidual
+from kimi_k3.layers.embed import chunked_nll
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.ops.reductions import column_sum
 from pallas_kernels import kda as pk
@@ -835,3 +836,49 @@ def test_attn_res_rejects_bad_settings():
         DepthResidual("sideways", 4)
     with pytest.raises(ValueError, match="attn_res_block_size"):
         DepthResidual("block", 4, block_size=0)
+
+
+def _count_prims(jaxpr, name: str) -> int:
+    """Equations of primitive ``name`` in a jaxpr and every jaxpr nested in it."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _count_prims(sub, name)
+    return n
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_chunked_nll_and_its_gradients_equal_float64(keep_logits):
+    """layers.embed.chunked_nll against logsumexp(h W) - (h W)[target] in float64, with its
+    gradients dlogits = softmax - onehot (times the cotangent) carried to h and W; a chunk
+    that does not divide T, logits of either sign and large. With ``keep_logits`` the backward
+    reads the forward's logits: three head matmuls in the gradient's program, four without."""
+    seed = int(np.random.default_rng().integers(2**31))
+    B, T, D, V, C = 2, 13, 8, 37, 5
+    r = np.random.default_rng(seed)
+    h = r.normal(size=(B, T, D)) * 3.0
+    W = r.normal(size=(D, V))
+    t = r.integers(0, V, (B, T))
+    ct = r.normal(size=(B, T))  # the NLLs' cotangent
+
+    def loss(h, W):
+        nll = chunked_nll(h, lambda x: jnp.einsum("bcd,dv->bcv", x, W), jnp.asarray(t), C,
+                          keep_logits=keep_logits)
+        return jnp.sum(nll * ct), nll
+
+    args = (jnp.asarray(h, jnp.float32), jnp.asarray(W, jnp.float32))
+    grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (_, nll), (dh, dW) = jax.jit(grad_fn)(*args)
+
+    logits = h @ W
+    m = logits.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+    want = lse - np.take_along_axis(logits, t[..., None], -1)[..., 0]
+    dlogits = (np.exp(logits - lse[..., None]) - np.eye(V)[t]) * ct[..., None]
+    np.testing.assert_allclose(nll, want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(dh, dlogits @ W.T, rtol=1e-4, atol=1e-4, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(dW, np.einsum("btd,btv->dv", h, dlogits), rtol=1e-4, atol=1e-4,
+                               err_msg=f"seed {seed}")
+    jaxpr = jax.make_jaxpr(grad_fn)(*args).jaxpr
+    assert _count_prims(jaxpr, "dot_general") == (3 if keep_logits else 4)

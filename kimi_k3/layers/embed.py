@@ -8,9 +8,12 @@ Logits are float32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.layers.dense import Dense, f32_out_einsum
 from kimi_k3.sharding import param
@@ -59,13 +62,17 @@ class OutputHead(nnx.Module):
         return f32_out_einsum("btd,dv->btv", h_BxTxD.astype(self.proj.dtype), W)
 
 
-def chunked_nll(h_BxTxD: jax.Array, logits_fn, targets_BxT: jax.Array, chunk: int) -> jax.Array:
+def chunked_nll(h_BxTxD: jax.Array, logits_fn, targets_BxT: jax.Array, chunk: int,
+                keep_logits: bool = False) -> jax.Array:
     """Per-token NLL [B, T] float32 = logsumexp(logits) - logits[target], with
     ``logits_fn(h_BxCxD) -> [B, C, V]`` applied to ``chunk`` tokens of every row at a time.
 
-    Only one chunk's float32 logits [B, chunk, V] exist at once, forward and backward (each
-    chunk is rematerialised): at long T the [B, T, V] logits would be the largest buffer of the
-    model (1M tokens x 32K vocabulary x 4 bytes = 128 GiB). Targets must lie in [0, V).
+    Only one chunk's float32 logits [B, chunk, V] exist at once in the forward: at long T the
+    [B, T, V] logits would be the largest buffer of the model (1M tokens x 32K vocabulary x 4
+    bytes = 128 GiB). For the backward each chunk's logits are recomputed (one more head
+    matmul per chunk), or with ``keep_logits`` kept from the forward: B x T x V x 4 bytes of
+    memory instead of the matmul (the models' remat policies that keep matmul outputs ask for
+    this). Targets must lie in [0, V).
     """
     B, T, _ = h_BxTxD.shape
     C = max(1, min(chunk, T))
@@ -73,10 +80,11 @@ def chunked_nll(h_BxTxD: jax.Array, logits_fn, targets_BxT: jax.Array, chunk: in
     pad = n * C - T
     h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, C, -1).swapaxes(0, 1)
     t = jnp.pad(targets_BxT, ((0, 0), (0, pad))).reshape(B, n, C).swapaxes(0, 1)
+    policy = jax.checkpoint_policies.save_only_these_names("head_logits") if keep_logits else None
 
-    @jax.checkpoint
+    @functools.partial(jax.checkpoint, policy=policy)
     def one(h_BxCxD, t_BxC):
-        logits_BxCxV = logits_fn(h_BxCxD).astype(jnp.float32)
+        logits_BxCxV = checkpoint_name(logits_fn(h_BxCxD).astype(jnp.float32), "head_logits")
         with jax.named_scope("loss"):
             picked = jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
             return jax.nn.logsumexp(logits_BxCxV, axis=-1) - picked
