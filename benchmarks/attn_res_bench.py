@@ -1,24 +1,26 @@
 """What the Attention Residual reads cost in a training step, apart from the sublayers.
 
     python benchmarks/attn_res_bench.py                        # configs/1b.py's depth, 4 x 4096
+    python benchmarks/attn_res_bench.py --variants=model,fused,fused:2x4/2x8
     python benchmarks/attn_res_bench.py --batch=1 --seq=256 --width=256   # CPU
 
 A stack shaped like configs/1b.py's (40 sublayers, blocks of 10, width 2048, bf16) in which
-every sublayer is RMSNorm and one width x width matmul, each layer (two sublayers) under the
-model's remat policy ("dots_kernels"), unrolled. It times forward + backward of the whole
-stack with the depth mixing of each variant below, and with the plain residual stream
-("none"); the difference is what the reads and writes cost. Every variant's loss and
-gradients are checked against the model's read ("model").
+every sublayer is a read, its RMSNorm and one width x width matmul, each layer (two
+sublayers) under the model's remat policy ("dots_kernels"), unrolled. It times forward +
+backward of the whole stack with the depth mixing of each variant below, and with the plain
+residual stream ("none"); the difference is what the reads (with their norms) and writes
+cost. Every variant's loss and gradients are checked against the first variant's.
 
-Variants of the unrolled read (``DepthResidual._read_list``):
-  model        the read as kimi_k3.layers.attn_res writes it: the logits as matmuls with w
-               (bf16 in, float32 out), each finished source's RMS computed once
+Variants of the unrolled read (``DepthResidual._read_list``, then the norm):
+  model        the read as kimi_k3.layers.attn_res writes it for XLA: the logits as matmuls
+               with w (bf16 in, float32 out), each finished source's RMS computed once
+  fused        the read and its norm as one Pallas kernel pass each way
+               (``attn_res_impl="pallas"``, pallas_kernels/depth_read.py); ``fused:RxW/RxW``
+               launches the forward / backward kernels with R rows per program at W warps
   dot          matmuls, every source's RMS recomputed by each read
   sum          the logits as float32 sums over the width, every source's RMS recomputed by
                each read (the model's read before 2026-12-02)
-  barrier      model, with the read's output gradient behind an optimisation barrier
-               (``gradient_barrier``), so the sublayer's norm backward cannot fuse into the
-               read's backward
+  barrier      model, with the read's output gradient behind a second optimisation barrier
   dot_barrier  dot, with the barrier
 """
 
@@ -35,6 +37,7 @@ import numpy as np
 from kimi_k3.config import REMAT_POLICIES
 from kimi_k3.layers.attn_res import DepthResidual, _inv_rms
 from kimi_k3.layers.norms import _scaled_rms_norm
+from pallas_kernels import depth_read
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
 from benchmarks.attention_bench import rel, timed
@@ -76,18 +79,36 @@ READS = {
 }
 
 
-def build(num_layers: int, D: int, block: int, mode: str, dtype):
-    depth = DepthResidual(mode, 2 * num_layers, block)
-    policy = REMAT_POLICIES["dots_kernels"]
+class _Norm:
+    """RMSNorm with a given scale (what DepthResidual.read_norm takes)."""
 
-    def sublayer(p, h):
-        x = _scaled_rms_norm(h, p["scale"], 1e-6, jnp.dtype(dtype))
-        return jnp.dot(x, p["w"], preferred_element_type=jnp.float32).astype(dtype)
+    def __init__(self, scale_D, dtype):
+        self.scale, self.eps, self.dtype = scale_D, 1e-6, dtype
+
+    def __call__(self, x):
+        return _scaled_rms_norm(x, self.scale, self.eps, jnp.dtype(self.dtype))
+
+
+def _tiles(spec: str) -> tuple:
+    """"RxW/RxW" -> (forward ReadTiles, backward ReadTiles)."""
+    def one(part):
+        rows, warps = part.split("x")
+        return depth_read.ReadTiles(int(rows), int(warps))
+    fwd, bwd = spec.split("/")
+    return one(fwd), one(bwd)
+
+
+def build(num_layers: int, D: int, block: int, mode: str, dtype, impl: str = "xla"):
+    depth = DepthResidual(mode, 2 * num_layers, block, impl=impl)
+    policy = REMAT_POLICIES["dots_kernels"]
 
     def layer(p, state):
         for j in range(2):
-            h = depth.read(state, p["query"][j] if mode != "none" else None)
-            state = depth.write(state, sublayer(jax.tree.map(lambda a, j=j: a[j], p["sub"]), h))
+            sub = jax.tree.map(lambda a, j=j: a[j], p["sub"])
+            x = depth.read_norm(state, p["query"][j] if mode != "none" else None,
+                                _Norm(sub["scale"], dtype))
+            out = jnp.dot(x, sub["w"], preferred_element_type=jnp.float32).astype(dtype)
+            state = depth.write(state, out)
         return state
 
     layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
@@ -121,7 +142,7 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--block", type=int, default=10, help="sublayers per block")
-    ap.add_argument("--variants", default=",".join(READS))
+    ap.add_argument("--variants", default="model,fused")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     dtype = jnp.bfloat16
@@ -137,10 +158,18 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     print(f"| none (plain residual) | {base:.2f} | 0 | | |")
     ref = None
+    defaults = depth_read.DEFAULT_FWD_TILES, depth_read.DEFAULT_BWD_TILES
     try:
         for name in args.variants.split(","):
-            DepthResidual._read_list = READS[name]  # read while tracing, below
-            fn = build(args.layers, args.width, args.block, "block", dtype)
+            impl = "xla"
+            if name.startswith("fused"):
+                impl = "pallas"
+                tiles = _tiles(name.split(":", 1)[1]) if ":" in name else (None, None)
+                depth_read.DEFAULT_FWD_TILES = tiles[0] or defaults[0]
+                depth_read.DEFAULT_BWD_TILES = tiles[1] or defaults[1]
+            else:
+                DepthResidual._read_list = READS[name]  # read while tracing, below
+            fn = build(args.layers, args.width, args.block, "block", dtype, impl)
             loss, grads = fn(params, x)
             flat = np.concatenate([np.ravel(np.asarray(g, np.float32))
                                    for g in jax.tree.leaves(grads)])
@@ -149,8 +178,10 @@ def main(argv=None):
             ms = timed(fn, params, x, reps=args.reps)
             print(f"| {name} | {ms:.2f} | {ms - base:.2f} | {rel(loss, ref[0]):.1e} | "
                   f"{rel(flat, ref[1]):.1e} |", flush=True)
+            DepthResidual._read_list = _model_read
     finally:
         DepthResidual._read_list = _model_read
+        depth_read.DEFAULT_FWD_TILES, depth_read.DEFAULT_BWD_TILES = defaults
 
 
 if __name__ == "__main__":

@@ -181,6 +181,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     # | "auto" (kimi_k3/dispatch.py)
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
+    # How each read and the RMSNorm after it run in an unrolled stack (scan_layers=False):
+    # "auto" (one Pallas kernel pass each way on the GPU, XLA elsewhere:
+    # dispatch.choose_attn_res_impl), "xla" or "pallas" (interpret mode off the GPU).
+    cfg.attn_res_impl = "auto"
     cfg.tie_embeddings = True  # output head = embedding^T / sqrt(D)
     cfg.head_chunk = 1024  # tokens per row whose logits exist at once in the loss (token_nll)
     cfg.norm_eps = 1e-6
@@ -363,6 +367,7 @@ class ModelSpec:
     param_dtype: str
     remat: str
     scan_layers: bool
+    attn_res_impl: str = "xla"  # "xla" | "pallas" (resolved)
 
     @property
     def compute_dtype(self):
@@ -692,7 +697,9 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
         tie_embeddings=f.bool("tie_embeddings"), head_chunk=f.int("head_chunk", 1),
         norm_eps=norm_eps,
         dtype=f.choice("dtype", DTYPES), param_dtype=f.choice("param_dtype", DTYPES),
-        remat=f.choice("remat", REMAT_POLICIES), scan_layers=scan_layers)
+        remat=f.choice("remat", REMAT_POLICIES), scan_layers=scan_layers,
+        attn_res_impl=dispatch.choose_attn_res_impl(
+            f.choice("attn_res_impl", dispatch.ATTN_RES_IMPLS), backend))
 
 
 def data_spec(cfg) -> DataSpec:

@@ -32,6 +32,7 @@ import logging
 
 import jax
 
+from pallas_kernels import depth_read as depth_read_kernel
 from pallas_kernels import short_conv as short_conv_kernel
 from pallas_kernels.kda import pallas_supported
 
@@ -39,6 +40,7 @@ KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
 EXPERT_MATMULS = ("auto", "ragged", "mosaic_gpu", "dense")
 ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
 CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions
+ATTN_RES_IMPLS = ("auto", "xla", "pallas")  # an Attention Residual read and its norm
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX).
 # GPU: it trains to the reference's loss curve several times faster (BENCHMARKS.md). TPU: the
@@ -88,6 +90,18 @@ def choose_conv_impl(requested: str, backend: str | None = None) -> str:
         return requested
     on_gpu = (backend or jax.default_backend()) == "gpu"
     return "pallas" if on_gpu and short_conv_kernel.available() else "xla"
+
+
+def choose_attn_res_impl(requested: str, backend: str | None = None) -> str:
+    """How an unrolled stack's Attention Residual reads and the RMSNorms after them run:
+    "pallas" (one kernel pass forward and one backward, pallas_kernels/depth_read.py) or "xla".
+    "auto" takes the kernels on the GPU when this JAX still has Pallas-Triton, XLA elsewhere."""
+    if requested not in ATTN_RES_IMPLS:
+        raise ValueError(f"attn_res: impl must be one of {ATTN_RES_IMPLS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    on_gpu = (backend or jax.default_backend()) == "gpu"
+    return "pallas" if on_gpu and depth_read_kernel.available() else "xla"
 
 
 def choose_kda_impl(requested: str, backend: str | None = None) -> str:

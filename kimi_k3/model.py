@@ -202,11 +202,11 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, state, depth: DepthResidual, segment_ids_BxT=None, cache=None, pos=0):
         """(depth state, cache or None) -> (depth state, new cache or None)."""
-        h_BxTxD = depth.read(state, _query(self.mixer_query))
-        out_BxTxD, cache = self.mixer(self.mixer_norm(h_BxTxD), segment_ids_BxT, cache, pos)
+        x_BxTxD = depth.read_norm(state, _query(self.mixer_query), self.mixer_norm)
+        out_BxTxD, cache = self.mixer(x_BxTxD, segment_ids_BxT, cache, pos)
         state = depth.write(state, constrain(out_BxTxD, BTD))
-        h_BxTxD = depth.read(state, _query(self.mlp_query))
-        state = depth.write(state, constrain(self.mlp(self.mlp_norm(h_BxTxD)), BTD))
+        x_BxTxD = depth.read_norm(state, _query(self.mlp_query), self.mlp_norm)
+        state = depth.write(state, constrain(self.mlp(x_BxTxD), BTD))
         return state, cache
 
 
@@ -287,7 +287,7 @@ class HybridLM(nnx.Module):
         self.unit, self.repeats = spec.scan_unit, spec.scan_repeats
         self.remat = spec.remat
         self.depth = DepthResidual(spec.attn_res, 2 * spec.num_layers, spec.attn_res_block_size,
-                                   spec.norm_eps)
+                                   spec.norm_eps, spec.attn_res_impl)
         self.embed = Embed(spec.vocab_size, D, rngs=rngs, dtype=dtype, param_dtype=pdtype)
         # Dense-FFN first layers of a mixture of experts, unrolled (empty otherwise).
         self.prefix = nnx.List([DecoderLayer(kind, spec, rngs=rngs) for kind in spec.scan_prefix])
@@ -358,7 +358,7 @@ class HybridLM(nnx.Module):
         new_cache = None if training else {"pos": pos + x_BxTxD.shape[1], "prefix": prefix_caches,
                                            "groups": group_caches, "tail": tail_caches}
 
-        return self.final_norm(depth.read(state, _query(self.final_query))), new_cache
+        return depth.read_norm(state, _query(self.final_query), self.final_norm), new_cache
 
     def logits(self, h_BxTxD: jax.Array) -> jax.Array:
         """The output head: final hidden states [B, T, D] -> logits [B, T, V] float32."""

@@ -27,8 +27,9 @@ from kimi_k3.layers.attention import (
 )
 from kimi_k3.layers.attn_res import DepthResidual
 from kimi_k3.layers.embed import chunked_nll
-from kimi_k3.layers.norms import RMSNorm
+from kimi_k3.layers.norms import RMSNorm, _scaled_rms_norm
 from kimi_k3.ops.reductions import column_sum
+from pallas_kernels import depth_read as depth_read_kernel
 from pallas_kernels import kda as pk
 from pallas_kernels import short_conv as short_conv_kernel
 from tests.compile_options import fast_jit
@@ -882,3 +883,109 @@ def test_chunked_nll_and_its_gradients_equal_float64(keep_logits):
                                err_msg=f"seed {seed}")
     jaxpr = jax.make_jaxpr(grad_fn)(*args).jaxpr
     assert _count_prims(jaxpr, "dot_general") == (3 if keep_logits else 4)
+
+
+class _ScaledNorm:
+    """An RMSNorm with its scale given as an array (the read_norm tests differentiate it)."""
+
+    def __init__(self, scale_D, dtype):
+        self.scale, self.eps, self.dtype = scale_D, 1e-6, dtype
+
+    def __call__(self, x):
+        return _scaled_rms_norm(x, self.scale, self.eps, jnp.dtype(self.dtype))
+
+
+def _read_norm_loss(depth, cots, dtype):
+    """sum_l <norm_l(read_l), cots[l]> over every sublayer's read and the final one, fed the
+    given outputs: a function of (queries, norm scales, outputs, embedding)."""
+    def loss(ws, scales, outs, embed):
+        state, total = depth.init(embed.astype(dtype), unrolled=True), 0.0
+        for l, cot in enumerate(cots):
+            x = depth.read_norm(state, ws[l], _ScaledNorm(scales[l], dtype))
+            total = total + jnp.sum(x.astype(jnp.float32) * cot)
+            if l < len(outs):
+                state = depth.write(state, outs[l].astype(dtype))
+        return total
+
+    return loss
+
+
+@pytest.mark.parametrize("dtype,block,scale", [(jnp.float32, 3, 1.0), (jnp.float32, 1, 30.0),
+                                               (jnp.bfloat16, 2, 1.0)])
+def test_fused_read_norm_kernels_equal_the_xla_read_and_norm(dtype, block, scale):
+    """DepthResidual.read_norm with impl "pallas" (pallas_kernels.depth_read, interpret mode)
+    against the XLA read followed by the RMSNorm (the form the float64 tests above check):
+    every read of a 6-sublayer stack, 2 x 13 tokens (not a multiple of the kernels' rows),
+    values and the gradients of the queries, the norm scales, the outputs and the embedding.
+    Large queries (scale 30) saturate the softmax over sources."""
+    L, shape, D = 6, (2, 13, 32), 32
+    rng = np.random.default_rng()
+    embed, outs = rng.normal(size=shape), [rng.normal(size=shape) * 2 for _ in range(L)]
+    ws = [scale * rng.normal(size=D) / np.sqrt(D) for _ in range(L + 1)]
+    scales = [1 + 0.5 * rng.normal(size=D) for _ in range(L + 1)]
+    cots = [rng.normal(size=shape) for _ in range(L + 1)]
+    f32 = lambda xs: [jnp.asarray(x, jnp.float32) for x in xs]
+    args = (f32(ws), f32(scales), f32(outs), jnp.asarray(embed, jnp.float32))
+
+    def run(impl):
+        depth = DepthResidual("block", L, block_size=block, impl=impl)
+        value_and_grad = jax.value_and_grad(_read_norm_loss(depth, cots, dtype), (0, 1, 2, 3))
+        value, grads = fast_jit(value_and_grad)(*args)
+        return [value, *jax.tree.leaves(grads)]
+
+    got, want = run("pallas"), run("xla")
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * float(np.abs(w).max()))
+
+
+def test_fused_read_norm_forward_equals_float64():
+    """The forward kernel alone against NumPy in float64: y = RMSNorm(sum_i a_i s_i) g and the
+    weights a = softmax((s_i . w) rho_i), with rho_i given; 1 to 5 sources."""
+    rng = np.random.default_rng()
+    M, D, eps = 21, 64, 1e-6
+    for n in (1, 2, 5):
+        s = [rng.normal(size=(M, D)) * rng.uniform(0.1, 10) for _ in range(n)]
+        rho = [1 / np.sqrt(np.mean(x * x, -1) + eps) for x in s]
+        w, g = rng.normal(size=D), rng.normal(size=D)
+        y, a = depth_read_kernel.read_norm_forward(
+            [jnp.asarray(x, jnp.float32) for x in s], [jnp.asarray(r, jnp.float32) for r in rho],
+            jnp.asarray(w, jnp.float32), jnp.asarray(g, jnp.float32), eps=eps,
+            out_dtype=jnp.float32, interpret=True)
+        logits = np.stack([(x @ w) * r for x, r in zip(s, rho, strict=True)])
+        want_a = np.exp(logits - logits.max(0))
+        want_a /= want_a.sum(0)
+        h = sum(ai[:, None] * x for ai, x in zip(want_a, s, strict=True))
+        want_y = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + eps) * g
+        np.testing.assert_allclose(np.stack(a), want_a, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_read_norm_names_bad_inputs_and_falls_back_off_powers_of_two():
+    """The kernels refuse a width that is not a power of two, mismatched sources and
+    misshapen weights by name; DepthResidual.read_norm then takes the XLA read (the same
+    values at D = 24)."""
+    x = jnp.ones((5, 24), jnp.float32)
+    r = jnp.ones((5,), jnp.float32)
+    with pytest.raises(ValueError, match="D = 24 is not a power of two"):
+        depth_read_kernel.read_norm_forward([x], [r], jnp.ones(24), jnp.ones(24), eps=1e-6,
+                                            out_dtype=jnp.float32)
+    x16 = jnp.ones((5, 16), jnp.float32)
+    with pytest.raises(ValueError, match="source 1 is"):
+        depth_read_kernel.read_norm_forward([x16, x16[:4]], [r, r], jnp.ones(16), jnp.ones(16),
+                                            eps=1e-6, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        depth_read_kernel.read_norm_forward([x16], [r], jnp.ones(16), jnp.ones(8), eps=1e-6,
+                                            out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="attn_res_impl must be"):
+        DepthResidual("block", 4, block_size=2, impl="cuda")
+    rng = np.random.default_rng()
+    shape = (2, 5, 24)
+    outs = [rng.normal(size=shape) for _ in range(3)]
+    ws, scales = [rng.normal(size=24) for _ in range(4)], [rng.normal(size=24) for _ in range(4)]
+    cots = [rng.normal(size=shape) for _ in range(4)]
+    args = ([jnp.asarray(v, jnp.float32) for v in ws], [jnp.asarray(v, jnp.float32) for v in scales],
+            [jnp.asarray(v, jnp.float32) for v in outs], jnp.asarray(rng.normal(size=shape)))
+    got, want = (_read_norm_loss(DepthResidual("block", 3, block_size=2, impl=impl), cots,
+                                 jnp.float32)(*args) for impl in ("pallas", "xla"))
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -54,7 +54,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import ATTN_RES_MODES
+from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.sharding import BTD, constrain, param
+from pallas_kernels import depth_read as depth_read_kernel
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _SRC = (None, *BTD)
@@ -104,6 +106,52 @@ def _inv_rms(x_BxTxD: jax.Array, eps: float) -> jax.Array:
     return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
 
 
+def _fusable(x_BxTxD: jax.Array, n: int) -> bool:
+    """Whether the fused read + norm kernels take these sources: D a power of two, Pallas-
+    Triton present, and no mesh splitting the tokens (the kernels see whole arrays)."""
+    if depth_read_kernel.unsupported(x_BxTxD.shape[-1], n) or not depth_read_kernel.available():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_read_norm(sources, inv_rms, w_D, scale_D, read_eps: float, norm_eps: float, dtype):
+    """RMSNorm(read) [B, T, D] in ``dtype``: sources n x [B, T, D], inv_rms n x [B, T] float32,
+    the pseudo-query w [D] and the norm's scale [D]; one kernel pass each way
+    (``pallas_kernels.depth_read``). ``read_eps`` is the sources' RMS epsilon (used outside,
+    where inv_rms was computed), ``norm_eps`` the norm's."""
+    return _fused_fwd(sources, inv_rms, w_D, scale_D, read_eps, norm_eps, dtype)[0]
+
+
+def _tokens(a: jax.Array) -> jax.Array:
+    return a.reshape(-1, *a.shape[2:])
+
+
+def _fused_fwd(sources, inv_rms, w_D, scale_D, read_eps, norm_eps, dtype):
+    del read_eps
+    B, T, D = sources[0].shape
+    y, weights = depth_read_kernel.read_norm_forward(
+        [_tokens(s) for s in sources], [_tokens(r) for r in inv_rms], w_D, scale_D,
+        eps=norm_eps, out_dtype=dtype)
+    return y.reshape(B, T, D), (sources, inv_rms, w_D, scale_D, weights)
+
+
+def _fused_bwd(read_eps, norm_eps, dtype, res, dy_BxTxD):
+    del read_eps, dtype
+    sources, inv_rms, w_D, scale_D, weights = res
+    B, T, D = sources[0].shape
+    ds, drho, dw, dscale = depth_read_kernel.read_norm_backward(
+        [_tokens(s) for s in sources], [_tokens(r) for r in inv_rms], w_D, scale_D, weights,
+        _tokens(dy_BxTxD), eps=norm_eps)
+    return (tuple(d.reshape(B, T, D) for d in ds),
+            tuple(d.reshape(B, T).astype(r.dtype) for d, r in zip(drho, inv_rms, strict=True)),
+            dw.astype(w_D.dtype), dscale.astype(scale_D.dtype))
+
+
+_fused_read_norm.defvjp(_fused_fwd, _fused_bwd)
+
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("blocks", "block_inv_rms", "partial"), meta_fields=("count",))
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +187,15 @@ class DepthResidual:
     num_sublayers: int
     block_size: int = 1
     eps: float = 1e-6
+    impl: str = "xla"  # "xla" | "pallas": how ``read_norm`` runs a read of the unrolled form
 
     def __post_init__(self):
         if self.mode not in ATTN_RES_MODES:
             raise ValueError(f"attn_res must be one of {ATTN_RES_MODES}, got {self.mode!r}")
         if self.block_size < 1:
             raise ValueError(f"attn_res_block_size must be >= 1, got {self.block_size}")
+        if self.impl not in ("xla", "pallas"):
+            raise ValueError(f"attn_res_impl must be 'xla' or 'pallas', got {self.impl!r}")
 
     @property
     def block(self) -> int:
@@ -200,6 +251,24 @@ class DepthResidual:
         a_NxBxT = checkpoint_name(a_NxBxT, "attn_res_weights")
         h = jnp.sum(a_NxBxT[..., None] * sources.astype(jnp.float32), axis=0)
         return _read_output(h, sources.dtype)
+
+    def read_norm(self, state, w_D: jax.Array | None, norm: RMSNorm) -> jax.Array:
+        """``norm(read(state, w_D))``, the input of the next sublayer after its RMSNorm.
+
+        With ``impl="pallas"`` a read of the unrolled form (a :class:`SourceList`) and its norm
+        run as one kernel pass, forward and backward (``pallas_kernels.depth_read``), when the
+        width is a power of two and the tokens are not split over devices; otherwise, and for
+        the scanned form, the read and the norm as XLA fuses them. The same equation either way.
+        """
+        if (self.impl == "pallas" and isinstance(state, SourceList) and w_D is not None
+                and _fusable(state.blocks[0], len(state.sources))):
+            with jax.named_scope("attn_res"):
+                inv_rms = state.block_inv_rms
+                if state.count:
+                    inv_rms = inv_rms + (_inv_rms(state.partial, self.eps),)
+                return _fused_read_norm(state.sources, inv_rms, w_D, norm.scale[...], self.eps,
+                                        norm.eps, jnp.dtype(norm.dtype))
+        return norm(self.read(state, w_D))
 
     def _read_list(self, sources: tuple[jax.Array, ...], inv_rms: tuple[jax.Array, ...],
                    w_D: jax.Array) -> jax.Array:
