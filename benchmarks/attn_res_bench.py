@@ -1,7 +1,7 @@
 """What the Attention Residual reads cost in a training step, apart from the sublayers.
 
     python benchmarks/attn_res_bench.py                        # configs/1b.py's depth, 4 x 4096
-    python benchmarks/attn_res_bench.py --variants=model,fused,fused:2x4/2x8
+    python benchmarks/attn_res_bench.py --variants=model,fused,fused:2x8/2x8x8
     python benchmarks/attn_res_bench.py --batch=1 --seq=256 --width=256   # CPU
 
 A stack shaped like configs/1b.py's (40 sublayers, blocks of 10, width 2048, bf16) in which
@@ -15,8 +15,9 @@ Variants of the unrolled read (``DepthResidual._read_list``, then the norm):
   model        the read as kimi_k3.layers.attn_res writes it for XLA: the logits as matmuls
                with w (bf16 in, float32 out), each finished source's RMS computed once
   fused        the read and its norm as one Pallas kernel pass each way
-               (``attn_res_impl="pallas"``, pallas_kernels/depth_read.py); ``fused:RxW/RxW``
-               launches the forward / backward kernels with R rows per program at W warps
+               (``attn_res_impl="pallas"``, pallas_kernels/depth_read.py); ``fused:RxW/RxWxS``
+               launches the forward / backward kernels with R rows at W warps (the backward's
+               programs take S steps of R rows)
   dot          matmuls, every source's RMS recomputed by each read
   sum          the logits as float32 sums over the width, every source's RMS recomputed by
                each read (the model's read before 2026-12-02)
@@ -90,12 +91,12 @@ class _Norm:
 
 
 def _tiles(spec: str) -> tuple:
-    """"RxW/RxW" -> (forward ReadTiles, backward ReadTiles)."""
-    def one(part):
-        rows, warps = part.split("x")
-        return depth_read.ReadTiles(int(rows), int(warps))
-    fwd, bwd = spec.split("/")
-    return one(fwd), one(bwd)
+    """"RxW/RxW[xS]" -> (forward ReadTiles, backward ReadTiles): rows, warps and (backward)
+    steps per program, the default's steps when not given."""
+    fwd, bwd = ([int(v) for v in part.split("x")] for part in spec.split("/"))
+    if len(bwd) == 2:
+        bwd.append(depth_read.DEFAULT_BWD_TILES.steps)
+    return depth_read.ReadTiles(*fwd), depth_read.ReadTiles(*bwd)
 
 
 def build(num_layers: int, D: int, block: int, mode: str, dtype, impl: str = "xla"):

@@ -17,13 +17,14 @@ unfused norm returns it):
 Why a kernel: XLA wrote each read and its norm as four or five fusions that each walk the
 sources or the mixture again (configs/1b.py's 41 reads: 24 ms of a 4-row micro-batch on the
 H200, where reading the sources and writing y once takes a few). Here the forward reads every
-source once (an online softmax over the sources) and writes y and the weights a; the backward
-reads the sources twice (the mixture, then the gradients; the second read mostly from L2) and
-dy once, and writes each ds_i once.
+source once and writes y and the weights a; the backward reads the sources and dy once and
+writes each ds_i once. A program holds all n sources of its rows in registers, loaded before
+any arithmetic, so their loads are in flight together.
 
-    grid (M_pad / R,); program i owns rows [i R, i R + R) of the [M, D] token views, all D
-    channels (D a power of two). The column sums dg and dw come out as one row per program,
-    [M_pad / R, D] float32, which the caller sums.
+    forward grid (M_pad / R,): program i owns rows [i R, i R + R) of the [M, D] token views,
+    all D channels (D a power of two). Backward grid (M_pad / (R S),): program i walks S steps
+    of R rows and keeps the column sums dg and dw of them in registers; they come out as one
+    row per program, [M_pad / (R S), D] float32, which the caller sums.
 """
 
 from __future__ import annotations
@@ -44,17 +45,21 @@ f32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class ReadTiles:
-    """Launch parameters: rows per program (a power of two) and Triton warps."""
+    """Launch parameters: R rows per step (a power of two), Triton warps, and (backward) the
+    steps each program takes, whose column sums it keeps in registers."""
 
-    rows: int = 8
-    warps: int = 8
+    rows: int = 1
+    warps: int = 4
+    steps: int = 1
 
 
-# At D = 2048, bf16, five sources, Triton 3.6 for sm_90 (pallas_kernels.triton_report's
-# method): 4 rows at 8 warps take 141 (forward) and 138 (backward) registers without spills;
-# 8 rows take 255 in the forward, 16 rows spill.
-DEFAULT_FWD_TILES = ReadTiles(rows=4, warps=8)
-DEFAULT_BWD_TILES = ReadTiles(rows=4, warps=8)
+# Each program loads all its sources before it computes (n loads in flight, not one), so one
+# row per program keeps the registers down and several programs on each SM. At D = 2048, bf16,
+# six sources, Triton 3.6 for sm_90 (pallas_kernels.triton_report's method): 1 row at 4 warps
+# takes 128 registers forward (four programs per SM) and 252 backward (two), no spills; 2 rows
+# at 4 warps spill in the backward.
+DEFAULT_FWD_TILES = ReadTiles(rows=1, warps=4)
+DEFAULT_BWD_TILES = ReadTiles(rows=1, warps=4, steps=16)
 
 
 def available() -> bool:
@@ -90,37 +95,69 @@ def _check(sources, inv_rms, w_D, scale_D, where: str):
             raise ValueError(f"{where}: {name} must have shape {(D,)}, got {v.shape}")
 
 
+def _pow2_at_most(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
 class _Layout:
+    """Rows per step R, steps per program S, the padded token count and the grid."""
+
     def __init__(self, M: int, tiles: ReadTiles, interpret):
-        self.R = min(tiles.rows, 1 << max(0, M - 1).bit_length())
-        self.Mp = -(-M // self.R) * self.R
-        self.grid = (self.Mp // self.R,)
+        if tiles.rows < 1 or tiles.rows & (tiles.rows - 1) or tiles.steps < 1:
+            raise ValueError(f"ReadTiles: rows must be a power of two and steps >= 1, got "
+                             f"{tiles}")
+        self.R = _pow2_at_most(M, tiles.rows)
+        self.S = max(1, min(tiles.steps, -(-M // self.R)))
+        self.Mp = -(-M // (self.R * self.S)) * self.R * self.S
+        self.grid = (self.Mp // (self.R * self.S),)
         self.interpret = jax.default_backend() != "gpu" if interpret is None else interpret
         self.params = None if self.interpret else _triton_params(tiles.warps)
         self.pad = self.Mp - M
 
     def rows(self, a):
-        """a [M, ...] with zero rows up to M_pad (nothing when M is whole tiles). A zero row
-        reads as uniform weights over zero sources: y = 0 and zero gradients, no NaN."""
+        """a [M, ...] with zero rows up to M_pad (nothing when M is whole programs). A zero
+        row reads as uniform weights over zero sources: y = 0 and zero gradients, no NaN."""
         return a if self.pad == 0 else jnp.pad(a, [(0, self.pad)] + [(0, 0)] * (a.ndim - 1))
 
     def block(self, D: int | None = None):
+        """A program's rows (all S steps of R) of a [M_pad] or [M_pad, D] array."""
+        n = self.R * self.S
         if D is None:
-            return pl.BlockSpec((self.R,), lambda i: (i,))
-        return pl.BlockSpec((self.R, D), lambda i: (i, 0))
+            return pl.BlockSpec((n,), lambda i: (i,))
+        return pl.BlockSpec((n, D), lambda i: (i, 0))
 
 
 def _whole(D: int):
     return pl.BlockSpec((D,), lambda i: (0,))
 
 
+def _softmax(logits):
+    """softmax over a list of [R] logits (the sources), as a list."""
+    m_R = logits[0]
+    for l_R in logits[1:]:
+        m_R = jnp.maximum(m_R, l_R)
+    e = [jnp.exp(l_R - m_R) for l_R in logits]
+    den_R = e[0]
+    for e_R in e[1:]:
+        den_R = den_R + e_R
+    return [e_R / den_R for e_R in e]
+
+
+def _mix(a, s, dtype):
+    """sum_i a_i s_i [R, D] float32, rounded to the sources' dtype (the read's output)."""
+    h_RxD = a[0][:, None] * s[0]
+    for a_R, s_RxD in zip(a[1:], s[1:], strict=True):
+        h_RxD = h_RxD + a_R[:, None] * s_RxD
+    return h_RxD.astype(dtype).astype(f32)
+
+
 def read_norm_forward(sources, inv_rms, w_D, scale_D, *, eps: float, out_dtype,
                       tiles: ReadTiles | None = None, interpret: bool | None = None):
     """(y [M, D] in ``out_dtype``, a: n weights [M] float32) for sources n x [M, D] and their
     reciprocal RMS n x [M] (float32). ``tiles`` defaults to DEFAULT_FWD_TILES (read at the
-    call), ``interpret`` to True off the GPU."""
+    call; its steps are ignored: one step per program), ``interpret`` to True off the GPU."""
     _check(sources, inv_rms, w_D, scale_D, "read_norm_forward")
-    tiles = tiles or DEFAULT_FWD_TILES
+    tiles = dataclasses.replace(tiles or DEFAULT_FWD_TILES, steps=1)
     n, (M, D) = len(sources), sources[0].shape
     dtype = sources[0].dtype
     lay = _Layout(M, tiles, interpret)
@@ -128,26 +165,17 @@ def read_norm_forward(sources, inv_rms, w_D, scale_D, *, eps: float, out_dtype,
     def kernel(*refs):
         s_refs, r_refs = refs[:n], refs[n:2 * n]
         w_ref, g_ref, y_ref, a_refs = refs[2 * n], refs[2 * n + 1], refs[2 * n + 2], refs[2 * n + 3:]
+        s = [ref[...].astype(f32) for ref in s_refs]  # every load issued before any math
         # The logits' query in the sources' dtype, as the unfused read casts it for its matmul.
         w_1xD = w_ref[...].astype(dtype).astype(f32)[None, :]
-        logits, h_RxD, m_R, den_R = [], None, None, None
-        for i in range(n):  # an online softmax: each source is read once
-            s_RxD = s_refs[i][...].astype(f32)
-            l_R = jnp.sum(s_RxD * w_1xD, axis=1) * r_refs[i][...]
-            logits.append(l_R)
-            if i == 0:
-                m_R, den_R, h_RxD = l_R, jnp.ones_like(l_R), s_RxD
-                continue
-            m_new = jnp.maximum(m_R, l_R)
-            old, new = jnp.exp(m_R - m_new), jnp.exp(l_R - m_new)
-            h_RxD = h_RxD * old[:, None] + s_RxD * new[:, None]
-            den_R, m_R = den_R * old + new, m_new
-        h_RxD = (h_RxD / den_R[:, None]).astype(dtype).astype(f32)
+        a = _softmax([jnp.sum(s_RxD * w_1xD, axis=1) * r_ref[...]
+                      for s_RxD, r_ref in zip(s, r_refs, strict=True)])
+        h_RxD = _mix(a, s, dtype)
         r_R = jax.lax.rsqrt(jnp.mean(h_RxD * h_RxD, axis=1) + eps)
         g_1xD = g_ref[...].astype(f32)[None, :]
         y_ref[...] = (h_RxD * r_R[:, None] * g_1xD).astype(y_ref.dtype)
-        for i in range(n):
-            a_refs[i][...] = jnp.exp(logits[i] - m_R) / den_R
+        for a_ref, a_R in zip(a_refs, a, strict=True):
+            a_ref[...] = a_R
 
     outs = pl.pallas_call(
         kernel,
@@ -176,6 +204,7 @@ def read_norm_backward(sources, inv_rms, w_D, scale_D, weights, dy_MxD, *, eps: 
                          f"{[a.shape for a in weights]} and {dy_MxD.shape}")
     dtype = sources[0].dtype
     lay = _Layout(M, tiles, interpret)
+    R = lay.R
 
     def kernel(*refs):
         s_refs, r_refs, a_refs = refs[:n], refs[n:2 * n], refs[2 * n:3 * n]
@@ -184,31 +213,38 @@ def read_norm_backward(sources, inv_rms, w_D, scale_D, weights, dy_MxD, *, eps: 
         ds_refs, dr_refs, dw_ref, dg_ref = outs[:n], outs[n:2 * n], outs[2 * n], outs[2 * n + 1]
         w_1xD = w_ref[...].astype(dtype).astype(f32)[None, :]
         g_1xD = g_ref[...].astype(f32)[None, :]
-        a = [a_refs[i][...] for i in range(n)]
-        h_RxD = a[0][:, None] * s_refs[0][...].astype(f32)
-        for i in range(1, n):
-            h_RxD += a[i][:, None] * s_refs[i][...].astype(f32)
-        h_RxD = h_RxD.astype(dtype).astype(f32)
-        r_R = jax.lax.rsqrt(jnp.mean(h_RxD * h_RxD, axis=1) + eps)
-        xhat_RxD = h_RxD * r_R[:, None]
-        dy_RxD = dy_ref[...].astype(f32)
-        dg_ref[...] = jnp.sum(dy_RxD * xhat_RxD, axis=0)[None, :]
-        gdy_RxD = dy_RxD * g_1xD
-        c_R = jnp.mean(gdy_RxD * xhat_RxD, axis=1)
-        dh_RxD = (r_R[:, None] * (gdy_RxD - xhat_RxD * c_R[:, None])).astype(dtype).astype(f32)
-        da = [jnp.sum(dh_RxD * s_refs[i][...].astype(f32), axis=1) for i in range(n)]
-        abar_R = a[0] * da[0]
-        for i in range(1, n):
-            abar_R += a[i] * da[i]
-        dw_1xD = jnp.zeros((1, D), f32)
-        for i in range(n):
-            s_RxD = s_refs[i][...].astype(f32)
-            dl_R = a[i] * (da[i] - abar_R)
-            coef_R = dl_R * r_refs[i][...]
-            ds_refs[i][...] = (a[i][:, None] * dh_RxD + coef_R[:, None] * w_1xD).astype(dtype)
-            dr_refs[i][...] = dl_R * jnp.sum(s_RxD * w_1xD, axis=1)
-            dw_1xD += jnp.sum(coef_R[:, None] * s_RxD, axis=0)[None, :]
-        dw_ref[...] = dw_1xD
+
+        def step(j, carry):
+            dw_1xD, dg_1xD = carry
+            rows = pl.ds(j * R, R)
+            s = [ref[rows, :].astype(f32) for ref in s_refs]
+            dy_RxD = dy_ref[rows, :].astype(f32)
+            a = [ref[rows] for ref in a_refs]
+            h_RxD = _mix(a, s, dtype)
+            r_R = jax.lax.rsqrt(jnp.mean(h_RxD * h_RxD, axis=1) + eps)
+            xhat_RxD = h_RxD * r_R[:, None]
+            dg_1xD = dg_1xD + jnp.sum(dy_RxD * xhat_RxD, axis=0, keepdims=True)
+            gdy_RxD = dy_RxD * g_1xD
+            c_R = jnp.mean(gdy_RxD * xhat_RxD, axis=1)
+            # The unfused norm returns dh in the read's dtype.
+            dh_RxD = (r_R[:, None] * (gdy_RxD - xhat_RxD * c_R[:, None])).astype(dtype)
+            dh_RxD = dh_RxD.astype(f32)
+            da = [jnp.sum(dh_RxD * s_RxD, axis=1) for s_RxD in s]
+            abar_R = a[0] * da[0]
+            for a_R, da_R in zip(a[1:], da[1:], strict=True):
+                abar_R = abar_R + a_R * da_R
+            for i in range(n):
+                dl_R = a[i] * (da[i] - abar_R)
+                coef_R = dl_R * r_refs[i][rows]
+                ds_refs[i][rows, :] = (a[i][:, None] * dh_RxD
+                                       + coef_R[:, None] * w_1xD).astype(dtype)
+                dr_refs[i][rows] = dl_R * jnp.sum(s[i] * w_1xD, axis=1)
+                dw_1xD = dw_1xD + jnp.sum(coef_R[:, None] * s[i], axis=0, keepdims=True)
+            return dw_1xD, dg_1xD
+
+        zero = jnp.zeros((1, D), f32)
+        dw_1xD, dg_1xD = jax.lax.fori_loop(0, lay.S, step, (zero, zero))
+        dw_ref[...], dg_ref[...] = dw_1xD, dg_1xD
 
     G = lay.grid[0]
     partial = pl.BlockSpec((1, D), lambda i: (i, 0))

@@ -961,6 +961,30 @@ def test_fused_read_norm_forward_equals_float64():
         np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_read_norm_backward_is_the_same_for_every_launch():
+    """The backward kernel's results do not depend on its launch: one row per step and
+    program, rows walked in several steps by several programs (the column sums dw and dscale
+    summed over programs; 21 tokens padded to 24 or 32), and the default."""
+    rng = np.random.default_rng()
+    M, D, n = 21, 32, 3
+    s = [jnp.asarray(rng.normal(size=(M, D)), jnp.float32) for _ in range(n)]
+    rho = [jnp.asarray(rng.uniform(0.5, 2, size=M), jnp.float32) for _ in range(n)]
+    w, g = (jnp.asarray(rng.normal(size=D), jnp.float32) for _ in range(2))
+    dy = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+    _, a = depth_read_kernel.read_norm_forward(s, rho, w, g, eps=1e-6, out_dtype=jnp.float32,
+                                               interpret=True)
+    runs = [jax.tree.leaves(depth_read_kernel.read_norm_backward(
+        s, rho, w, g, a, dy, eps=1e-6, tiles=tiles, interpret=True))
+        for tiles in (None, depth_read_kernel.ReadTiles(1, 4, 1),
+                      depth_read_kernel.ReadTiles(2, 4, 4), depth_read_kernel.ReadTiles(4, 4, 2))]
+    for other in runs[1:]:
+        for x, y in zip(runs[0], other, strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rows must be a power of two"):
+        depth_read_kernel.read_norm_backward(s, rho, w, g, a, dy, eps=1e-6,
+                                             tiles=depth_read_kernel.ReadTiles(3, 4, 1))
+
+
 def test_fused_read_norm_names_bad_inputs_and_falls_back_off_powers_of_two():
     """The kernels refuse a width that is not a power of two, mismatched sources and
     misshapen weights by name; DepthResidual.read_norm then takes the XLA read (the same
