@@ -1,8 +1,10 @@
-"""Resource report of the Pallas-Triton KDA kernels for sm_90, on a machine without a GPU.
+"""Resource report of the Pallas-Triton kernels for sm_90, on a machine without a GPU.
 
     pip install --target /tmp/tsite triton==3.6.0          # once, outside the project venv
     PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report [--tune bk=16] [--safe] \
         [--dim 64]
+    PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report --depth_read 1x4/1x4x16 \
+        [--dim 2048] [--sources 6]                      # the Attention Residual read kernels
 
 Pallas lowers each kernel to Triton IR in Python (no GPU needed); Triton then compiles it for
 sm_90 and ptxas reports registers and spills. Per kernel this prints shared memory (the H200
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import lowering as triton_lowering
 
+from pallas_kernels import depth_read
 from pallas_kernels import kda as pk
 
 # The card the report is for (sm_90): its default launch parameters are the starting point.
@@ -33,18 +36,7 @@ def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, 
     """Lower forward+backward for the GPU with ``tuning`` and write each kernel's Triton IR to
     outdir. Returns {kernel name: path}."""
     found = {}
-    orig_lower = triton_lowering.lower_jaxpr_to_triton_module
-
-    def lower(jaxpr, grid_mapping, *a, **kw):
-        res = orig_lower(jaxpr, grid_mapping, *a, **kw)
-        name = jaxpr.debug_info.func_name
-        path = os.path.join(outdir, f"{name}.ttir")
-        with open(path, "w") as f:
-            f.write(res.module.operation.get_asm(enable_debug_info=False))
-        found[name] = path
-        return res
-
-    triton_lowering.lower_jaxpr_to_triton_module = lower
+    undo = _capture_ttir(outdir, found)
     try:
         bf = jnp.bfloat16
         shape = (B, T, H, D)
@@ -61,7 +53,47 @@ def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, 
         jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(
             lowering_platforms=("cuda",))
     finally:
-        triton_lowering.lower_jaxpr_to_triton_module = orig_lower
+        undo()
+    return found
+
+
+def _capture_ttir(outdir: str, found: dict):
+    """Wraps Pallas-Triton's lowering so each kernel's Triton IR is written to outdir (its path
+    into ``found``); returns the function that undoes it."""
+    orig_lower = triton_lowering.lower_jaxpr_to_triton_module
+
+    def lower(jaxpr, grid_mapping, *a, **kw):
+        res = orig_lower(jaxpr, grid_mapping, *a, **kw)
+        path = os.path.join(outdir, f"{jaxpr.debug_info.func_name}.ttir")
+        with open(path, "w") as f:
+            f.write(res.module.operation.get_asm(enable_debug_info=False))
+        found[jaxpr.debug_info.func_name] = path
+        return res
+
+    triton_lowering.lower_jaxpr_to_triton_module = lower
+    return lambda: setattr(triton_lowering, "lower_jaxpr_to_triton_module", orig_lower)
+
+
+def dump_depth_read_ttir(outdir: str, fwd, bwd, *, D=2048, n=6, M=256) -> dict:
+    """The Attention Residual read + norm kernels (pallas_kernels.depth_read) for the GPU with
+    ``fwd`` / ``bwd`` ReadTiles, n bf16 sources of width D: {kernel name: path}."""
+    found = {}
+    undo = _capture_ttir(outdir, found)
+    try:
+        bf = jnp.bfloat16
+        sources = [jnp.zeros((M, D), bf)] * n
+        rho = [jnp.zeros((M,), jnp.float32)] * n
+
+        def both(sources, rho, w, g, dy):
+            _, a = depth_read.read_norm_forward(sources, rho, w, g, eps=1e-6, out_dtype=bf,
+                                                tiles=fwd, interpret=False)
+            return depth_read.read_norm_backward(sources, rho, w, g, a, dy, eps=1e-6,
+                                                 tiles=bwd, interpret=False)
+
+        jax.jit(both).trace(sources, rho, jnp.zeros(D), jnp.zeros(D),
+                            jnp.zeros((M, D), bf)).lower(lowering_platforms=("cuda",))
+    finally:
+        undo()
     return found
 
 
@@ -100,11 +132,31 @@ def main(argv=None):
                          "bk=16,warps_grad=4 (pallas_kernels.kda.KernelTuning)")
     ap.add_argument("--safe", action="store_true", help="unbounded-gate path")
     ap.add_argument("--segments", action="store_true", help="packed-segment variant")
-    ap.add_argument("--dim", type=int, default=128,
-                    help="head dim K = V (configs/small.py's heads are 64)")
+    ap.add_argument("--dim", type=int, default=None,
+                    help="head dim K = V (default 128; configs/small.py's heads are 64), or "
+                         "with --depth_read the model width (default 2048)")
+    ap.add_argument("--depth_read", metavar="RxW/RxWxS", default=None,
+                    help="report the Attention Residual read kernels instead, launched with R "
+                         "rows at W warps (the backward's programs taking S steps)")
+    ap.add_argument("--sources", type=int, default=6, help="sources per read (--depth_read)")
     args = ap.parse_args(argv)
-    if args.dim < 1:
+    if args.dim is not None and args.dim < 1:
         ap.error(f"--dim: the head dim must be >= 1, got {args.dim}")
+    if args.depth_read is not None:
+        try:
+            fwd, bwd = ([int(v) for v in part.split("x")] for part in args.depth_read.split("/"))
+            fwd, bwd = depth_read.ReadTiles(*fwd[:2]), depth_read.ReadTiles(*bwd[:3])
+        except (ValueError, TypeError):
+            ap.error(f"--depth_read: want RxW/RxWxS (e.g. 1x4/1x4x16), got {args.depth_read!r}")
+        if args.sources < 1:
+            ap.error(f"--sources: a read has at least one source, got {args.sources}")
+        with tempfile.TemporaryDirectory() as tmp:
+            found = dump_depth_read_ttir(tmp, fwd, bwd, D=args.dim or 2048, n=args.sources)
+            for name, path in sorted(found.items()):
+                warps = fwd.warps if name.endswith("fwd") else bwd.warps
+                print(f"{name}: {report(path, warps, 1)}", flush=True)
+        return
+    args.dim = args.dim or 128
     tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(DEVICE_KIND), source="--tune")
     print(f"tuning: {tuning}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
