@@ -55,11 +55,12 @@ class ReadTiles:
 
 # Each program loads all its sources before it computes (n loads in flight, not one), so one
 # row per program keeps the registers down and several programs on each SM. At D = 2048, bf16,
-# six sources, Triton 3.6 for sm_90 (pallas_kernels.triton_report's method): 1 row at 4 warps
-# takes 128 registers forward (four programs per SM) and 252 backward (two), no spills; 2 rows
-# at 4 warps spill in the backward.
+# six sources, Triton 3.6 for sm_90 (`python -m pallas_kernels.triton_report --depth_read`):
+# one row at 4 warps takes 128 registers forward (four programs, 16 warps per SM); the
+# backward takes 252 at 4 warps (two programs, 8 warps) and 128 at 8 (two programs, 16 warps),
+# no spills; two rows at 4 warps spill in the backward.
 DEFAULT_FWD_TILES = ReadTiles(rows=1, warps=4)
-DEFAULT_BWD_TILES = ReadTiles(rows=1, warps=4, steps=16)
+DEFAULT_BWD_TILES = ReadTiles(rows=1, warps=8, steps=16)
 
 
 def available() -> bool:
