@@ -28,6 +28,11 @@
 #           automatic estimate compiles the gradient once more); ~300 s cold, then ~130 s.
 # unrolled: step_profile.py on configs/1b.py at 4 rows with the layers unrolled
 #           (scan_layers=False: SourceList Attention Residuals), and its compile time.
+# gaps:     is the time the 1B step spends outside kernels (~18 ms per 4-row micro-batch,
+#           BENCHMARKS.md twelfth pass) launches? configs/1b.py as written with XLA's command
+#           buffers as they come, then with the micro-batch loop and the conditionals inside
+#           them (WHILE, CONDITIONAL); then the accumulating step's profile (8 rows in
+#           micro-batches of 4) with the device's idle time by part. ~600 s cold.
 # prof NAME LIMIT FLAGS...:  one step_profile.py run (profile_NAME.md), e.g.
 #           bash benchmarks/gpu_mfu.sh prof 1b_b4 240 --config=configs/1b.py \
 #               --config.data.global_batch_size=4
@@ -43,7 +48,7 @@
 # Several phases in one call: separate them with ";" in the device command.
 # Tables go to $OUT; logs and traces to $OUT/logs.tgz.
 set -u
-PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, paths, paths_1b, unrolled, prof, tp, py}
+PHASE=${1:?one of profile, fixes, remat, mfu, step2, step3, loss, paths, paths_1b, unrolled, gaps, prof, tp, py}
 shift
 OUT=${OUT:-/tmp/gpu_out}
 W=/tmp/work
@@ -186,6 +191,15 @@ fi
 if [ "$PHASE" = unrolled ]; then
     profile 1b_b4_unrolled 420 --config=configs/1b.py --config.data.global_batch_size=4 \
         --config.model.scan_layers=False $EXTRA
+fi
+
+if [ "$PHASE" = gaps ]; then
+    mb4="--config=configs/1b.py --config.train.microbatch_size=4"
+    tp 1b_cmdbuf_default 280 4 2 $mb4
+    (export XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+     tp 1b_cmdbuf_loops 200 4 2 $mb4)
+    profile 1b_accum "${PROF_LIMIT:-250}" --config=configs/1b.py \
+        --config.data.global_batch_size=8 --config.train.microbatch_size=4
 fi
 
 if [ "$PHASE" = prof ]; then

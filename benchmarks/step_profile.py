@@ -22,7 +22,9 @@ kernel in the trace is matched to the HLO instruction that launched it, and that
 and its phase: forward, recompute (rematerialised forward inside the backward pass) or
 backward. The table gives milliseconds per step for each, the share of the measured step, and
 the gap between the step's wall time and the sum of kernel times (host work, launch gaps,
-idle). The trace itself stays in ``--trace_dir`` for Perfetto / TensorBoard.
+idle), and where the device sat idle: each gap between kernels on the device timeline, summed
+by the part of the kernel that came after it. The trace itself stays in ``--trace_dir`` for
+Perfetto / TensorBoard.
 """
 
 from __future__ import annotations
@@ -120,6 +122,25 @@ def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
 def kernel_times(trace_dir: str) -> list[tuple[str, float]]:
     """(hlo_op, microseconds) of every device-side event of the newest trace in ``trace_dir``
     (on CPU, where there is no device timeline, the host's XLA thunks)."""
+    return [(op, dur) for op, _, dur in kernel_events(trace_dir)]
+
+
+def idle_before(events: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """(hlo_op, microseconds) for each kernel that started after the device had gone idle:
+    the time from the end of everything before it (a running maximum, so kernels that overlap
+    on several streams leave no false gap) to its start. ``events``: (hlo_op, start, duration)
+    in microseconds, any order. The first kernel has none."""
+    out, end = [], None
+    for op, ts, dur in sorted(events, key=lambda e: e[1]):
+        if end is not None and ts > end:
+            out.append((op, ts - end))
+        end = ts + dur if end is None else max(end, ts + dur)
+    return out
+
+
+def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(hlo_op, start, duration), microseconds, of every device-side event of the newest trace
+    in ``trace_dir`` (on CPU, the host's XLA thunks)."""
     files = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
     if not files:
         raise FileNotFoundError(f"--trace_dir: no *.trace.json.gz under {trace_dir!r}")
@@ -134,7 +155,7 @@ def kernel_times(trace_dir: str) -> list[tuple[str, float]]:
             continue
         if device_pids and e["pid"] not in device_pids:
             continue
-        out.append((e["args"]["hlo_op"], float(e["dur"])))
+        out.append((e["args"]["hlo_op"], float(e["ts"]), float(e["dur"])))
     return out
 
 
@@ -191,10 +212,19 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     op_names = op_names_from_hlo(hlo)
     per = collections.defaultdict(float)
     per_op = collections.defaultdict(float)
-    for hlo_op, us in kernel_times(trace_dir):
+    events = kernel_events(trace_dir)
+    for hlo_op, _, us in events:
         part, phase = part_and_phase(op_names.get(hlo_op, ""))
         per[(part, phase)] += us / trace_steps / 1e3
         per_op[(hlo_op, op_names.get(hlo_op, "?"))] += us / trace_steps / 1e3
+    # Idle device time, by the part whose kernel came next (the one the device waited for);
+    # waits longer than a millisecond are the host between traced steps, counted apart.
+    idle = collections.defaultdict(lambda: [0.0, 0])
+    for hlo_op, us in idle_before(events):
+        part = "(between steps)" if us > 1e3 else part_and_phase(op_names.get(hlo_op, ""))[0]
+        idle[part][0] += us / trace_steps / 1e3
+        idle[part][1] += 1
+    result["idle"] = {part: (ms, n / trace_steps) for part, (ms, n) in idle.items()}
     result["parts"] = dict(per)
     result["ops"] = sorted(per_op.items(), key=lambda kv: -kv[1])
     result["top"] = result["ops"][:25]
@@ -227,6 +257,12 @@ def format_table(r: dict, title: str) -> str:
     gap = step_ms - kernel_total
     lines.append(f"| (all kernels) |  |  |  | {kernel_total:.1f} | {100 * kernel_total / step_ms:.1f}% |")
     lines.append(f"| (gaps: host, launches, idle) |  |  |  | {gap:.1f} | {100 * gap / step_ms:.1f}% |")
+    if r.get("idle"):
+        lines += ["", "Idle device time by the part whose kernel came next (ms and gaps per step; "
+                  "with XLA's command buffers off, every kernel is a launch of its own):", "",
+                  "| part | idle ms | gaps |", "|---|---|---|"]
+        for part, (ms, n) in sorted(r["idle"].items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"| {part} | {ms:.2f} | {n:.0f} |")
     lines += ["", "Largest kernels (ms per step, op_name):", ""]
     lines += [f"- {ms:.2f} ms `{op}`: {name[:160]}" for (op, name), ms in r["top"][:15]]
     return "\n".join(lines)

@@ -45,6 +45,20 @@ def test_op_names_come_from_the_hlo_and_name_the_part_and_phase(step_profile):
     assert step_profile.part_and_phase("jit(s)/copy") == ("other", "forward")
 
 
+def test_idle_time_is_counted_before_the_kernel_that_waited(step_profile):
+    """Gaps on the device timeline go to the kernel after them; kernels overlapping on two
+    streams leave none (a running end, not the previous kernel's); the order given does not
+    matter."""
+    events = [("a", 0.0, 10.0), ("b", 4.0, 20.0),    # b overlaps a: no gap, the end is 24
+              ("c", 20.0, 2.0),                      # inside b: no gap
+              ("d", 30.0, 5.0),                      # idle 24 -> 30
+              ("e", 35.0, 1.0), ("f", 100.0, 1.0)]   # back to back; idle 36 -> 100
+    rng = np.random.default_rng()
+    shuffled = [events[i] for i in rng.permutation(len(events))]
+    assert step_profile.idle_before(shuffled) == [("d", 6.0), ("f", 64.0)]
+    assert step_profile.idle_before([]) == []
+
+
 def test_the_profile_of_the_real_step_adds_up(step_profile, tmp_path):
     config = load_config("tiny.py")
     config.model.num_layers, config.model.kda_per_mla = 2, 1
@@ -56,6 +70,7 @@ def test_the_profile_of_the_real_step_adds_up(step_profile, tmp_path):
     assert r["step_s"] > 0 and r["ops"]
     table = step_profile.format_table(r, "title")
     assert "| kda_core |" in table and "(gaps: host, launches, idle)" in table
+    assert r["idle"] and "Idle device time by the part" in table
 
 
 def test_attention_bench_checks_and_times_on_cpu(capsys):
