@@ -115,21 +115,20 @@ def _fusable(x_BxTxD: jax.Array, n: int) -> bool:
     return mesh.empty or mesh.size == 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused_read_norm(sources, inv_rms, w_D, scale_D, read_eps: float, norm_eps: float, dtype):
-    """RMSNorm(read) [B, T, D] in ``dtype``: sources n x [B, T, D], inv_rms n x [B, T] float32,
-    the pseudo-query w [D] and the norm's scale [D]; one kernel pass each way
-    (``pallas_kernels.depth_read``). ``read_eps`` is the sources' RMS epsilon (used outside,
-    where inv_rms was computed), ``norm_eps`` the norm's."""
-    return _fused_fwd(sources, inv_rms, w_D, scale_D, read_eps, norm_eps, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_read_norm(sources, inv_rms, w_D, scale_D, norm_eps: float, dtype):
+    """RMSNorm(read) [B, T, D] in ``dtype``: sources n x [B, T, D], their reciprocal RMS n x
+    [B, T] float32 (computed outside, where their gradient goes on to the sources), the
+    pseudo-query w [D] and the norm's scale [D]; one kernel pass each way
+    (``pallas_kernels.depth_read``)."""
+    return _fused_fwd(sources, inv_rms, w_D, scale_D, norm_eps, dtype)[0]
 
 
 def _tokens(a: jax.Array) -> jax.Array:
     return a.reshape(-1, *a.shape[2:])
 
 
-def _fused_fwd(sources, inv_rms, w_D, scale_D, read_eps, norm_eps, dtype):
-    del read_eps
+def _fused_fwd(sources, inv_rms, w_D, scale_D, norm_eps, dtype):
     B, T, D = sources[0].shape
     y, weights = depth_read_kernel.read_norm_forward(
         [_tokens(s) for s in sources], [_tokens(r) for r in inv_rms], w_D, scale_D,
@@ -137,8 +136,8 @@ def _fused_fwd(sources, inv_rms, w_D, scale_D, read_eps, norm_eps, dtype):
     return y.reshape(B, T, D), (sources, inv_rms, w_D, scale_D, weights)
 
 
-def _fused_bwd(read_eps, norm_eps, dtype, res, dy_BxTxD):
-    del read_eps, dtype
+def _fused_bwd(norm_eps, dtype, res, dy_BxTxD):
+    del dtype
     sources, inv_rms, w_D, scale_D, weights = res
     B, T, D = sources[0].shape
     ds, drho, dw, dscale = depth_read_kernel.read_norm_backward(
@@ -266,8 +265,8 @@ class DepthResidual:
                 inv_rms = state.block_inv_rms
                 if state.count:
                     inv_rms = inv_rms + (_inv_rms(state.partial, self.eps),)
-                return _fused_read_norm(state.sources, inv_rms, w_D, norm.scale[...], self.eps,
-                                        norm.eps, jnp.dtype(norm.dtype))
+                return _fused_read_norm(state.sources, inv_rms, w_D, norm.scale[...], norm.eps,
+                                        jnp.dtype(norm.dtype))
         return norm(self.read(state, w_D))
 
     def _read_list(self, sources: tuple[jax.Array, ...], inv_rms: tuple[jax.Array, ...],
