@@ -84,24 +84,27 @@ def choose_conv_impl(requested: str, backend: str | None = None) -> str:
     On the H200, configs/1b.py's step (unrolled, 4 x 4096 rows): the convolutions 16.8 ms per
     step with the kernels against 19.7 with XLA's fusions, which wrote the weight gradient as
     slow column reductions (BENCHMARKS.md, tenth pass)."""
-    if requested not in CONV_IMPLS:
-        raise ValueError(f"conv: impl must be one of {CONV_IMPLS}, got {requested!r}")
-    if requested != "auto":
-        return requested
-    on_gpu = (backend or jax.default_backend()) == "gpu"
-    return "pallas" if on_gpu and short_conv_kernel.available() else "xla"
+    return _kernels_on_the_gpu(requested, CONV_IMPLS, "conv", short_conv_kernel.available,
+                               backend)
 
 
 def choose_attn_res_impl(requested: str, backend: str | None = None) -> str:
     """How an unrolled stack's Attention Residual reads and the RMSNorms after them run:
     "pallas" (one kernel pass forward and one backward, pallas_kernels/depth_read.py) or "xla".
     "auto" takes the kernels on the GPU when this JAX still has Pallas-Triton, XLA elsewhere."""
-    if requested not in ATTN_RES_IMPLS:
-        raise ValueError(f"attn_res: impl must be one of {ATTN_RES_IMPLS}, got {requested!r}")
+    return _kernels_on_the_gpu(requested, ATTN_RES_IMPLS, "attn_res",
+                               depth_read_kernel.available, backend)
+
+
+def _kernels_on_the_gpu(requested: str, choices, what: str, available, backend) -> str:
+    """``requested`` checked against ``choices``; "auto" is "pallas" on the GPU when
+    ``available()`` (this JAX has Pallas-Triton), "xla" elsewhere."""
+    if requested not in choices:
+        raise ValueError(f"{what}: impl must be one of {choices}, got {requested!r}")
     if requested != "auto":
         return requested
     on_gpu = (backend or jax.default_backend()) == "gpu"
-    return "pallas" if on_gpu and depth_read_kernel.available() else "xla"
+    return "pallas" if on_gpu and available() else "xla"
 
 
 def choose_kda_impl(requested: str, backend: str | None = None) -> str:
