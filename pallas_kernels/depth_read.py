@@ -37,10 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # Pallas-Triton (deprecated in JAX 0.11, may disappear: then the layer's XLA form is used)
-    from jax.experimental.pallas import triton as pl_triton
-except ImportError:  # pragma: no cover - depends on the installed JAX
-    pl_triton = None
+from pallas_kernels.triton_compat import compiler_params, pl_triton
 
 f32 = jnp.float32
 
@@ -114,7 +111,7 @@ class _Layout:
         self.Mp = -(-M // (self.R * self.S)) * self.R * self.S
         self.grid = (self.Mp // (self.R * self.S),)
         self.interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-        self.params = None if self.interpret else _triton_params(tiles.warps)
+        self.params = None if self.interpret else compiler_params(tiles.warps)
         self.pad = self.Mp - M
 
     def rows(self, a):
@@ -269,7 +266,3 @@ def read_norm_backward(sources, inv_rms, w_D, scale_D, weights, dy_MxD, *, eps: 
     drho = [d[:M] for d in outs[n:2 * n]]
     return ds, drho, jnp.sum(outs[2 * n], axis=0), jnp.sum(outs[2 * n + 1], axis=0)
 
-
-def _triton_params(warps: int):
-    cls = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
-    return cls(num_warps=warps, num_stages=1)

@@ -33,10 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # Pallas-Triton (deprecated in JAX 0.11, may disappear: then the layer's XLA form is used)
-    from jax.experimental.pallas import triton as pl_triton
-except ImportError:  # pragma: no cover - depends on the installed JAX
-    pl_triton = None
+from pallas_kernels.triton_compat import compiler_params, pl_triton
 
 f32 = jnp.float32
 
@@ -92,7 +89,7 @@ class _Layout:
         self.Tp, self.Cp, self.Wp = _round_up(T, self.R), _round_up(C, self.BC), _next_pow2(W)
         self.grid = (B, self.Tp // self.R, self.Cp // self.BC)
         self.interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-        self.params = None if self.interpret else _triton_params(tiles.warps)
+        self.params = None if self.interpret else compiler_params(tiles.warps)
 
     def pad_c(self, a):
         """a [..., C] with zero channels up to C_pad (nothing when C is whole tiles)."""
@@ -236,7 +233,3 @@ def tail_grad(w_WxC: jax.Array, seg_BxT: jax.Array, dy_BxTxC: jax.Array) -> jax.
         rows.append(acc)
     return jnp.stack(rows, axis=1)
 
-
-def _triton_params(warps: int):
-    cls = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
-    return cls(num_warps=warps, num_stages=1)

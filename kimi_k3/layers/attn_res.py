@@ -235,10 +235,7 @@ class DepthResidual:
         if self.mode == "none":
             return state["x"]
         if isinstance(state, SourceList):
-            inv_rms = state.block_inv_rms
-            if state.count:
-                inv_rms = inv_rms + (_inv_rms(state.partial, self.eps),)
-            return self._read_list(state.sources, inv_rms, w_D)
+            return self._read_list(state.sources, self._list_inv_rms(state), w_D)
         sources = state["sources"]
         slot = jnp.arange(sources.shape[0])
         valid = (slot < state["n"]) | ((slot == state["n"]) & (state["count"] > 0))
@@ -262,12 +259,16 @@ class DepthResidual:
         if (self.impl == "pallas" and isinstance(state, SourceList) and w_D is not None
                 and _fusable(state.blocks[0], len(state.sources))):
             with jax.named_scope("attn_res"):
-                inv_rms = state.block_inv_rms
-                if state.count:
-                    inv_rms = inv_rms + (_inv_rms(state.partial, self.eps),)
-                return _fused_read_norm(state.sources, inv_rms, w_D, norm.scale[...], norm.eps,
-                                        jnp.dtype(norm.dtype))
+                return _fused_read_norm(state.sources, self._list_inv_rms(state), w_D,
+                                        norm.scale[...], norm.eps, jnp.dtype(norm.dtype))
         return norm(self.read(state, w_D))
+
+    def _list_inv_rms(self, state: SourceList) -> tuple[jax.Array, ...]:
+        """Each source's reciprocal RMS [B, T]: the finished blocks' as stored, the partial
+        sum's computed now (it changes with every write)."""
+        if not state.count:
+            return state.block_inv_rms
+        return state.block_inv_rms + (_inv_rms(state.partial, self.eps),)
 
     def _read_list(self, sources: tuple[jax.Array, ...], inv_rms: tuple[jax.Array, ...],
                    w_D: jax.Array) -> jax.Array:
