@@ -15,6 +15,7 @@ from flax import nnx
 
 from kimi_k3.config import KdaSpec, MlaSpec
 from kimi_k3.layers import GatedMLA, KDALayer, ShortConv
+from kimi_k3.layers import embed as embed_lib
 from kimi_k3.layers import kda_layer as kda_layer_lib
 from kimi_k3.layers.attention import (
     PACKED_RUNS_PER_ROW,
@@ -849,12 +850,15 @@ def _count_prims(jaxpr, name: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("keep_logits", [False, True])
-def test_chunked_nll_and_its_gradients_equal_float64(keep_logits):
+@pytest.mark.parametrize("keep_logits,max_unrolled", [(False, 16), (True, 16), (True, 2)])
+def test_chunked_nll_and_its_gradients_equal_float64(keep_logits, max_unrolled, monkeypatch):
     """layers.embed.chunked_nll against logsumexp(h W) - (h W)[target] in float64, with its
     gradients dlogits = softmax - onehot (times the cotangent) carried to h and W; a chunk
     that does not divide T, logits of either sign and large. With ``keep_logits`` the backward
-    reads the forward's logits: three head matmuls in the gradient's program, four without."""
+    reads the forward's logits: three head matmuls per chunk, the three chunks unrolled (no
+    loop) unless there are more than ``MAX_UNROLLED_CHUNKS`` (then one mapped chunk of three);
+    without, one mapped chunk of four matmuls."""
+    monkeypatch.setattr(embed_lib, "MAX_UNROLLED_CHUNKS", max_unrolled)
     seed = int(np.random.default_rng().integers(2**31))
     B, T, D, V, C = 2, 13, 8, 37, 5
     r = np.random.default_rng(seed)
@@ -882,7 +886,11 @@ def test_chunked_nll_and_its_gradients_equal_float64(keep_logits):
     np.testing.assert_allclose(dW, np.einsum("btd,btv->dv", h, dlogits), rtol=1e-4, atol=1e-4,
                                err_msg=f"seed {seed}")
     jaxpr = jax.make_jaxpr(grad_fn)(*args).jaxpr
-    assert _count_prims(jaxpr, "dot_general") == (3 if keep_logits else 4)
+    n_chunks = -(-T // C)
+    unrolled = keep_logits and n_chunks <= max_unrolled
+    assert _count_prims(jaxpr, "dot_general") == (
+        3 * n_chunks if unrolled else 3 if keep_logits else 4)
+    assert _count_prims(jaxpr, "scan") == (0 if unrolled else 2)  # the map and its transpose
 
 
 class _ScaledNorm:
