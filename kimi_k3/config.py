@@ -185,6 +185,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     # "auto" (one Pallas kernel pass each way on the GPU, XLA elsewhere:
     # dispatch.choose_attn_res_impl), "xla" or "pallas" (interpret mode off the GPU).
     cfg.attn_res_impl = "auto"
+    # How the dense SwiGLU's activation runs its backward pass: "auto" (a Pallas kernel writing
+    # the gate's and up's gradients into the fused layout on the GPU, XLA elsewhere:
+    # dispatch.choose_mlp_impl), "xla" or "pallas" (interpret mode off the GPU).
+    cfg.mlp_impl = "auto"
     cfg.tie_embeddings = True  # output head = embedding^T / sqrt(D)
     cfg.head_chunk = 1024  # tokens per row whose logits exist at once in the loss (token_nll)
     cfg.norm_eps = 1e-6
@@ -368,6 +372,7 @@ class ModelSpec:
     remat: str
     scan_layers: bool
     attn_res_impl: str = "xla"  # "xla" | "pallas" (resolved)
+    mlp_impl: str = "xla"  # the dense SwiGLU's backward: "xla" | "pallas" (resolved)
 
     @property
     def compute_dtype(self):
@@ -699,7 +704,8 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
         dtype=f.choice("dtype", DTYPES), param_dtype=f.choice("param_dtype", DTYPES),
         remat=f.choice("remat", REMAT_POLICIES), scan_layers=scan_layers,
         attn_res_impl=dispatch.choose_attn_res_impl(
-            f.choice("attn_res_impl", dispatch.ATTN_RES_IMPLS), backend))
+            f.choice("attn_res_impl", dispatch.ATTN_RES_IMPLS), backend),
+        mlp_impl=dispatch.choose_mlp_impl(f.choice("mlp_impl", dispatch.MLP_IMPLS), backend))
 
 
 def data_spec(cfg) -> DataSpec:

@@ -34,6 +34,7 @@ import jax
 
 from pallas_kernels import depth_read as depth_read_kernel
 from pallas_kernels import short_conv as short_conv_kernel
+from pallas_kernels import swiglu as swiglu_kernel
 from pallas_kernels.kda import pallas_supported
 
 KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
@@ -41,6 +42,7 @@ EXPERT_MATMULS = ("auto", "ragged", "mosaic_gpu", "dense")
 ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
 CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions
 ATTN_RES_IMPLS = ("auto", "xla", "pallas")  # an Attention Residual read and its norm
+MLP_IMPLS = ("auto", "xla", "pallas")  # the dense SwiGLU's activation backward
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX).
 # GPU: it trains to the reference's loss curve several times faster (BENCHMARKS.md). TPU: the
@@ -94,6 +96,15 @@ def choose_attn_res_impl(requested: str, backend: str | None = None) -> str:
     "auto" takes the kernels on the GPU when this JAX still has Pallas-Triton, XLA elsewhere."""
     return _kernels_on_the_gpu(requested, ATTN_RES_IMPLS, "attn_res",
                                depth_read_kernel.available, backend)
+
+
+def choose_mlp_impl(requested: str, backend: str | None = None) -> str:
+    """How the dense SwiGLU's activation runs its backward pass: "pallas" (one kernel writing
+    the gate's and up's gradients into the fused [B, T, 2, F] layout, pallas_kernels/swiglu.py)
+    or "xla". "auto" takes the kernel on the GPU when this JAX still has Pallas-Triton, XLA
+    elsewhere. Either way the layer keeps XLA's form for a width the kernel cannot tile or a
+    mesh that splits the activations."""
+    return _kernels_on_the_gpu(requested, MLP_IMPLS, "mlp", swiglu_kernel.available, backend)
 
 
 def _kernels_on_the_gpu(requested: str, choices, what: str, available, backend) -> str:

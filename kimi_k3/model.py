@@ -190,7 +190,8 @@ class DecoderLayer(nnx.Module):
         if experts:
             self.mlp = MoE(D, spec.moe, rngs=rngs, dtype=dtype, param_dtype=pdtype)
         else:
-            self.mlp = SwiGLU(D, spec.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+            self.mlp = SwiGLU(D, spec.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                              impl=spec.mlp_impl)
         if spec.attn_res != "none":
             self.mixer_query = DepthQuery(D, param_dtype=pdtype)
             self.mlp_query = DepthQuery(D, param_dtype=pdtype)

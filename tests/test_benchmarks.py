@@ -103,6 +103,17 @@ def test_attn_res_bench_checks_every_read_against_the_models(capsys, monkeypatch
         assert float(rows[name][4]) < 2e-3 and float(rows[name][5]) < 3e-2, rows[name]
 
 
+def test_swiglu_bench_checks_the_kernel_against_xla(capsys):
+    """The SwiGLU backward bench (interpret mode here): every row but the floor agrees with
+    XLA's backward, the launch parameters given included."""
+    load("swiglu_bench").main(["--tokens=24", "--width=64", "--tiles=8,32,4"])
+    rows = {line.split("|")[1].strip(): line.split("|") for line in capsys.readouterr().out
+            .splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"form", "copy", "xla", "pallas", "8,32,4"}
+    for name in ("xla", "pallas", "8,32,4"):
+        assert float(rows[name][4]) < 1e-6, rows[name]
+
+
 def test_loss_curves_compares_each_run_with_the_first(tmp_path, capsys):
     """The table and the largest gaps per step range come from the metrics files (eval rows
     and steps one run lacks left out); a missing or broken file is named."""

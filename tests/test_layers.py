@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from kimi_k3.config import KdaSpec, MlaSpec
-from kimi_k3.layers import GatedMLA, KDALayer, ShortConv
+from kimi_k3.layers import GatedMLA, KDALayer, ShortConv, SwiGLU
 from kimi_k3.layers import embed as embed_lib
 from kimi_k3.layers import kda_layer as kda_layer_lib
 from kimi_k3.layers.attention import (
@@ -33,6 +33,7 @@ from kimi_k3.ops.reductions import column_sum
 from pallas_kernels import depth_read as depth_read_kernel
 from pallas_kernels import kda as pk
 from pallas_kernels import short_conv as short_conv_kernel
+from pallas_kernels import swiglu as swiglu_kernel
 from tests.compile_options import fast_jit
 
 D = 32
@@ -509,6 +510,97 @@ def test_conv_kernels_lower_for_the_gpu_and_name_bad_shapes():
     with pytest.raises(ValueError, match=r"conv_backward: dy must have x's shape"):
         short_conv_kernel.conv_backward(xs, jnp.zeros((1, 3, 4)), jnp.zeros((4, 4)),
                                         jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 7, 4)))
+
+
+# ----------------------------------------------------------------------------------------------
+# the SwiGLU activation's backward kernel
+
+
+def _swiglu_bwd_float64(h, dy):
+    """(dh, a bound on each element's rounding scale) from the equations in float64:
+    y = g sigmoid(g) u, dg = dy u (s + g s (1 - s)), du = dy g s."""
+    g, u = h[:, 0], h[:, 1]
+    s = 1.0 / (1.0 + np.exp(-g))
+    dg = dy * u * (s + g * s * (1.0 - s))
+    du = dy * g * s
+    scale_g = np.abs(dy * u) * (s + np.abs(g) * s * (1.0 - s))
+    return np.stack([dg, du], axis=1), np.stack([scale_g, np.abs(du)], axis=1)
+
+
+@pytest.mark.parametrize("N,F,dtype", [
+    (37, 48, jnp.float32),      # rows not whole tiles (padded), a column tile of 16
+    (64, 768, jnp.bfloat16),    # column tiles of 256, three per half
+    (16, 5632, jnp.bfloat16),   # configs/1b.py's width
+])
+def test_swiglu_backward_kernel_equals_float64(N, F, dtype):
+    """pallas_kernels.swiglu's kernel (interpret mode here) against float64 NumPy: gate
+    pre-activations from -60 to 60 (a saturated sigmoid both ways), up and dy of very different
+    magnitudes per column; each element within a few roundings of its terms' magnitude."""
+    rng = np.random.default_rng()
+    g = rng.normal(size=(N, F)) * np.exp(rng.uniform(-3, 4, size=(1, F)))
+    g[0, :4] = [-60.0, 60.0, 0.0, -1e-3][: min(4, F)]
+    u = rng.normal(size=(N, F)) * np.exp(rng.uniform(-8, 8, size=(1, F)))
+    h = np.asarray(jnp.asarray(np.stack([g, u], axis=1), dtype), np.float64)
+    dy = np.asarray(jnp.asarray(rng.normal(size=(N, F)), dtype), np.float64)
+    dh = swiglu_kernel.swiglu_backward(jnp.asarray(h, dtype), jnp.asarray(dy, dtype))
+    assert dh.shape == (N, 2, F) and dh.dtype == dtype
+    want, bound = _swiglu_bwd_float64(h, dy)
+    err = np.abs(np.asarray(dh, np.float64) - want)
+    rel = 4 * float(jnp.finfo(dtype).eps)
+    assert np.all(err <= rel * bound + 1e-30), float(np.max(err / (bound + 1e-30)))
+    # The forward the kernel differentiates is the layer's.
+    y = swiglu_kernel.swiglu_reference(jnp.asarray(h, dtype))
+    y64 = h[:, 0] / (1.0 + np.exp(-h[:, 0])) * h[:, 1]
+    assert np.all(np.abs(np.asarray(y, np.float64) - y64) <= rel * np.abs(y64) + 1e-30)
+
+
+def test_swiglu_kernel_lowers_for_the_gpu_and_names_bad_shapes():
+    """The kernel lowers to Triton from this CPU at configs/1b.py's micro-batch (16K tokens,
+    F = 5632, bf16); wrong shapes are refused by name; a width with no tile has none."""
+    assert swiglu_kernel.available()
+    h = jax.ShapeDtypeStruct((4 * 4096, 2, 5632), jnp.bfloat16)
+    dy = jax.ShapeDtypeStruct((4 * 4096, 5632), jnp.bfloat16)
+    fn = jax.jit(lambda h, dy: swiglu_kernel.swiglu_backward(h, dy, interpret=False))
+    text = fn.trace(h, dy).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+    assert swiglu_kernel.columns_for(5632) == 256 and swiglu_kernel.columns_for(40) is None
+    with pytest.raises(ValueError, match=r"h must have shape \[N, 2, F\], got \(4, 3, 16\)"):
+        swiglu_kernel.swiglu_backward(jnp.zeros((4, 3, 16)), jnp.zeros((4, 16)))
+    with pytest.raises(ValueError, match=r"dy must have shape \(4, 16\).*got \(4, 8\)"):
+        swiglu_kernel.swiglu_backward(jnp.zeros((4, 2, 16)), jnp.zeros((4, 8)))
+    with pytest.raises(ValueError, match=r"multiple of 16, got 40"):
+        swiglu_kernel.swiglu_backward(jnp.zeros((4, 2, 40)), jnp.zeros((4, 40)))
+    with pytest.raises(ValueError, match=r"impl must be 'xla' or 'pallas', got 'triton'"):
+        SwiGLU(8, 16, rngs=rngs(), impl="triton")
+
+
+@pytest.mark.parametrize("F", [48, 40])  # 40: no column tile, the layer keeps XLA's form
+def test_swiglu_layer_kernel_gradients_equal_xla(F):
+    """The layer with impl="pallas" (the kernel's backward, interpret mode) against "xla":
+    the same output, and the same gradients of x and of both weights, in float32."""
+    D, B, T = 24, 2, 9
+    seed = int(np.random.default_rng().integers(1 << 30))
+    layers = {impl: SwiGLU(D, F, rngs=rngs(seed), impl=impl) for impl in ("xla", "pallas")}
+    x = normal(seed + 1, (B, T, D), scale=2.0)
+    dy = normal(seed + 2, (B, T, D))
+    out = {}
+    for impl, layer in layers.items():
+        graphdef, params = nnx.split(layer, nnx.Param)
+
+        def loss(params, x, graphdef=graphdef):
+            return jnp.sum(nnx.merge(graphdef, params)(x) * dy)
+
+        out[impl] = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+    (v_x, (gp_x, gx_x)), (v_p, (gp_p, gx_p)) = out["xla"], out["pallas"]
+    np.testing.assert_allclose(v_p, v_x, rtol=1e-6)
+    np.testing.assert_allclose(gx_p, gx_x, rtol=2e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(gp_p), jax.tree.leaves(gp_x), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    # The kernel is in the gradient's program exactly when the width has a tile.
+    graphdef, params = nnx.split(layers["pallas"], nnx.Param)
+    grad = jax.grad(lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x) * dy), argnums=1)
+    n_kernels = str(jax.make_jaxpr(grad)(params, x)).count("pallas_call")
+    assert n_kernels == (1 if swiglu_kernel.columns_for(F) else 0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -141,6 +141,20 @@ def test_attn_res_impl_auto_takes_the_kernels_on_the_gpu(monkeypatch):
         config_lib.run_spec(config)
 
 
+def test_mlp_impl_auto_takes_the_kernel_on_the_gpu(monkeypatch):
+    assert dispatch.choose_mlp_impl("auto", backend="gpu") == "pallas"
+    assert dispatch.choose_mlp_impl("auto", backend="tpu") == "xla"
+    assert dispatch.choose_mlp_impl("auto", backend="cpu") == "xla"
+    assert dispatch.choose_mlp_impl("pallas", backend="cpu") == "pallas"  # interpret mode
+    assert config_lib.model_spec(load_config("1b.py").model, backend="gpu").mlp_impl == "pallas"
+    monkeypatch.setattr(dispatch.swiglu_kernel, "pl_triton", None)  # a JAX without Triton
+    assert dispatch.choose_mlp_impl("auto", backend="gpu") == "xla"
+    config = load_config("tiny.py")
+    config.model.mlp_impl = "fused"
+    with pytest.raises(ValueError, match=r"config.model.mlp_impl.*'fused'"):
+        config_lib.run_spec(config)
+
+
 def test_kernel_tuning_is_checked_with_the_config():
     """model.kda.kernel_tuning reaches the spec as given, and a bad key or value is named with
     the field before anything is built."""
