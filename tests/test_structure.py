@@ -127,31 +127,24 @@ def test_conv_impl_auto_takes_the_kernels_on_the_gpu(monkeypatch):
         config_lib.run_spec(config)
 
 
-def test_attn_res_impl_auto_takes_the_kernels_on_the_gpu(monkeypatch):
-    assert dispatch.choose_attn_res_impl("auto", backend="gpu") == "pallas"
-    assert dispatch.choose_attn_res_impl("auto", backend="tpu") == "xla"
-    assert dispatch.choose_attn_res_impl("auto", backend="cpu") == "xla"
-    assert dispatch.choose_attn_res_impl("pallas", backend="cpu") == "pallas"  # interpret mode
-    assert config_lib.model_spec(load_config("1b.py").model, backend="gpu").attn_res_impl == "pallas"
-    monkeypatch.setattr(dispatch.depth_read_kernel, "pl_triton", None)  # a JAX without Triton
-    assert dispatch.choose_attn_res_impl("auto", backend="gpu") == "xla"
+@pytest.mark.parametrize("field,choose,kernel", [
+    ("attn_res_impl", dispatch.choose_attn_res_impl, dispatch.depth_read_kernel),
+    ("mlp_impl", dispatch.choose_mlp_impl, dispatch.swiglu_kernel),
+])
+def test_layer_kernels_auto_on_the_gpu(monkeypatch, field, choose, kernel):
+    """model.attn_res_impl and model.mlp_impl: "auto" takes the Pallas-Triton kernels on the GPU
+    only, an explicit "pallas" runs anywhere (interpret mode), a bad value is named."""
+    assert choose("auto", backend="gpu") == "pallas"
+    assert choose("auto", backend="tpu") == "xla"
+    assert choose("auto", backend="cpu") == "xla"
+    assert choose("pallas", backend="cpu") == "pallas"  # interpret mode
+    assert getattr(config_lib.model_spec(load_config("1b.py").model, backend="gpu"),
+                   field) == "pallas"
+    monkeypatch.setattr(kernel, "pl_triton", None)  # a JAX without Triton
+    assert choose("auto", backend="gpu") == "xla"
     config = load_config("tiny.py")
-    config.model.attn_res_impl = "fused"
-    with pytest.raises(ValueError, match=r"config.model.attn_res_impl.*'fused'"):
-        config_lib.run_spec(config)
-
-
-def test_mlp_impl_auto_takes_the_kernel_on_the_gpu(monkeypatch):
-    assert dispatch.choose_mlp_impl("auto", backend="gpu") == "pallas"
-    assert dispatch.choose_mlp_impl("auto", backend="tpu") == "xla"
-    assert dispatch.choose_mlp_impl("auto", backend="cpu") == "xla"
-    assert dispatch.choose_mlp_impl("pallas", backend="cpu") == "pallas"  # interpret mode
-    assert config_lib.model_spec(load_config("1b.py").model, backend="gpu").mlp_impl == "pallas"
-    monkeypatch.setattr(dispatch.swiglu_kernel, "pl_triton", None)  # a JAX without Triton
-    assert dispatch.choose_mlp_impl("auto", backend="gpu") == "xla"
-    config = load_config("tiny.py")
-    config.model.mlp_impl = "fused"
-    with pytest.raises(ValueError, match=r"config.model.mlp_impl.*'fused'"):
+    setattr(config.model, field, "fused")
+    with pytest.raises(ValueError, match=rf"config.model.{field}.*'fused'"):
         config_lib.run_spec(config)
 
 
