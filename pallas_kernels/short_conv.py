@@ -15,11 +15,12 @@ traffic (the forward at ~0.6 TB/s, the weight gradient as column reductions fuse
 gradient: 20 ms of each 4-row micro-batch where reading and writing the tensors takes ~2).
 
     grid (B, T_pad / R, C_pad / BC); program (b, r, j) owns rows [r R, r R + R) of channel tile
-    j. It reads the W shifted row windows it needs straight from x (row indices clamped into
-    [0, T) and the rows outside masked: no padded copy of x is made), and the backward also
-    the W windows of dy ahead of its rows. The backward writes the W weight-gradient sums of its
-    R rows, partial [B, T_pad / R, W_pad, C_pad] float32, which the caller sums (R x fewer rows
-    than the tokens).
+    j. It reads the W shifted row windows it needs straight from x, and the backward also the
+    W windows of dy ahead of its rows: as contiguous slices where they all lie inside [0, T)
+    (every program but the first and last of a row), else as gathers with the row indices
+    clamped into [0, T) and the rows outside masked (no padded copy of x is made). The
+    backward writes the W weight-gradient sums of its R rows, partial [B, T_pad / R, W_pad,
+    C_pad] float32, which the caller sums (R x fewer rows than the tokens).
 
 Tokens past T are computed on clamped rows and cut off; channels are padded to whole tiles
 only when C is not a multiple of the tile (a copy; configs' channel counts need none).
@@ -31,6 +32,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.triton_compat import compiler_params, pl_triton
@@ -128,6 +130,15 @@ def _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag: int, T: int, W: in
     return jnp.where((src_R >= 0)[:, None], from_x, from_tail)
 
 
+def _tap_inputs_inside(x_ref, seg_ref, r0, seg_R, lag: int, R: int):
+    """``_tap_inputs`` for a program whose rows t all have t - lag in [0, T): one contiguous
+    window of x and of the segment ids (no clamped gathers, no tail)."""
+    x_RxBC = x_ref[pl.ds(r0 - lag, R), :].astype(f32)
+    if lag == 0:
+        return x_RxBC
+    return jnp.where((seg_ref[pl.ds(r0 - lag, R)] == seg_R)[:, None], x_RxBC, 0.0)
+
+
 def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
                  seg_BxT: jax.Array, *, tiles: ConvTiles = DEFAULT_TILES,
                  interpret: bool | None = None) -> jax.Array:
@@ -138,13 +149,23 @@ def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
     R = lay.R
 
     def kernel(x_ref, tail_ref, w_ref, seg_ref, y_ref):
-        rows_R = pl.program_id(1) * R + jnp.arange(R)
-        seg_R = _window(seg_ref, rows_R, T)
-        acc_RxBC = jnp.zeros((R, lay.BC), f32)
-        for lag in range(W):
-            w_1xBC = w_ref[pl.ds(W - 1 - lag, 1), :].astype(f32)
-            acc_RxBC += _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag, T, W) * w_1xBC
-        y_ref[...] = acc_RxBC.astype(y_ref.dtype)
+        r0 = pl.program_id(1) * R
+        rows_R = r0 + jnp.arange(R)
+
+        def conv(inside: bool):
+            seg_R = seg_ref[pl.ds(r0, R)] if inside else _window(seg_ref, rows_R, T)
+            acc_RxBC = jnp.zeros((R, lay.BC), f32)
+            for lag in range(W):
+                w_1xBC = w_ref[pl.ds(W - 1 - lag, 1), :].astype(f32)
+                x_RxBC = (_tap_inputs_inside(x_ref, seg_ref, r0, seg_R, lag, R) if inside else
+                          _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag, T, W))
+                acc_RxBC += x_RxBC * w_1xBC
+            return acc_RxBC
+
+        # Programs whose windows all lie inside [0, T) (all but the first and last of a row)
+        # read them as contiguous slices; the others clamp, mask and read the tail.
+        inside = (r0 >= W - 1) & (r0 + R <= T)
+        y_ref[...] = lax.cond(inside, lambda: conv(True), lambda: conv(False)).astype(y_ref.dtype)
 
     y = pl.pallas_call(
         kernel,
@@ -175,24 +196,48 @@ def conv_backward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
     specs = lay.specs()
 
     def kernel(x_ref, tail_ref, w_ref, seg_ref, dy_ref, dx_ref, dw_ref):
-        rows_R = pl.program_id(1) * R + jnp.arange(R)
-        seg_R = _window(seg_ref, rows_R, T)
-        # dy of the program's own rows (zero past the last token: those rows add nothing).
-        dy_RxBC = jnp.where((rows_R < T)[:, None], _window(dy_ref, rows_R, T).astype(f32), 0.0)
-        dx_RxBC = jnp.zeros((R, lay.BC), f32)
-        for lag in range(W):
-            tap = W - 1 - lag
-            w_1xBC = w_ref[pl.ds(tap, 1), :].astype(f32)
-            # Input gradient: token s+lag read x_s through this tap, if s is in its document.
-            dst_R = rows_R + lag
-            dy_ahead = _window(dy_ref, dst_R, T).astype(f32)
-            if lag:
-                ok_R = (dst_R < T) & (_window(seg_ref, dst_R, T) == seg_R)
-                dy_ahead = jnp.where(ok_R[:, None], dy_ahead, 0.0)
-            dx_RxBC += dy_ahead * w_1xBC
-            # Weight gradient: this tap's products over the program's rows.
-            x_RxBC = _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag, T, W)
-            dw_ref[pl.ds(tap, 1), :] = jnp.sum(x_RxBC * dy_RxBC, axis=0, keepdims=True)
+        r0 = pl.program_id(1) * R
+        rows_R = r0 + jnp.arange(R)
+
+        def grads(inside: bool):
+            """(dx [R, BC], the W taps' weight-gradient sums [1, BC] each)."""
+            if inside:
+                seg_R = seg_ref[pl.ds(r0, R)]
+                dy_RxBC = dy_ref[pl.ds(r0, R), :].astype(f32)
+            else:
+                seg_R = _window(seg_ref, rows_R, T)
+                # dy of the program's own rows (zero past the last token: they add nothing).
+                dy_RxBC = jnp.where((rows_R < T)[:, None],
+                                    _window(dy_ref, rows_R, T).astype(f32), 0.0)
+            dx_RxBC = jnp.zeros((R, lay.BC), f32)
+            dw_taps = [None] * W
+            for lag in range(W):
+                tap = W - 1 - lag
+                w_1xBC = w_ref[pl.ds(tap, 1), :].astype(f32)
+                # Input gradient: token s+lag read x_s through this tap, if s is in its
+                # document.
+                dst_R = rows_R + lag
+                if inside:
+                    dy_ahead = dy_ref[pl.ds(r0 + lag, R), :].astype(f32)
+                    ok_R = seg_ref[pl.ds(r0 + lag, R)] == seg_R
+                else:
+                    dy_ahead = _window(dy_ref, dst_R, T).astype(f32)
+                    ok_R = (dst_R < T) & (_window(seg_ref, dst_R, T) == seg_R)
+                if lag:
+                    dy_ahead = jnp.where(ok_R[:, None], dy_ahead, 0.0)
+                dx_RxBC += dy_ahead * w_1xBC
+                # Weight gradient: this tap's products over the program's rows.
+                x_RxBC = (_tap_inputs_inside(x_ref, seg_ref, r0, seg_R, lag, R) if inside else
+                          _tap_inputs(x_ref, tail_ref, seg_ref, rows_R, seg_R, lag, T, W))
+                dw_taps[tap] = jnp.sum(x_RxBC * dy_RxBC, axis=0, keepdims=True)
+            return dx_RxBC, *dw_taps
+
+        # Programs whose windows all lie inside [0, T) (all but the first and last of a row)
+        # read them as contiguous slices; the others clamp, mask and read the tail.
+        inside = (r0 >= W - 1) & (r0 + R + W - 1 <= T)
+        dx_RxBC, *dw_taps = lax.cond(inside, lambda: grads(True), lambda: grads(False))
+        for tap in range(W):
+            dw_ref[pl.ds(tap, 1), :] = dw_taps[tap]
         for tap in range(W, Wp):  # the padding rows of the power-of-two output block
             dw_ref[pl.ds(tap, 1), :] = jnp.zeros((1, lay.BC), f32)
         dx_ref[...] = dx_RxBC.astype(dx_ref.dtype)
