@@ -465,12 +465,31 @@ def test_conv_kernels_equal_float64(B, T, C, W, dtype):
     very different magnitudes. y and dx (in x's dtype) within W roundings of the sum of their
     terms' magnitudes; the float32 weight and tail gradients within 1e-6 of theirs."""
     rng = np.random.default_rng()
+    _check_conv_kernels(np.cumsum(rng.random((B, T)) < 0.1, axis=1).astype(np.int32), C, W,
+                        dtype, rng)
+
+
+def test_conv_kernels_with_documents_starting_at_tile_edges():
+    """Documents that start at a program's first row, just before and just after it, and W-1
+    rows before the next program (R = 32 rows per program): the windows of interior programs,
+    read as contiguous slices, cross those starts and must mask them as the gathers do."""
+    rng = np.random.default_rng()
+    R, T = short_conv_kernel.DEFAULT_TILES.rows, 200
+    starts = [[R - 1, R + 1, 2 * R, 3 * R - 3, 3 * R + 2, 5 * R], [2, R, 2 * R - 1, 4 * R + 3]]
+    seg = np.stack([np.searchsorted(np.asarray(s), np.arange(T), side="right") for s in starts])
+    _check_conv_kernels(seg.astype(np.int32), 48, 4, jnp.float32, rng)
+
+
+def _check_conv_kernels(seg, C: int, W: int, dtype, rng):
+    """The kernels' y, dx, dw and the tail's gradient against float64 for segment ids
+    seg [B, T]: inputs whose channels differ in magnitude by up to e^8 either way, a random
+    tail; see test_conv_kernels_equal_float64."""
+    B, T = seg.shape
     scale = np.exp(rng.uniform(-8, 8, size=(1, 1, C)))
     x = np.asarray(jnp.asarray(rng.normal(size=(B, T, C)) * scale, dtype), np.float64)
     tail = np.asarray(jnp.asarray(rng.normal(size=(B, W - 1, C)) * scale, dtype), np.float64)
     dy = np.asarray(jnp.asarray(rng.normal(size=(B, T, C)), dtype), np.float64)
     w = rng.normal(size=(W, C)).astype(np.float32).astype(np.float64)
-    seg = np.cumsum(rng.random((B, T)) < 0.1, axis=1).astype(np.int32)
     args = [jnp.asarray(a, dtype) for a in (x, tail)] + [jnp.asarray(w, jnp.float32),
                                                          jnp.asarray(seg)]
     y = short_conv_kernel.conv_forward(*args)
