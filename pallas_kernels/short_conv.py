@@ -163,7 +163,11 @@ def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
             return acc_RxBC
 
         # Programs whose windows all lie inside [0, T) (all but the first and last of a row)
-        # read them as contiguous slices; the others clamp, mask and read the tail.
+        # read them as contiguous slices; the others clamp, mask and read the tail. With fewer
+        # than R tokens there are none (and no R-row slice to trace).
+        if R > T:
+            y_ref[...] = conv(False).astype(y_ref.dtype)
+            return
         inside = (r0 >= W - 1) & (r0 + R <= T)
         y_ref[...] = lax.cond(inside, lambda: conv(True), lambda: conv(False)).astype(y_ref.dtype)
 
@@ -235,7 +239,10 @@ def conv_backward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
         # Programs whose windows all lie inside [0, T) (all but the first and last of a row)
         # read them as contiguous slices; the others clamp, mask and read the tail.
         inside = (r0 >= W - 1) & (r0 + R + W - 1 <= T)
-        dx_RxBC, *dw_taps = lax.cond(inside, lambda: grads(True), lambda: grads(False))
+        if R + W - 1 > T:  # no program is inside (and no R-row slice to trace)
+            dx_RxBC, *dw_taps = grads(False)
+        else:
+            dx_RxBC, *dw_taps = lax.cond(inside, lambda: grads(True), lambda: grads(False))
         for tap in range(W):
             dw_ref[pl.ds(tap, 1), :] = dw_taps[tap]
         for tap in range(W, Wp):  # the padding rows of the power-of-two output block

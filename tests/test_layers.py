@@ -458,6 +458,8 @@ def _conv_float64(x, tail, w, seg, dy):
     (1, 37, 16, 3, jnp.float32),     # a width whose weight-gradient rows are padded
     (3, 130, 128, 4, jnp.float32),
     (2, 2, 8, 4, jnp.bfloat16),      # fewer tokens than the tail: the tail reaches every token
+    (2, 21, 24, 4, jnp.float32),     # fewer tokens than a program's 32 rows (a short prefill)
+    (1, 33, 24, 4, jnp.float32),     # a second program whose W-1 rows ahead pass the end
 ])
 def test_conv_kernels_equal_float64(B, T, C, W, dtype):
     """pallas_kernels.short_conv's forward and backward kernels (interpret mode here) and the
