@@ -139,6 +139,16 @@ def _tap_inputs_inside(x_ref, seg_ref, r0, seg_R, lag: int, R: int):
     return jnp.where((seg_ref[pl.ds(r0 - lag, R)] == seg_R)[:, None], x_RxBC, 0.0)
 
 
+def _by_position(body, inside, possible: bool):
+    """body(True) for a program whose row windows all lie inside [0, T) (contiguous slices),
+    body(False) for the others (clamped gathers, masks, the tail). ``possible`` is False when
+    no program can be inside: body(True) is then never traced (its R-row slices would not fit
+    a shorter sequence)."""
+    if not possible:
+        return body(False)
+    return lax.cond(inside, lambda: body(True), lambda: body(False))
+
+
 def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
                  seg_BxT: jax.Array, *, tiles: ConvTiles = DEFAULT_TILES,
                  interpret: bool | None = None) -> jax.Array:
@@ -162,14 +172,9 @@ def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
                 acc_RxBC += x_RxBC * w_1xBC
             return acc_RxBC
 
-        # Programs whose windows all lie inside [0, T) (all but the first and last of a row)
-        # read them as contiguous slices; the others clamp, mask and read the tail. With fewer
-        # than R tokens there are none (and no R-row slice to trace).
-        if R > T:
-            y_ref[...] = conv(False).astype(y_ref.dtype)
-            return
+        # Inside: every program but the first and last of a row.
         inside = (r0 >= W - 1) & (r0 + R <= T)
-        y_ref[...] = lax.cond(inside, lambda: conv(True), lambda: conv(False)).astype(y_ref.dtype)
+        y_ref[...] = _by_position(conv, inside, R <= T).astype(y_ref.dtype)
 
     y = pl.pallas_call(
         kernel,
@@ -236,13 +241,9 @@ def conv_backward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
                 dw_taps[tap] = jnp.sum(x_RxBC * dy_RxBC, axis=0, keepdims=True)
             return dx_RxBC, *dw_taps
 
-        # Programs whose windows all lie inside [0, T) (all but the first and last of a row)
-        # read them as contiguous slices; the others clamp, mask and read the tail.
+        # Inside: every program but the first and last of a row (dy's W-1 rows ahead too).
         inside = (r0 >= W - 1) & (r0 + R + W - 1 <= T)
-        if R + W - 1 > T:  # no program is inside (and no R-row slice to trace)
-            dx_RxBC, *dw_taps = grads(False)
-        else:
-            dx_RxBC, *dw_taps = lax.cond(inside, lambda: grads(True), lambda: grads(False))
+        dx_RxBC, *dw_taps = _by_position(grads, inside, R + W - 1 <= T)
         for tap in range(W):
             dw_ref[pl.ds(tap, 1), :] = dw_taps[tap]
         for tap in range(W, Wp):  # the padding rows of the power-of-two output block

@@ -60,8 +60,9 @@ def columns_for(F: int, tiles: SwigluTiles = DEFAULT_TILES) -> int | None:
 
 
 def swiglu_reference(h_Nx2xF: jax.Array) -> jax.Array:
-    """y = SiLU(h[:, 0]) * h[:, 1], [N, F] in h's dtype (what the kernel differentiates)."""
-    return jax.nn.silu(h_Nx2xF[:, 0]) * h_Nx2xF[:, 1]
+    """y = SiLU(gate) * up, [..., F] in h's dtype for h [..., 2, F] (gate, up): the layer's
+    activation as XLA fuses it, and what the kernel differentiates."""
+    return jax.nn.silu(h_Nx2xF[..., 0, :]) * h_Nx2xF[..., 1, :]
 
 
 def swiglu_backward(h_Nx2xF: jax.Array, dy_NxF: jax.Array, *, tiles: SwigluTiles = DEFAULT_TILES,

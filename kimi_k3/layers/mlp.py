@@ -39,13 +39,8 @@ class SwiGLU(nnx.Module):
         if self.impl == "pallas" and _kernel_fits(h_BxTx2xF):
             h_BxTxF = _swiglu_kernel_vjp(h_BxTx2xF)
         else:
-            h_BxTxF = swiglu(h_BxTx2xF)
+            h_BxTxF = swiglu_kernel.swiglu_reference(h_BxTx2xF)
         return self.wo(constrain(h_BxTxF, BTF))
-
-
-def swiglu(h_BxTx2xF: jax.Array) -> jax.Array:
-    """SiLU(gate) * up [B, T, F] for h [B, T, 2, F] (gate, up), as XLA fuses it."""
-    return jax.nn.silu(h_BxTx2xF[..., 0, :]) * h_BxTx2xF[..., 1, :]
 
 
 def _kernel_fits(h_BxTx2xF: jax.Array) -> bool:
@@ -59,12 +54,12 @@ def _kernel_fits(h_BxTx2xF: jax.Array) -> bool:
 
 @jax.custom_vjp
 def _swiglu_kernel_vjp(h_BxTx2xF: jax.Array) -> jax.Array:
-    """``swiglu`` whose backward pass is ``pallas_kernels.swiglu.swiglu_backward``."""
-    return swiglu(h_BxTx2xF)
+    """``swiglu_reference`` whose backward pass is ``pallas_kernels.swiglu.swiglu_backward``."""
+    return swiglu_kernel.swiglu_reference(h_BxTx2xF)
 
 
 def _swiglu_fwd(h_BxTx2xF):
-    return swiglu(h_BxTx2xF), h_BxTx2xF
+    return swiglu_kernel.swiglu_reference(h_BxTx2xF), h_BxTx2xF
 
 
 def _swiglu_bwd(h_BxTx2xF, dy_BxTxF):
