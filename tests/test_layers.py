@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_k3.config import KdaSpec, MlaSpec
+from kimi_k3.config import REMAT_POLICIES, KdaSpec, MlaSpec
 from kimi_k3.layers import GatedMLA, KDALayer, ShortConv, SwiGLU
 from kimi_k3.layers import embed as embed_lib
 from kimi_k3.layers import kda_layer as kda_layer_lib
@@ -27,6 +28,7 @@ from kimi_k3.layers.attention import (
     reference_attention,
 )
 from kimi_k3.layers.attn_res import DepthResidual
+from kimi_k3.layers.dense import Dense, low_precision_einsum
 from kimi_k3.layers.embed import chunked_nll
 from kimi_k3.layers.norms import RMSNorm, _scaled_rms_norm
 from kimi_k3.ops.reductions import column_sum
@@ -319,7 +321,8 @@ def test_kda_layer_passes_its_kernel_tuning(monkeypatch):
 def test_kda_layer_writes_the_convolutions_before_the_norms_read_them():
     """An optimisation barrier separates the short convolutions from the SiLU and q/k norms:
     without it XLA fused the convolutions into the norms' row reduction on the GPU, 3.9 ms per
-    layer of the unrolled 1B step (BENCHMARKS.md). The barrier takes q, k and v together."""
+    layer of the unrolled 1B step (BENCHMARKS.md). Each of q, k and v has its own (the XLA
+    form of ShortConv's activation)."""
     layer = kda_layer("bounded")
     x = normal(6, (1, 11, D))
     graph, state = nnx.split(layer)
@@ -333,7 +336,7 @@ def test_kda_layer_writes_the_convolutions_before_the_norms_read_them():
                 yield from barriers(sub)
 
     found = list(barriers(jaxpr.jaxpr))
-    assert len(found) == 1 and len(found[0].invars) == 3, jaxpr
+    assert len(found) == 3 and all(len(eqn.invars) == 1 for eqn in found), jaxpr
 
 
 def test_kda_layer_gate_in_kernel_equals_gate_before_the_op():
@@ -461,14 +464,20 @@ def _conv_float64(x, tail, w, seg, dy):
     (2, 21, 24, 4, jnp.float32),     # fewer tokens than a program's 32 rows (a short prefill)
     (1, 33, 24, 4, jnp.float32),     # a second program whose W-1 rows ahead pass the end
 ])
-def test_conv_kernels_equal_float64(B, T, C, W, dtype):
+@pytest.mark.parametrize("form", ["windows", "rows"])
+def test_conv_kernels_equal_float64(B, T, C, W, dtype, form):
     """pallas_kernels.short_conv's forward and backward kernels (interpret mode here) and the
     tail's gradient against float64 NumPy: many short documents, a random tail, channels of
     very different magnitudes. y and dx (in x's dtype) within W roundings of the sum of their
     terms' magnitudes; the float32 weight and tail gradients within 1e-6 of theirs."""
     rng = np.random.default_rng()
+    # The row form: 8 rows per program keeps interpret mode quick; the forward loops over
+    # them 4 at a time, the backward unrolls all 8.
+    tiles = {} if form == "windows" else dict(
+        fwd=short_conv_kernel.ConvTiles(8, 64, 1, "rows", unroll=4),
+        bwd=short_conv_kernel.ConvTiles(8, 64, 1, "rows"))
     _check_conv_kernels(np.cumsum(rng.random((B, T)) < 0.1, axis=1).astype(np.int32), C, W,
-                        dtype, rng)
+                        dtype, rng, **tiles)
 
 
 def test_conv_kernels_with_documents_starting_at_tile_edges():
@@ -480,9 +489,11 @@ def test_conv_kernels_with_documents_starting_at_tile_edges():
     starts = [[R - 1, R + 1, 2 * R, 3 * R - 3, 3 * R + 2, 5 * R], [2, R, 2 * R - 1, 4 * R + 3]]
     seg = np.stack([np.searchsorted(np.asarray(s), np.arange(T), side="right") for s in starts])
     _check_conv_kernels(seg.astype(np.int32), 48, 4, jnp.float32, rng)
+    rows = short_conv_kernel.ConvTiles(R, 32, 1, "rows")  # the row form's first/last rows
+    _check_conv_kernels(seg.astype(np.int32), 48, 4, jnp.float32, rng, fwd=rows, bwd=rows)
 
 
-def _check_conv_kernels(seg, C: int, W: int, dtype, rng):
+def _check_conv_kernels(seg, C: int, W: int, dtype, rng, fwd=None, bwd=None):
     """The kernels' y, dx, dw and the tail's gradient against float64 for segment ids
     seg [B, T]: inputs whose channels differ in magnitude by up to e^8 either way, a random
     tail; see test_conv_kernels_equal_float64."""
@@ -494,8 +505,9 @@ def _check_conv_kernels(seg, C: int, W: int, dtype, rng):
     w = rng.normal(size=(W, C)).astype(np.float32).astype(np.float64)
     args = [jnp.asarray(a, dtype) for a in (x, tail)] + [jnp.asarray(w, jnp.float32),
                                                          jnp.asarray(seg)]
-    y = short_conv_kernel.conv_forward(*args)
-    dx, dw = short_conv_kernel.conv_backward(*args, jnp.asarray(dy, dtype))
+    y = short_conv_kernel.conv_forward(*args, **({"tiles": fwd} if fwd else {}))
+    dx, dw = short_conv_kernel.conv_backward(*args, jnp.asarray(dy, dtype),
+                                             **({"tiles": bwd} if bwd else {}))
     dtail = short_conv_kernel.tail_grad(args[2], args[3], jnp.asarray(dy, dtype))
     assert y.dtype == dx.dtype == dtype and dw.dtype == dtail.dtype == jnp.float32
     rounding = W * float(jnp.finfo(dtype).eps)  # W products and sums, or the output's rounding
@@ -504,6 +516,145 @@ def _check_conv_kernels(seg, C: int, W: int, dtype, rng):
                                           ("dtail", dtail, ys[2], 1e-6), ("dw", dw, ys[3], 1e-6)):
         err = np.abs(np.asarray(got, np.float64) - want)
         assert np.all(err <= rel * bound + 1e-30), (name, float(np.max(err / (bound + 1e-30))))
+
+
+def _activation_float64(z, dy, activation: str, group: int):
+    """(y, dL/dz) of the activation after the convolution, float64 from the equations:
+    s = z sigmoid(z); "silu_l2": y = s / sqrt(sum_group s^2 + eps), else y = s."""
+    sig = 1.0 / (1.0 + np.exp(-z))
+    s, ds_dz = z * sig, sig * (1.0 + z * (1.0 - sig))
+    if activation == "silu":
+        return s, dy * ds_dz
+    shape = (*z.shape[:-1], z.shape[-1] // group, group)
+    s_g, dy_g = s.reshape(shape), dy.reshape(shape)
+    r = 1.0 / np.sqrt(np.sum(s_g * s_g, axis=-1, keepdims=True) + 1e-6)
+    y_g = s_g * r
+    ds = r * (dy_g - y_g * np.sum(y_g * dy_g, axis=-1, keepdims=True))
+    return y_g.reshape(z.shape), ds.reshape(z.shape) * ds_dz
+
+
+@pytest.mark.parametrize("activation", ["silu", "silu_l2"])
+@pytest.mark.parametrize("B,T,C,W,R,unroll", [(2, 70, 96, 4, 16, 4), (1, 2, 64, 4, 8, 0),
+                                               (2, 37, 64, 3, 8, 0)])
+def test_conv_kernels_with_the_activation_equal_float64(activation, B, T, C, W, R, unroll):
+    """The row form with KDA's activation inside (interpret mode): y = SiLU(z) (v), or
+    SiLU(z) / ||SiLU(z)|| per head of 32 channels (q, k), and dx, dw and the tail's gradient
+    through it, against float64; z spans e^-4..e^4 across channels (saturated sigmoids) and
+    documents are short."""
+    rng = np.random.default_rng()
+    group = 32
+    scale = np.exp(rng.uniform(-4, 4, size=(1, 1, C)))
+    x = rng.normal(size=(B, T, C)) * scale
+    tail = rng.normal(size=(B, W - 1, C)) * scale
+    dy, w = rng.normal(size=(B, T, C)), rng.normal(size=(W, C))
+    seg = np.cumsum(rng.random((B, T)) < 0.1, axis=1).astype(np.int32)
+    (z, _), *_ = _conv_float64(x, tail, w, seg, dy)
+    y_want, dz = _activation_float64(z, dy, activation, group)
+    _, (dx_want, _), (dtail_want, _), (dw_want, _) = _conv_float64(x, tail, w, seg, dz)
+    f = jnp.float32
+    tiles = short_conv_kernel.ConvTiles(R, 32, 1, "rows", unroll)  # R rows, a loop of unroll
+    act = dict(activation=activation, group=group)
+    args = (jnp.asarray(x, f), jnp.asarray(tail, f), jnp.asarray(w, f), jnp.asarray(seg))
+    y = short_conv_kernel.conv_forward(*args, tiles=tiles, **act)
+    dx, dw = short_conv_kernel.conv_backward(*args, jnp.asarray(dy, f), tiles=tiles, **act)
+    dtail = short_conv_kernel.tail_grad(args[2], args[3], jnp.asarray(dy, f), x_BxTxC=args[0],
+                                        tail_BxWm1xC=args[1], **act)
+    for name, got, want in (("y", y, y_want), ("dx", dx, dx_want), ("dw", dw, dw_want),
+                            ("dtail", dtail, dtail_want)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, err_msg=name,
+                                   atol=2e-5 * np.abs(want).max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["silu", "silu_l2"])
+def test_short_conv_with_the_activation_in_the_kernels_equals_xla(activation):
+    """ShortConv(impl="pallas") with the activation inside its kernels against the convolution
+    followed by XLA's activation: outputs and the gradients of x and the tail (the weight's is
+    the kernel test's), with packed documents; a head dim that is not a power of two keeps
+    XLA's activation."""
+    rng = np.random.default_rng()
+    B, T, W = 2, 21, 4
+    for H, K in ((2, 16), (3, 6)):
+        seed = int(rng.integers(1 << 20))
+        convs = {impl: ShortConv((H, K), W, names=(None, None), rngs=rngs(seed), impl=impl)
+                 for impl in ("xla", "pallas")}
+        x, tail = normal(int(rng.integers(1 << 20)), (B, T, H, K)), normal(3, (B, W - 1, H, K))
+        dy = normal(int(rng.integers(1 << 20)), (B, T, H, K))
+        seg = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.2, axis=1), jnp.int32)
+        outs = {}
+        for impl, conv in convs.items():
+            def loss(x, tail, conv=conv, seg=seg, dy=dy):
+                y, _ = conv(x, seg, tail, activation=activation)
+                return jnp.sum(y * dy), y
+            outs[impl] = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, tail)
+        (g_xla, y_xla), (g_pal, y_pal) = outs["xla"], outs["pallas"]
+        np.testing.assert_allclose(y_pal, y_xla, atol=2e-6)
+        for a, b in zip(g_pal, g_xla, strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-5 * float(jnp.abs(b).max()))
+
+
+def _bf16(a):
+    """a rounded to bf16, as float64."""
+    return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+
+def test_dense_weight_gradient_is_a_float32_sum_never_rounded_to_bf16():
+    """Dense with float32 parameters and bf16 compute (``low_precision_einsum``): y and dx in
+    bf16 from bf16 operands, and dW = x^T dy summed in float32 and returned in float32, against
+    float64 NumPy from bf16-exact operands. Rounding dW to bf16 (what autodiff of
+    ``w.astype(bf16)`` does) misses dW's tolerance ~100-fold. Leading axes [3, 7] are summed;
+    the kernel maps D -> (H, K); magnitudes span e^-3..e^3 across input channels."""
+    rng = np.random.default_rng()
+    D, H, K = 24, 3, 10
+    x = _bf16(rng.normal(size=(3, 7, D)) * np.exp(rng.uniform(-3, 3, size=D)))
+    w = rng.normal(size=(D, H, K)) / np.sqrt(D)  # float32 parameter, not bf16-exact
+    dy = _bf16(rng.normal(size=(3, 7, H, K)))
+    layer = Dense(D, (H, K), names=(None, None, None), rngs=rngs(int(rng.integers(1 << 20))),
+                  dtype=jnp.bfloat16)
+    layer.kernel[...] = jnp.asarray(w, jnp.float32)
+    w_lo = _bf16(np.asarray(layer.kernel[...]))
+
+    def f(x, kernel):
+        return low_precision_einsum(1, 2, jnp.bfloat16, x, kernel)
+
+    y, vjp = jax.vjp(f, jnp.asarray(x, jnp.float32), layer.kernel[...])
+    dx, dw = vjp(jnp.asarray(dy, jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and dx.dtype == dw.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(layer(jnp.asarray(x, jnp.float32)), np.float32),
+                                  np.asarray(y, np.float32))
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    for name, got, want, bound, tol in (
+            ("y", y, np.einsum("btd,dhk->bthk", x, w_lo),
+             np.einsum("btd,dhk->bthk", np.abs(x), np.abs(w_lo)), eps),
+            ("dx", dx, np.einsum("bthk,dhk->btd", dy, w_lo),
+             np.einsum("bthk,dhk->btd", np.abs(dy), np.abs(w_lo)), eps),
+            ("dw", dw, np.einsum("btd,bthk->dhk", x, dy),
+             np.einsum("btd,bthk->dhk", np.abs(x), np.abs(dy)), 1e-6)):
+        err = np.abs(np.asarray(got, np.float64) - want)
+        assert np.all(err <= tol * bound), (name, float(np.max(err / bound)))
+    # The same gradient through the layer; a float32 layer takes the plain product.
+    g = jax.grad(lambda k: jnp.sum(f(jnp.asarray(x, jnp.float32), k).astype(jnp.float32)
+                                   * jnp.asarray(dy, jnp.float32)))(layer.kernel[...])
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(dw))
+    layer32 = Dense(D, (H, K), names=(None, None, None), rngs=rngs(), dtype=jnp.float32)
+    text = str(jax.make_jaxpr(lambda x: layer32(x))(jnp.asarray(x, jnp.float32)))
+    assert "custom_vjp" not in text, text
+
+
+def test_dense_weight_gradient_keeps_the_remat_policies():
+    """Under remat "dots_kernels" the custom-gradient product is still a saved matmul: the
+    gradient of a checkpointed Dense runs 3 products (y, dx, dW), as autodiff's own does, and
+    under full remat 4 (y again)."""
+    layer = Dense(16, 8, names=(None, None), rngs=rngs(), dtype=jnp.bfloat16)
+    graph, state = nnx.split(layer)
+    x = normal(1, (2, 5, 16))
+
+    def loss(state, x):
+        return jnp.sum(jnp.sin(nnx.merge(graph, state)(jnp.tanh(x)).astype(jnp.float32)))
+
+    for remat, dots in (("dots_kernels", 3), ("full", 4)):
+        fn = jax.checkpoint(loss, policy=REMAT_POLICIES[remat])
+        text = str(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(state, x))
+        assert text.count("dot_general") == dots, (remat, text)
 
 
 def test_conv_kernels_lower_for_the_gpu_and_name_bad_shapes():
@@ -515,11 +666,18 @@ def test_conv_kernels_lower_for_the_gpu_and_name_bad_shapes():
     x = jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16)
     tail = jax.ShapeDtypeStruct((B, W - 1, C), jnp.bfloat16)
     w, seg = jax.ShapeDtypeStruct((W, C), jnp.float32), jax.ShapeDtypeStruct((B, T), jnp.int32)
-    fwd = jax.jit(lambda *a: short_conv_kernel.conv_forward(*a, interpret=False))
-    bwd = jax.jit(lambda *a: short_conv_kernel.conv_backward(*a, interpret=False))
-    for fn, args in ((fwd, (x, tail, w, seg)), (bwd, (x, tail, w, seg, x))):
-        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+    # The windows form; the row form with KDA's q/k activation (heads of 128), as the 1B
+    # layer calls it.
+    act = {"tiles": short_conv_kernel.DEFAULT_ACT_TILES, "activation": "silu_l2", "group": 128}
+    for tiles in ({}, act):
+        fwd = jax.jit(functools.partial(short_conv_kernel.conv_forward, interpret=False, **tiles))
+        bwd = jax.jit(functools.partial(short_conv_kernel.conv_backward, interpret=False,
+                                        **tiles))
+        for fn, args in ((fwd, (x, tail, w, seg)), (bwd, (x, tail, w, seg, x))):
+            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+    with pytest.raises(ValueError, match=r"ConvTiles.form must be 'windows' or 'rows', got 'row'"):
+        short_conv_kernel.ConvTiles(form="row")
     xs = jnp.zeros((1, 8, 4))
     with pytest.raises(ValueError, match=r"conv_forward: tail must have shape \(1, 3, 4\).*"
                                          r"got \(1, 2, 4\)"):

@@ -5,6 +5,8 @@
 One module covers D -> D', D -> (H, K) (per-head projections) and (H, V) -> D (output
 projections), so no reshapes hide which axis is which. No bias: none of the layers here uses one.
 Parameters live in ``param_dtype``; the product runs in ``dtype`` with float32 accumulation.
+With float32 parameters and bf16 compute the weight's gradient comes out of its matmul in
+float32 (``low_precision_einsum``): dW = x^T dy is never rounded to bf16.
 """
 
 from __future__ import annotations
@@ -47,10 +49,7 @@ class Dense(nnx.Module):
         w = jax.random.normal(rngs.params(), shape, jnp.float32) * std
         self.kernel = param(w.astype(param_dtype), names)
         self.dtype = dtype
-        n_in, n_out = len(self.in_shape), len(self.out_shape)
-        letters = string.ascii_letters
-        ins, outs = letters[:n_in], letters[n_in:n_in + n_out]
-        self._eq = f"...{ins},{ins}{outs}->...{outs}"
+        self._eq = _equations(len(self.in_shape), len(self.out_shape))[0]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[x.ndim - len(self.in_shape):] != self.in_shape:
@@ -59,7 +58,53 @@ class Dense(nnx.Module):
         # anyway. Asking for a float32 result instead would make the backward pass multiply a
         # float32 cotangent with bf16 operands, which XLA runs as a float32 GEMM (several times
         # slower); f32_logits below is the variant for the one product that wants float32 out.
-        return jnp.einsum(self._eq, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        w = self.kernel[...]
+        if jnp.dtype(self.dtype).itemsize < jnp.dtype(w.dtype).itemsize:
+            return low_precision_einsum(len(self.in_shape), len(self.out_shape), self.dtype,
+                                        x, w)
+        return jnp.einsum(self._eq, x.astype(self.dtype), w.astype(self.dtype))
+
+
+def _equations(n_in: int, n_out: int):
+    """Dense's product and its two transposes for ``n_in`` input and ``n_out`` output axes:
+    y = x W, dx = dy W^T, dW = x^T dy (summed over every leading axis)."""
+    letters = string.ascii_letters
+    ins, outs = letters[:n_in], letters[n_in:n_in + n_out]
+    return (f"...{ins},{ins}{outs}->...{outs}", f"...{outs},{ins}{outs}->...{ins}",
+            f"...{ins},...{outs}->{ins}{outs}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def low_precision_einsum(n_in: int, n_out: int, dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    """Dense's product with the operands rounded to ``dtype`` (bf16) and a ``dtype`` result,
+    for a higher-precision (float32) parameter ``w``. The weight's gradient comes out of its
+    matmul in ``w``'s dtype, summed in float32 and never rounded to ``dtype``: as autodiff
+    writes it, the transpose of ``w.astype(dtype)`` rounds each micro-batch's dW to bf16 and
+    converts it back, and the float32 sum over micro-batches is a separate pass over every
+    parameter (read dW, read and write the sum). A float32 dW is a GEMM output that XLA can
+    add into the running sum inside the GEMM itself (cuBLAS's beta = 1)."""
+    eq, _, _ = _equations(n_in, n_out)
+    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype))
+
+
+def _low_precision_fwd(n_in, n_out, dtype, x, w):
+    x_lo, w_lo = x.astype(dtype), w.astype(dtype)
+    eq, _, _ = _equations(n_in, n_out)
+    # Empty arrays carry x's and w's dtypes to the backward (residuals must be JAX values).
+    return jnp.einsum(eq, x_lo, w_lo), (x_lo, w_lo, jnp.zeros((0,), x.dtype),
+                                        jnp.zeros((0,), w.dtype))
+
+
+def _low_precision_bwd(n_in, n_out, dtype, residuals, dy):
+    x_lo, w_lo, x_like, w_like = residuals
+    _, eq_dx, eq_dw = _equations(n_in, n_out)
+    dy = dy.astype(dtype)
+    dx = jnp.einsum(eq_dx, dy, w_lo).astype(x_like.dtype)
+    dw = jnp.einsum(eq_dw, x_lo, dy, preferred_element_type=w_like.dtype)
+    return dx, dw
+
+
+low_precision_einsum.defvjp(_low_precision_fwd, _low_precision_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -33,12 +33,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import KdaSpec
 from kimi_k3.layers.dense import Dense
-from kimi_k3.layers.norms import RMSNorm, l2_normalize
+from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
@@ -136,18 +135,14 @@ class KDALayer(nnx.Module):
             b_BxTxHV = self.b_proj(x_BxTxD)
             o_gate_BxTxHVxV = self.g_up(self.g_down(x_BxTxD))
         with jax.named_scope("kda_conv"):
-            q, tail_q = self.q_conv(q, segment_ids_BxT, c.get("conv_q"))
-            k, tail_k = self.k_conv(k, segment_ids_BxT, c.get("conv_k"))
-            v, tail_v = self.v_conv(v, segment_ids_BxT, c.get("conv_v"))
-            # The convolutions' outputs are written before the SiLU and the q/k norms read
-            # them. Without the barrier XLA fused the three convolutions (conv_impl "xla") into
-            # the norms' row reduction in the unrolled 1B step, one kernel of 3.9 ms per layer;
-            # with it they take 6.8 ms forward for all 15 layers (BENCHMARKS.md, sixth pass).
-            # The kernels (conv_impl "pallas") write their outputs anyway.
-            q, k, v = lax.optimization_barrier((q, k, v))
-            q_BxTxHxK = constrain(l2_normalize(jax.nn.silu(q)).astype(self.dtype), BTHK)
-            k_BxTxHxK = constrain(l2_normalize(jax.nn.silu(k)).astype(self.dtype), BTHK)
-            v_BxTxHVxV = constrain(jax.nn.silu(v), BTHK)
+            # SiLU, and the L2 norm per head for q and k: inside the convolution kernels
+            # (conv_impl "pallas"), after the convolution otherwise.
+            q, tail_q = self.q_conv(q, segment_ids_BxT, c.get("conv_q"), activation="silu_l2")
+            k, tail_k = self.k_conv(k, segment_ids_BxT, c.get("conv_k"), activation="silu_l2")
+            v, tail_v = self.v_conv(v, segment_ids_BxT, c.get("conv_v"), activation="silu")
+            q_BxTxHxK = constrain(q.astype(self.dtype), BTHK)
+            k_BxTxHxK = constrain(k.astype(self.dtype), BTHK)
+            v_BxTxHVxV = constrain(v, BTHK)
             # Kept by remat="dots_kernels" (config.SAVED_NAMES) rather than recomputed.
             q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV = (
                 checkpoint_name(x, "kda_qkv") for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV))

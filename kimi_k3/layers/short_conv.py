@@ -2,6 +2,12 @@
 
     y_t[c] = sum_{w=0}^{W-1} weight[w, c] * x_{t-(W-1)+w}[c]                 (W = 4 in K3)
 
+The activation KDA applies next can come with it (``activation``): "silu" (v) or "silu_l2"
+(q and k: SiLU, then an L2 norm over the last channel axis, the head's). The kernels
+(``impl="pallas"``, their row form) compute it in the convolution's own passes: the forward
+writes only the activation's output, and the backward recomputes the convolution of each row
+from the rows of x it holds anyway. Otherwise it runs after the convolution in plain JAX.
+
 Only taps inside the token's own document count: with packed documents a tap whose token has
 another segment id reads zero, so no document sees its neighbour's tail. Tokens before the start
 of the sequence come from ``tail`` (the last W-1 inputs of the previous piece, for prefill in
@@ -25,6 +31,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from kimi_k3.layers.norms import l2_normalize
 from kimi_k3.sharding import ContextLayout, context_layout, logical_to_spec, param
 from pallas_kernels import short_conv as short_conv_kernel
 
@@ -58,14 +65,19 @@ class ShortConv(nnx.Module):
         x_BxTxC: jax.Array,
         segment_ids_BxT: jax.Array | None = None,
         tail_BxWm1xC: jax.Array | None = None,
+        activation: str = "none",
     ) -> tuple[jax.Array, jax.Array]:
-        """Returns (y [B, T, *channels] in x's dtype, new tail [B, W-1, *channels])."""
+        """Returns (y [B, T, *channels] in x's dtype, new tail [B, W-1, *channels]): the
+        convolution, then ``activation`` ("none", "silu" or "silu_l2")."""
+        if activation not in short_conv_kernel.ACTIVATIONS:
+            raise ValueError(f"ShortConv: activation must be one of "
+                             f"{short_conv_kernel.ACTIVATIONS}, got {activation!r}")
         B, T = x_BxTxC.shape[:2]
         Wm1 = self.width - 1
         layout = context_layout()
         if layout is not None and Wm1 > 0 and layout.splits(T, Wm1):
             y = self._context_parallel(x_BxTxC, segment_ids_BxT, tail_BxWm1xC, layout)
-            return y, x_BxTxC[:, T - Wm1:]
+            return apply_activation(y, activation), x_BxTxC[:, T - Wm1:]
         if tail_BxWm1xC is None:
             tail_BxWm1xC = self.init_tail(B, x_BxTxC.dtype)
         tail_BxWm1xC = tail_BxWm1xC.astype(x_BxTxC.dtype)
@@ -74,7 +86,13 @@ class ShortConv(nnx.Module):
         # No kernel for a width of 1 (a scaling) or for one token (a decoding step: a few
         # multiply-adds XLA fuses with their neighbours, where a kernel is a launch of its own).
         impl = self.impl if Wm1 > 0 and T > 1 else "xla"
-        y = _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, self.weight[...], seg, impl)
+        group = self.channels[-1]
+        if impl == "pallas" and (activation != "silu_l2" or group & (group - 1) == 0):
+            y = _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, self.weight[...], seg, impl,
+                                       activation)
+        else:  # the norm's group is one kernel tile: a power of two
+            y = apply_activation(_depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, self.weight[...],
+                                                     seg, impl), activation)
         if Wm1 == 0:
             return y, tail_BxWm1xC
         if T >= Wm1:
@@ -113,8 +131,22 @@ def _same_doc_masks(seg_BxT, W: int, feat: tuple) -> list:
     return masks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, impl="xla"):
+def apply_activation(y_BxTxC: jax.Array, activation: str) -> jax.Array:
+    """The activation after a convolution that did not apply it (``ShortConv.__call__``)."""
+    if activation == "none":
+        return y_BxTxC
+    # y is written before the SiLU (and the q/k norm) reads it. Without the barrier XLA fused
+    # the convolutions (conv_impl "xla") into the norms' row reduction in the unrolled 1B step,
+    # one kernel of 3.9 ms per layer; with it they took 6.8 ms forward for all 15 layers
+    # (BENCHMARKS.md, sixth pass).
+    y_BxTxC = jax.nn.silu(lax.optimization_barrier(y_BxTxC))
+    if activation == "silu":
+        return y_BxTxC
+    return l2_normalize(y_BxTxC).astype(y_BxTxC.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, impl="xla", activation="none"):
     """y_t = sum_lag where(same document, w[W-1-lag] * x_{t-lag}, 0) in float32, returned in
     x's dtype; ``tail`` [B, W-1, *channels] holds the W-1 inputs before the first token (they
     count as the first token's document).
@@ -122,13 +154,16 @@ def _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, impl="xla"):
     Written with its own backward pass because the weight gradient is a column sum over every
     token (B T rows of C channels): taken as XLA derives it, it fused with the layer's other
     backward work into a reduction several times slower than reading its inputs. ``impl``
-    "pallas" runs forward and backward as kernels (``pallas_kernels.short_conv``).
+    "pallas" runs forward and backward as kernels (``pallas_kernels.short_conv``), which also
+    apply ``activation`` (the L2 norm over the last channel axis); "xla" takes none.
     """
     if impl == "pallas":
         n = x_BxTxC.ndim - 2  # channel dims, flattened for the kernels
         y = short_conv_kernel.conv_forward(_flat(x_BxTxC, n), _flat(tail_BxWm1xC, n),
-                                           _flat(w_WxC, n), seg_BxT)
+                                           _flat(w_WxC, n), seg_BxT, activation=activation,
+                                           group=x_BxTxC.shape[-1])
         return y.reshape(x_BxTxC.shape)
+    assert activation == "none", activation  # ShortConv applies XLA's after
     W, T = w_WxC.shape[0], seg_BxT.shape[1]
     x_ext = jnp.concatenate([tail_BxWm1xC, x_BxTxC], axis=1)
     feat = (1,) * (x_ext.ndim - 2)
@@ -147,11 +182,11 @@ def _flat(a: jax.Array, n: int) -> jax.Array:
     return a.reshape(*a.shape[:a.ndim - n], -1)
 
 
-def _conv_fwd(x, tail, w, seg, impl):
-    return _depthwise_causal_conv(x, tail, w, seg, impl), (x, tail, w, seg)
+def _conv_fwd(x, tail, w, seg, impl, activation):
+    return _depthwise_causal_conv(x, tail, w, seg, impl, activation), (x, tail, w, seg)
 
 
-def _conv_bwd(impl, res, dy_BxTxC):
+def _conv_bwd(impl, activation, res, dy_BxTxC):
     x, tail, w_WxC, seg = res
     W, T = w_WxC.shape[0], seg.shape[1]
     channels = x.shape[2:]
@@ -159,9 +194,11 @@ def _conv_bwd(impl, res, dy_BxTxC):
     if impl == "pallas":
         n = len(channels)
         w_flat, dy_flat = _flat(w_WxC, n), _flat(dy_BxTxC, n)
-        dx, dw = short_conv_kernel.conv_backward(_flat(x, n), _flat(tail, n), w_flat, seg,
-                                                 dy_flat)
-        dtail = short_conv_kernel.tail_grad(w_flat, seg, dy_flat)
+        x_flat, tail_flat = _flat(x, n), _flat(tail, n)
+        act = dict(activation=activation, group=channels[-1])
+        dx, dw = short_conv_kernel.conv_backward(x_flat, tail_flat, w_flat, seg, dy_flat, **act)
+        dtail = short_conv_kernel.tail_grad(w_flat, seg, dy_flat, x_BxTxC=x_flat,
+                                            tail_BxWm1xC=tail_flat, **act)
         return (dx.reshape(x.shape), dtail.reshape(tail.shape).astype(tail.dtype),
                 dw.reshape(w_WxC.shape).astype(w_WxC.dtype), seg_ct)
     x_ext = jnp.concatenate([tail, x], axis=1)
