@@ -14,8 +14,7 @@ Rows timed:
     pallas      ``ShortConv(impl="pallas")``: ``pallas_kernels.short_conv``'s forward kernel and
                 its one-pass backward kernel (input and weight gradients).
     R,BC,warps[,form[,unroll]]  the kernels called directly with other launch parameters
-                (ConvTiles),
-                forward and backward (with an activation: the row form only).
+                (ConvTiles), forward and backward (with an activation: the row form only).
 
 With ``--activation`` ("silu": KDA's v; "silu_l2": q and k, the norm over heads of ``--group``
 channels) every row applies it too, and one more row shows the kernels without it:

@@ -70,7 +70,7 @@ DEFAULT_BWD_TILES = ConvTiles(rows=32, channels=64, warps=2)
 DEFAULT_ACT_TILES = ConvTiles(rows=64, channels=128, warps=1, form="rows", unroll=4)
 
 ACTIVATIONS = ("none", "silu", "silu_l2")
-L2_EPS = 1e-6  # kimi_k3.layers.norms.l2_normalize's
+L2_EPS = 1e-6  # the L2 norm's; kimi_k3.layers.short_conv's XLA form takes it too
 
 
 def _next_pow2(n: int) -> int:
@@ -139,6 +139,14 @@ class _Layout:
         ]
 
 
+def _plan(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, where: str, activation: str, group: int,
+          tiles: ConvTiles, interpret):
+    """Both passes' checks, then their _Layout: with the L2 norm a tile is one group."""
+    _check(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, where, activation, group, tiles)
+    (B, T, C), W = x_BxTxC.shape, w_WxC.shape[0]
+    return _Layout(B, T, C, W, tiles, interpret, group if activation == "silu_l2" else 0)
+
+
 def _window(ref, idx_R, T: int):
     """ref's rows idx (clamped into [0, T): always a valid address; the caller masks)."""
     return ref[jnp.clip(idx_R, 0, T - 1)]
@@ -184,11 +192,10 @@ def conv_forward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
     """y [B, T, C] in x's dtype: the convolution, then ``activation`` ("none", "silu", or
     "silu_l2" over groups of ``group`` channels: see the row form below). ``interpret``
     defaults to True off the GPU."""
-    if tiles is None:
-        tiles = DEFAULT_TILES if activation == "none" else DEFAULT_ACT_TILES
-    _check(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, "conv_forward", activation, group, tiles)
+    tiles = tiles or (DEFAULT_TILES if activation == "none" else DEFAULT_ACT_TILES)
+    lay = _plan(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, "conv_forward", activation, group, tiles,
+                interpret)
     (B, T, C), W = x_BxTxC.shape, w_WxC.shape[0]
-    lay = _Layout(B, T, C, W, tiles, interpret, group if activation == "silu_l2" else 0)
     R = lay.R
 
     def kernel(x_ref, tail_ref, w_ref, seg_ref, y_ref):
@@ -231,14 +238,13 @@ def conv_backward(x_BxTxC: jax.Array, tail_BxWm1xC: jax.Array, w_WxC: jax.Array,
     """(dx [B, T, C] in x's dtype, dw [W, C] float32) for the cotangent dy [B, T, C] of
     ``conv_forward``'s y with the same ``activation``. The tail's gradient (W-1 rows) is the
     caller's: ``tail_grad``."""
-    if tiles is None:
-        tiles = DEFAULT_BWD_TILES if activation == "none" else DEFAULT_ACT_TILES
-    _check(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, "conv_backward", activation, group, tiles)
+    tiles = tiles or (DEFAULT_BWD_TILES if activation == "none" else DEFAULT_ACT_TILES)
+    lay = _plan(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, "conv_backward", activation, group, tiles,
+                interpret)
     if dy_BxTxC.shape != x_BxTxC.shape:
         raise ValueError(f"conv_backward: dy must have x's shape {x_BxTxC.shape}, "
                          f"got {dy_BxTxC.shape}")
     (B, T, C), W = x_BxTxC.shape, w_WxC.shape[0]
-    lay = _Layout(B, T, C, W, tiles, interpret, group if activation == "silu_l2" else 0)
     R, Wp = lay.R, lay.Wp
     specs = lay.specs()
 

@@ -142,7 +142,7 @@ def apply_activation(y_BxTxC: jax.Array, activation: str) -> jax.Array:
     y_BxTxC = jax.nn.silu(lax.optimization_barrier(y_BxTxC))
     if activation == "silu":
         return y_BxTxC
-    return l2_normalize(y_BxTxC).astype(y_BxTxC.dtype)
+    return l2_normalize(y_BxTxC, eps=short_conv_kernel.L2_EPS).astype(y_BxTxC.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
