@@ -54,6 +54,7 @@ from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
 from kimi_k3.config import RunSpec, check_context, kda_chunk, run_spec
+from kimi_k3.layers.dense import precast, with_copies
 from kimi_k3.layers.moe import ExpertBias, MoeStat, update_bias
 from kimi_k3.model import HybridLM, flops_per_token, layer_numbers, unused_expert_params
 
@@ -153,7 +154,11 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
     moe = model_spec.moe if model_spec is not None else None
     bias_rate = moe.bias_update_rate if moe is not None else 0.0
 
-    def loss_sum(params, model_state, tokens, segment_ids, denom):
+    compute_dtype = model_spec.compute_dtype if model_spec is not None else None
+
+    def loss_sum(params, model_state, tokens, segment_ids, denom, copies):
+        if copies is not None:
+            params = with_copies(params, copies)
         model = merge_model(graphdef, params, rest, model_state)
         s, n = next_token_loss(model, tokens, segment_ids)
         stats = moe_stats(model)
@@ -167,8 +172,11 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
         params, model_state = state["params"], state.get("model_state")
         tokens, segs = batch["tokens"], batch["segment_ids"]
         denom = jnp.maximum(count_targets(segs), 1).astype(jnp.float32)
+        # The weights in the compute dtype, rounded once here rather than in every micro-batch.
+        copies = precast(params, compute_dtype) if compute_dtype is not None else None
         if accum_steps == 1:
-            (_, (n, loss, stats)), grads = grad_fn(params, model_state, tokens, segs, denom)
+            (_, (n, loss, stats)), grads = grad_fn(params, model_state, tokens, segs, denom,
+                                                   copies)
         else:
             B, T = tokens.shape
             # Micro-batch a takes rows a, a + A, a + 2A, ...: each device keeps its own rows.
@@ -177,7 +185,7 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
                 return jax.lax.with_sharding_constraint(x, micro_spec)
 
             def body(carry, mb):
-                (_, (n, l, st)), g = grad_fn(params, model_state, mb[0], mb[1], denom)
+                (_, (n, l, st)), g = grad_fn(params, model_state, mb[0], mb[1], denom, copies)
                 acc_l, acc_n, acc_st, acc_g = carry
                 acc_g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)
                 acc_st = jax.tree.map(jnp.add, acc_st, st)  # loads and drops add up
@@ -186,7 +194,7 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             micro_tokens, micro_segs = micro(tokens), micro(segs)
             _, (_, _, stats0) = jax.eval_shape(loss_sum, params, model_state, micro_tokens[0],
-                                               micro_segs[0], denom)
+                                               micro_segs[0], denom, copies)
             zero_stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), stats0)
             (loss, n, stats, grads), _ = jax.lax.scan(
                 body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zero_stats, zeros),

@@ -545,3 +545,62 @@ def test_automatic_microbatch_fits_the_memory_it_is_given():
     assert choose(1) == 1  # nothing fits: the smallest, with a warning
     sizes = [choose(limit) for limit in range(40_000, 200_000, 20_000)]  # bytes: a toy model
     assert sizes == sorted(sizes) and set(sizes) == {1, 2, 4, 8}, sizes
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, list | tuple) else (v,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _eqns(sub)
+
+
+def test_weights_are_rounded_to_bf16_once_per_step_not_per_micro_batch(monkeypatch):
+    """With float32 parameters and bf16 compute the step rounds Dense's weights once, outside
+    the micro-batch loop (``dense.precast``): no weight-shaped float32 -> bf16 conversion is
+    left in the loop's body. The step's parameters and loss equal those of the step that
+    rounds them in every micro-batch."""
+    from configs import load_config
+
+    config = load_config("tiny.py")
+    config.model.num_layers, config.model.kda_per_mla = 2, 1
+    config.model.dtype = "bfloat16"
+    config.data.seq_len, config.data.global_batch_size = 32, 4
+    config.train.microbatch_size = 2
+    rng = np.random.default_rng()
+    batch = {"tokens": rng.integers(1, 256, (4, 32)).astype(np.int32),
+             "segment_ids": np.sort(rng.integers(1, 3, (4, 32)), axis=1).astype(np.int32)}
+
+    def step(monkey: bool):
+        with monkeypatch.context() as m:
+            if monkey:  # the step as it was: every micro-batch rounds the weights itself
+                m.setattr(train_lib, "precast", lambda params, dtype: None)
+            mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+            setup = train_lib.build(config, mesh)
+            state = setup.init_state()
+            b = train_lib.global_batch(batch, setup.batch_sharding, 4)
+            with setup.context():
+                jaxpr = jax.make_jaxpr(setup.train_step)(state, b).jaxpr
+                new, metrics = setup.train_step(state, b)
+        kernels = {tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(state["params"])
+                   if p[-1].key == "kernel"}
+        # The micro-batch loop: the one scan of 2 steps (the recurrent KDA scans over tokens).
+        loop = [e for e in _eqns(jaxpr) if e.primitive.name == "scan" and e.params["length"] == 2]
+        assert len(loop) == 1, [e.params["length"] for e in loop]
+        in_loop = [e for e in _eqns(loop[0].params["jaxpr"].jaxpr)
+                   if e.primitive.name == "convert_element_type"
+                   and e.invars[0].aval.dtype == jnp.float32
+                   and e.outvars[0].aval.dtype == jnp.bfloat16
+                   and tuple(e.invars[0].aval.shape) in kernels]
+        return len(in_loop), jax.device_get(new["params"]), float(metrics["loss"])
+
+    n_once, params_once, loss_once = step(False)
+    n_each, params_each, loss_each = step(True)
+    assert n_once == 0 and n_each >= 10, (n_once, n_each)
+    assert loss_once == loss_each
+    for a, b in zip(jax.tree.leaves(params_once), jax.tree.leaves(params_each), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -6,11 +6,14 @@ One module covers D -> D', D -> (H, K) (per-head projections) and (H, V) -> D (o
 projections), so no reshapes hide which axis is which. No bias: none of the layers here uses one.
 Parameters live in ``param_dtype``; the product runs in ``dtype`` with float32 accumulation.
 With float32 parameters and bf16 compute the weight's gradient comes out of its matmul in
-float32 (``low_precision_einsum``): dW = x^T dy is never rounded to bf16.
+float32 (``low_precision_einsum``): dW = x^T dy is never rounded to bf16. The training step
+rounds the weights to bf16 once per step and hands Dense both (``precast``, ``Precast``), so
+the micro-batches of gradient accumulation do not each convert every weight again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import string
@@ -58,11 +61,70 @@ class Dense(nnx.Module):
         # anyway. Asking for a float32 result instead would make the backward pass multiply a
         # float32 cotangent with bf16 operands, which XLA runs as a float32 GEMM (several times
         # slower); f32_logits below is the variant for the one product that wants float32 out.
-        w = self.kernel[...]
+        w, w_lo = master_and_copy(self.kernel)
+        if w_lo is not None and w_lo.dtype != jnp.dtype(self.dtype):
+            w_lo = None
         if jnp.dtype(self.dtype).itemsize < jnp.dtype(w.dtype).itemsize:
             return low_precision_einsum(len(self.in_shape), len(self.out_shape), self.dtype,
-                                        x, w)
+                                        x, w, w_lo)
         return jnp.einsum(self._eq, x.astype(self.dtype), w.astype(self.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Precast:
+    """A weight kept in float32 (``master``) with its copy in the compute dtype (``low``), made
+    once per training step instead of once per micro-batch (``precast``).
+
+    Dense multiplies by ``low`` and returns the weight's gradient to ``master`` in float32.
+    Anything else that reads the variable (``kernel[...]``) sees ``master``: the copy is only
+    a faster way to run Dense's own product.
+    """
+
+    master: jax.Array
+    low: jax.Array
+
+    def __getitem__(self, index):
+        return self.master[index]
+
+
+def master_and_copy(variable: nnx.Variable) -> tuple[jax.Array, jax.Array | None]:
+    """(the parameter's value, its copy in the compute dtype or None): a Precast's two parts."""
+    value = variable.get_value()
+    if isinstance(value, Precast):
+        return value.master, value.low
+    return value, None
+
+
+def precast(params, dtype, keys: Sequence[str] = ("kernel", "embedding")):
+    """``params`` (a nested dict) with every floating leaf named in ``keys`` that is wider than
+    ``dtype`` replaced by ``Precast(leaf, leaf.astype(dtype))``: the weights Dense and the output
+    head multiply in ``dtype``.
+
+    The gradient accumulation loop passes the copies into every micro-batch, so the parameters
+    are rounded once per step: rounded inside the loop, every micro-batch read each float32
+    weight and wrote its bf16 copy again (1.1B weights of configs/1b.py: ~1.5 ms per micro-batch
+    on an H200). Not differentiated: gradients flow to ``master`` only.
+    """
+    dtype = jnp.dtype(dtype)
+
+    def one(path, leaf):
+        name = getattr(path[-1], "key", None) if path else None
+        if (name in keys and jnp.issubdtype(leaf.dtype, jnp.floating)
+                and dtype.itemsize < jnp.dtype(leaf.dtype).itemsize):
+            return Precast(leaf, jax.lax.stop_gradient(leaf).astype(dtype))
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def with_copies(params, copies):
+    """``params`` with each leaf that ``copies`` (``precast(params, ...)``, made outside the
+    function being differentiated) holds as a Precast given that copy: the gradient with
+    respect to ``params`` then flows to the float32 leaves, while Dense multiplies by the
+    copies."""
+    return jax.tree.map(lambda p, c: Precast(p, c.low) if isinstance(c, Precast) else p,
+                        params, copies)
 
 
 def _equations(n_in: int, n_out: int):
@@ -74,55 +136,83 @@ def _equations(n_in: int, n_out: int):
             f"...{ins},...{outs}->{ins}{outs}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def low_precision_einsum(n_in: int, n_out: int, dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+def low_precision_einsum(n_in: int, n_out: int, dtype, x: jax.Array, w: jax.Array,
+                         w_lo: jax.Array | None = None) -> jax.Array:
     """Dense's product with the operands rounded to ``dtype`` (bf16) and a ``dtype`` result,
-    for a higher-precision (float32) parameter ``w``. The weight's gradient comes out of its
-    matmul in ``w``'s dtype, summed in float32 and never rounded to ``dtype``: as autodiff
-    writes it, the transpose of ``w.astype(dtype)`` rounds each micro-batch's dW to bf16 and
-    converts it back, and the float32 sum over micro-batches is a separate pass over every
-    parameter (read dW, read and write the sum). A float32 dW is a GEMM output that XLA can
-    add into the running sum inside the GEMM itself (cuBLAS's beta = 1)."""
+    for a higher-precision (float32) parameter ``w``; ``w_lo``: ``w`` already rounded to
+    ``dtype`` (``precast``), or None to round it here.
+
+    The weight's gradient comes out of its matmul in ``w``'s dtype, summed in float32 and never
+    rounded to ``dtype``: as autodiff writes it, the transpose of ``w.astype(dtype)`` rounds
+    each micro-batch's dW to bf16 and converts it back, and the float32 sum over micro-batches
+    is a separate pass over every parameter (read dW, read and write the sum). A float32 dW is
+    a GEMM output that XLA can add into the running sum inside the GEMM itself (cuBLAS's
+    beta = 1). No gradient flows through ``w_lo``: dW goes to ``w``."""
+    if w_lo is None:
+        w_lo = w.astype(dtype)
+    if w_lo.shape != w.shape or w_lo.dtype != jnp.dtype(dtype):
+        raise ValueError(f"low_precision_einsum: w_lo {w_lo.shape} {w_lo.dtype} is not w "
+                         f"{w.shape} in {jnp.dtype(dtype)}")
+    return _low_precision_einsum(n_in, n_out, x, w, jax.lax.stop_gradient(w_lo))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _low_precision_einsum(n_in: int, n_out: int, x: jax.Array, w: jax.Array,
+                          w_lo: jax.Array) -> jax.Array:
     eq, _, _ = _equations(n_in, n_out)
-    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype))
+    return jnp.einsum(eq, x.astype(w_lo.dtype), w_lo)
 
 
-def _low_precision_fwd(n_in, n_out, dtype, x, w):
-    x_lo, w_lo = x.astype(dtype), w.astype(dtype)
+def _low_precision_fwd(n_in, n_out, x, w, w_lo):
+    x_lo = x.astype(w_lo.dtype)
     eq, _, _ = _equations(n_in, n_out)
     # Empty arrays carry x's and w's dtypes to the backward (residuals must be JAX values).
     return jnp.einsum(eq, x_lo, w_lo), (x_lo, w_lo, jnp.zeros((0,), x.dtype),
                                         jnp.zeros((0,), w.dtype))
 
 
-def _low_precision_bwd(n_in, n_out, dtype, residuals, dy):
+def _low_precision_bwd(n_in, n_out, residuals, dy):
     x_lo, w_lo, x_like, w_like = residuals
     _, eq_dx, eq_dw = _equations(n_in, n_out)
-    dy = dy.astype(dtype)
+    dy = dy.astype(w_lo.dtype)
     dx = jnp.einsum(eq_dx, dy, w_lo).astype(x_like.dtype)
     dw = jnp.einsum(eq_dw, x_lo, dy, preferred_element_type=w_like.dtype)
-    return dx, dw
+    return dx, dw, None  # w_lo is a copy of w (stop_gradient): its gradient is w's
 
 
-low_precision_einsum.defvjp(_low_precision_fwd, _low_precision_bwd)
+_low_precision_einsum.defvjp(_low_precision_fwd, _low_precision_bwd)
+
+
+def f32_out_einsum(eq: str, x: jax.Array, w: jax.Array, w_lo: jax.Array | None = None
+                   ) -> jax.Array:
+    """``einsum(eq, x, w)`` with a float32 result (the output head's logits) from ``x`` in the
+    compute dtype and ``w`` rounded to it (``w_lo``: that copy made already, ``precast``).
+
+    The backward pass multiplies in the compute dtype too: the float32 cotangent is rounded
+    first, as the forward's operands were. The weight's gradient comes out of its matmul in
+    ``w``'s dtype (float32 parameters: never rounded to bf16, as in Dense)."""
+    if w_lo is None or w_lo.dtype != x.dtype:
+        w_lo = w.astype(x.dtype)
+    return _f32_out_einsum(eq, x, w, jax.lax.stop_gradient(w_lo))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def f32_out_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``einsum(eq, x, w)`` with a float32 result from low-precision operands (the output head's
-    logits), whose backward pass still multiplies in the operands' dtype: the float32
-    cotangent is rounded to it first, as the forward's operands were."""
-    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+def _f32_out_einsum(eq, x, w, w_lo):
+    return jnp.einsum(eq, x, w_lo, preferred_element_type=jnp.float32)
 
 
-def _f32_out_fwd(eq, x, w):
-    return f32_out_einsum(eq, x, w), (x, w)
+def _f32_out_fwd(eq, x, w, w_lo):
+    return _f32_out_einsum(eq, x, w, w_lo), (x, w_lo, jnp.zeros((0,), w.dtype))
 
 
 def _f32_out_bwd(eq, residuals, ct):
-    x, w = residuals
-    _, vjp = jax.vjp(lambda x, w: jnp.einsum(eq, x, w), x, w)
-    return vjp(ct.astype(jnp.result_type(x, w)))
+    x, w_lo, w_like = residuals
+    ins, out = eq.split("->")
+    x_idx, w_idx = ins.split(",")
+    ct = ct.astype(x.dtype)
+    dx = jnp.einsum(f"{out},{w_idx}->{x_idx}", ct, w_lo)
+    dw = jnp.einsum(f"{x_idx},{out}->{w_idx}", x, ct, preferred_element_type=w_like.dtype)
+    return dx, dw, None  # w_lo is a copy of w (stop_gradient): its gradient is w's
 
 
-f32_out_einsum.defvjp(_f32_out_fwd, _f32_out_bwd)
+_f32_out_einsum.defvjp(_f32_out_fwd, _f32_out_bwd)

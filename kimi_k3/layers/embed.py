@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from kimi_k3.layers.dense import Dense, f32_out_einsum
+from kimi_k3.layers.dense import Dense, f32_out_einsum, master_and_copy
 from kimi_k3.sharding import param
 
 
@@ -43,8 +43,8 @@ class Embed(nnx.Module):
     @jax.named_scope("head")
     def attend(self, h_BxTxD: jax.Array) -> jax.Array:
         """Tied output head: logits [B, T, V] float32 = h E^T / sqrt(D)."""
-        E = self.embedding[...].astype(self.dtype)
-        logits = f32_out_einsum("btd,vd->btv", h_BxTxD.astype(self.dtype), E)
+        E, E_lo = master_and_copy(self.embedding)
+        logits = f32_out_einsum("btd,vd->btv", h_BxTxD.astype(self.dtype), E, E_lo)
         return logits * (E.shape[-1] ** -0.5)
 
 
@@ -58,8 +58,8 @@ class OutputHead(nnx.Module):
 
     @jax.named_scope("head")
     def __call__(self, h_BxTxD: jax.Array) -> jax.Array:
-        W = self.proj.kernel[...].astype(self.proj.dtype)
-        return f32_out_einsum("btd,dv->btv", h_BxTxD.astype(self.proj.dtype), W)
+        W, W_lo = master_and_copy(self.proj.kernel)
+        return f32_out_einsum("btd,dv->btv", h_BxTxD.astype(self.proj.dtype), W, W_lo)
 
 
 # Up to this many chunks, ``chunked_nll(keep_logits=True)`` unrolls its loop over the chunks.
