@@ -173,7 +173,10 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
         tokens, segs = batch["tokens"], batch["segment_ids"]
         denom = jnp.maximum(count_targets(segs), 1).astype(jnp.float32)
         # The weights in the compute dtype, rounded once here rather than in every micro-batch.
-        copies = precast(params, compute_dtype) if compute_dtype is not None else None
+        # With one micro-batch each weight is rounded once either way: no copies (their memory
+        # would buy nothing).
+        copies = (precast(params, compute_dtype)
+                  if compute_dtype is not None and accum_steps > 1 else None)
         if accum_steps == 1:
             (_, (n, loss, stats)), grads = grad_fn(params, model_state, tokens, segs, denom,
                                                    copies)
