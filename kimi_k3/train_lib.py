@@ -172,15 +172,13 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
         params, model_state = state["params"], state.get("model_state")
         tokens, segs = batch["tokens"], batch["segment_ids"]
         denom = jnp.maximum(count_targets(segs), 1).astype(jnp.float32)
-        # The weights in the compute dtype, rounded once here rather than in every micro-batch.
-        # With one micro-batch each weight is rounded once either way: no copies (their memory
-        # would buy nothing).
-        copies = (precast(params, compute_dtype)
-                  if compute_dtype is not None and accum_steps > 1 else None)
-        if accum_steps == 1:
+        if accum_steps == 1:  # each weight is rounded once either way: no copies
             (_, (n, loss, stats)), grads = grad_fn(params, model_state, tokens, segs, denom,
-                                                   copies)
+                                                   None)
         else:
+            # The weights in the compute dtype, rounded once here rather than in every
+            # micro-batch.
+            copies = precast(params, compute_dtype) if compute_dtype is not None else None
             B, T = tokens.shape
             # Micro-batch a takes rows a, a + A, a + 2A, ...: each device keeps its own rows.
             def micro(x):

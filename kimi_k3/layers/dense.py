@@ -52,7 +52,7 @@ class Dense(nnx.Module):
         w = jax.random.normal(rngs.params(), shape, jnp.float32) * std
         self.kernel = param(w.astype(param_dtype), names)
         self.dtype = dtype
-        self._eq = _equations(len(self.in_shape), len(self.out_shape))[0]
+        self._eq = _equation(len(self.in_shape), len(self.out_shape))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[x.ndim - len(self.in_shape):] != self.in_shape:
@@ -62,8 +62,6 @@ class Dense(nnx.Module):
         # float32 cotangent with bf16 operands, which XLA runs as a float32 GEMM (several times
         # slower); f32_logits below is the variant for the one product that wants float32 out.
         w, w_lo = master_and_copy(self.kernel)
-        if w_lo is not None and w_lo.dtype != jnp.dtype(self.dtype):
-            w_lo = None
         if jnp.dtype(self.dtype).itemsize < jnp.dtype(w.dtype).itemsize:
             return low_precision_einsum(len(self.in_shape), len(self.out_shape), self.dtype,
                                         x, w, w_lo)
@@ -127,13 +125,27 @@ def with_copies(params, copies):
                         params, copies)
 
 
-def _equations(n_in: int, n_out: int):
-    """Dense's product and its two transposes for ``n_in`` input and ``n_out`` output axes:
-    y = x W, dx = dy W^T, dW = x^T dy (summed over every leading axis)."""
+def _equation(n_in: int, n_out: int) -> str:
+    """Dense's product y = x W for ``n_in`` input and ``n_out`` output axes (any leading axes)."""
     letters = string.ascii_letters
     ins, outs = letters[:n_in], letters[n_in:n_in + n_out]
-    return (f"...{ins},{ins}{outs}->...{outs}", f"...{outs},{ins}{outs}->...{ins}",
-            f"...{ins},...{outs}->{ins}{outs}")
+    return f"...{ins},{ins}{outs}->...{outs}"
+
+
+def _transposes(eq: str) -> tuple[str, str]:
+    """The two transposes of the product ``eq`` = "x,w->y": dx = dy W^T and dW = x^T dy (summed
+    over every axis of x and y that W lacks)."""
+    ins, y = eq.split("->")
+    x, w = ins.split(",")
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
+def _copy_in(w: jax.Array, w_lo: jax.Array | None, dtype) -> jax.Array:
+    """``w`` in ``dtype``: the copy ``precast`` made when it is one, else rounded here. Never
+    differentiated: the products below return the weight's gradient to ``w``."""
+    if w_lo is None or w_lo.dtype != jnp.dtype(dtype):
+        w_lo = w.astype(dtype)
+    return jax.lax.stop_gradient(w_lo)
 
 
 def low_precision_einsum(n_in: int, n_out: int, dtype, x: jax.Array, w: jax.Array,
@@ -148,39 +160,7 @@ def low_precision_einsum(n_in: int, n_out: int, dtype, x: jax.Array, w: jax.Arra
     is a separate pass over every parameter (read dW, read and write the sum). A float32 dW is
     a GEMM output that XLA can add into the running sum inside the GEMM itself (cuBLAS's
     beta = 1). No gradient flows through ``w_lo``: dW goes to ``w``."""
-    if w_lo is None:
-        w_lo = w.astype(dtype)
-    if w_lo.shape != w.shape or w_lo.dtype != jnp.dtype(dtype):
-        raise ValueError(f"low_precision_einsum: w_lo {w_lo.shape} {w_lo.dtype} is not w "
-                         f"{w.shape} in {jnp.dtype(dtype)}")
-    return _low_precision_einsum(n_in, n_out, x, w, jax.lax.stop_gradient(w_lo))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _low_precision_einsum(n_in: int, n_out: int, x: jax.Array, w: jax.Array,
-                          w_lo: jax.Array) -> jax.Array:
-    eq, _, _ = _equations(n_in, n_out)
-    return jnp.einsum(eq, x.astype(w_lo.dtype), w_lo)
-
-
-def _low_precision_fwd(n_in, n_out, x, w, w_lo):
-    x_lo = x.astype(w_lo.dtype)
-    eq, _, _ = _equations(n_in, n_out)
-    # Empty arrays carry x's and w's dtypes to the backward (residuals must be JAX values).
-    return jnp.einsum(eq, x_lo, w_lo), (x_lo, w_lo, jnp.zeros((0,), x.dtype),
-                                        jnp.zeros((0,), w.dtype))
-
-
-def _low_precision_bwd(n_in, n_out, residuals, dy):
-    x_lo, w_lo, x_like, w_like = residuals
-    _, eq_dx, eq_dw = _equations(n_in, n_out)
-    dy = dy.astype(w_lo.dtype)
-    dx = jnp.einsum(eq_dx, dy, w_lo).astype(x_like.dtype)
-    dw = jnp.einsum(eq_dw, x_lo, dy, preferred_element_type=w_like.dtype)
-    return dx, dw, None  # w_lo is a copy of w (stop_gradient): its gradient is w's
-
-
-_low_precision_einsum.defvjp(_low_precision_fwd, _low_precision_bwd)
+    return _rounded_einsum(_equation(n_in, n_out), None, x, w, _copy_in(w, w_lo, dtype))
 
 
 def f32_out_einsum(eq: str, x: jax.Array, w: jax.Array, w_lo: jax.Array | None = None
@@ -191,28 +171,31 @@ def f32_out_einsum(eq: str, x: jax.Array, w: jax.Array, w_lo: jax.Array | None =
     The backward pass multiplies in the compute dtype too: the float32 cotangent is rounded
     first, as the forward's operands were. The weight's gradient comes out of its matmul in
     ``w``'s dtype (float32 parameters: never rounded to bf16, as in Dense)."""
-    if w_lo is None or w_lo.dtype != x.dtype:
-        w_lo = w.astype(x.dtype)
-    return _f32_out_einsum(eq, x, w, jax.lax.stop_gradient(w_lo))
+    return _rounded_einsum(eq, jnp.float32, x, w, _copy_in(w, w_lo, x.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _f32_out_einsum(eq, x, w, w_lo):
-    return jnp.einsum(eq, x, w_lo, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rounded_einsum(eq: str, out_dtype, x: jax.Array, w: jax.Array, w_lo: jax.Array
+                    ) -> jax.Array:
+    """einsum(eq, x, w) from x and w rounded to ``w_lo``'s dtype, the result in ``out_dtype``
+    (None: that dtype); the backward multiplies in it too, and dW comes out in ``w``'s dtype."""
+    return jnp.einsum(eq, x.astype(w_lo.dtype), w_lo, preferred_element_type=out_dtype)
 
 
-def _f32_out_fwd(eq, x, w, w_lo):
-    return _f32_out_einsum(eq, x, w, w_lo), (x, w_lo, jnp.zeros((0,), w.dtype))
+def _rounded_fwd(eq, out_dtype, x, w, w_lo):
+    x_lo = x.astype(w_lo.dtype)
+    # Empty arrays carry x's and w's dtypes to the backward (residuals must be JAX values).
+    return (jnp.einsum(eq, x_lo, w_lo, preferred_element_type=out_dtype),
+            (x_lo, w_lo, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)))
 
 
-def _f32_out_bwd(eq, residuals, ct):
-    x, w_lo, w_like = residuals
-    ins, out = eq.split("->")
-    x_idx, w_idx = ins.split(",")
-    ct = ct.astype(x.dtype)
-    dx = jnp.einsum(f"{out},{w_idx}->{x_idx}", ct, w_lo)
-    dw = jnp.einsum(f"{x_idx},{out}->{w_idx}", x, ct, preferred_element_type=w_like.dtype)
+def _rounded_bwd(eq, out_dtype, residuals, dy):
+    x_lo, w_lo, x_like, w_like = residuals
+    eq_dx, eq_dw = _transposes(eq)
+    dy = dy.astype(w_lo.dtype)
+    dx = jnp.einsum(eq_dx, dy, w_lo).astype(x_like.dtype)
+    dw = jnp.einsum(eq_dw, x_lo, dy, preferred_element_type=w_like.dtype)
     return dx, dw, None  # w_lo is a copy of w (stop_gradient): its gradient is w's
 
 
-_f32_out_einsum.defvjp(_f32_out_fwd, _f32_out_bwd)
+_rounded_einsum.defvjp(_rounded_fwd, _rounded_bwd)
