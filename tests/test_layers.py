@@ -169,14 +169,15 @@ def test_cudnn_without_the_packed_entry_point_takes_the_mask(monkeypatch):
 @pytest.mark.parametrize("docs", ["one", "at_small_room", "past_small_room", "past_large_room",
                                   "ids_come_back"])
 def test_cudnn_packed_layout_takes_the_smallest_room_that_fits(monkeypatch, docs):
-    """A batch goes to cuDNN's packed layout with the smallest room of PACKED_RUNS_PER_ROW its
-    fullest row fits (cuDNN's backward costs time per room), to the mask past the largest
-    room or when ids come back. cuDNN is faked here: each call answers with its room."""
+    """A batch whose rows are each one document goes to cuDNN's plain causal attention; others
+    to its packed layout with the smallest room of PACKED_RUNS_PER_ROW their fullest row fits
+    (cuDNN's backward costs time per room), to the mask past the largest room or when ids come
+    back. cuDNN is faked here: each call answers with its room (0: plain, -1: the mask)."""
     attn = sys.modules[attention.__module__]
     B, T, small, large = 3, 96, 4, 16
     monkeypatch.setattr(attn, "PACKED_RUNS_PER_ROW", (large, small))  # any order
-    def fake_dpa(q, k, v, q_seqlen=None, q_offsets=None, **kw):
-        room = -1 if q_offsets is None else q_seqlen.shape[1]  # -1: the mask
+    def fake_dpa(q, k, v, q_seqlen=None, q_offsets=None, mask=None, **kw):
+        room = q_seqlen.shape[1] if q_offsets is not None else -1 if mask is not None else 0
         return jnp.full(q.shape, room, q.dtype)
 
     mask_types = types.SimpleNamespace(CAUSAL=0, NO_MASK=1, PADDING=2, PADDING_CAUSAL=3)
@@ -191,7 +192,9 @@ def test_cudnn_packed_layout_takes_the_smallest_room_that_fits(monkeypatch, docs
     seg[fullest] = np.searchsorted(starts, np.arange(T), side="right") + 1
     if docs == "ids_come_back":
         seg[fullest] = np.where(np.arange(T) < T // 2, 2, 1)
-    want = {"one": small, "at_small_room": small, "past_small_room": large,
+    if docs == "one":  # each row one document, with its own id
+        seg = np.arange(B, dtype=np.int32)[:, None].repeat(T, 1) + 5
+    want = {"one": 0, "at_small_room": small, "past_small_room": large,
             "past_large_room": -1, "ids_come_back": -1}[docs]
     q = normal(1, (B, T, 2, 16))
     out = jax.jit(lambda q, s: attn._cudnn_attention(q, q, q[..., :8], scale=0.25,
@@ -201,12 +204,13 @@ def test_cudnn_packed_layout_takes_the_smallest_room_that_fits(monkeypatch, docs
 
 
 @pytest.mark.parametrize("impl", ["xla", *(["cudnn"] if jax.default_backend() == "gpu" else [])])
-@pytest.mark.parametrize("docs", ["few", "over_limit", "ids_come_back"])
+@pytest.mark.parametrize("docs", ["few", "over_limit", "ids_come_back", "one_per_row"])
 def test_attention_over_packed_documents_equals_float64(impl, docs):
     """Causal attention over packed documents in the shapes of MLA (head dims 192 / 128) against
     float64 NumPy, forward and gradients; on a GPU also cuDNN, whose packed layout takes the
-    first case and whose mask takes the other two (a row with more documents than the largest
-    room in PACKED_RUNS_PER_ROW; ids that come back, which runs would split)."""
+    first case, whose mask takes the next two (a row with more documents than the largest
+    room in PACKED_RUNS_PER_ROW; ids that come back, which runs would split) and whose plain
+    causal attention takes rows of one document each."""
     B, T, H, D, Dv = 2, 256, 2, 192, 128
     dtype, tol = (jnp.bfloat16, 3e-2) if impl == "cudnn" else (jnp.float32, 1e-5)
     rng = np.random.default_rng()
@@ -215,8 +219,10 @@ def test_attention_over_packed_documents_equals_float64(impl, docs):
     elif docs == "over_limit":
         seg = np.cumsum(rng.random((B, T)) < 0.02, axis=1) + 1
         seg[1] = np.arange(T) // (T // (2 * max(PACKED_RUNS_PER_ROW))) + 1
-    else:
+    elif docs == "ids_come_back":
         seg = np.where((np.arange(T) // 40) % 2 == 0, 1, 2)[None].repeat(B, 0)
+    else:
+        seg = rng.integers(1, 100, size=(B, 1)).repeat(T, 1)
     q, k = (rng.normal(size=(B, T, H, D)) for _ in range(2))
     v, w = rng.normal(size=(B, T, H, Dv)), rng.normal(size=(B, T, H, Dv))
     seg_j = jnp.asarray(seg, jnp.int32)

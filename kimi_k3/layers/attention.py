@@ -358,7 +358,8 @@ def packed_layout(segment_ids_BxT: jax.Array, max_runs: int):
 
 
 def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
-    """cuDNN flash attention, causal. Packed documents: cuDNN's packed layout (Hopper), each
+    """cuDNN flash attention, causal. A batch whose rows each hold one document: plain causal
+    attention, as with no ids. Packed documents: cuDNN's packed layout (Hopper), each
     document attended on its own with no mask in memory; a batch whose fullest row has more
     documents than the largest room in PACKED_RUNS_PER_ROW, and GPUs without the layout, use a
     [B, 1, T, T] mask (cuDNN reads it as an additive bias, one tile per block: memory B T^2,
@@ -381,13 +382,21 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
         return lambda q, k, v: _cudnn_packed_call(q, k, v, scale=scale, lengths=lengths,
                                                   offsets=offsets)
 
+    def plain(q, k, v):
+        return _cudnn_call(q, k, v, scale=scale, mask_type="causal")
+
     # Runs are documents only when ids never come back (the data pipeline numbers them 1, 2, ..
     # along a row); otherwise, or with too many documents in a row, the mask is the definition.
     ordered = jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1])
-    # Branch i: the i-th room is the smallest that fits; the last branch is the mask.
-    branch = jnp.where(ordered, jnp.sum(runs > jnp.asarray(rooms)), len(rooms))
+    # Branch 0: every row is one document, so plain causal attention is exact. It is worth its
+    # own branch: the packed layout pads v to q's head dim and its backward keeps a dq
+    # accumulator per room (attention_bench.py, 4 x 4096, one document a row, H200: 5.09 ms
+    # forward+backward packed, 3.23 plain; BENCHMARKS.md, eighteenth pass). Branch 1 + i: the
+    # i-th room is the smallest that fits; the last branch: the mask.
+    branch = jnp.where(runs == 1, 0,
+                       jnp.where(ordered, 1 + jnp.sum(runs > jnp.asarray(rooms)), 1 + len(rooms)))
     try:
-        return lax.switch(branch, [packed(M) for M in rooms] + [masked], q, k, v)
+        return lax.switch(branch, [plain] + [packed(M) for M in rooms] + [masked], q, k, v)
     except NotImplementedError:  # JAX's entry point: no packed layout on this GPU / cuDNN
         return masked(q, k, v)
 
