@@ -16,7 +16,8 @@ KDA (``kimi_k3.ops.kda``): "recurrent" (the definition), "xla" (chunked, plain J
 
 Attention (``kimi_k3.layers.attention``): "reference", "xla" (blockwise), "cudnn", "pallas".
 "auto": on GPU in bf16/fp16, cuDNN (packed documents through its packed layout on Hopper,
-with a mask as the fallback, while that mask stays under ``CUDNN_MASK_BYTES``; else the
+rows of one document each through its plain causal attention, with a mask as the fallback,
+while that mask stays under ``CUDNN_MASK_BYTES``; else the
 Pallas (Triton) kernel when T % 128 == 0); on TPU, splash
 when T % 128 == 0; "xla" otherwise, and whenever the queries continue a cache (prefill,
 decoding: q_offset != 0 or S != T).
