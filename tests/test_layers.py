@@ -146,24 +146,29 @@ def test_packed_layout_lists_each_rows_documents():
     assert lengths.shape == (B, M) and offsets.shape == (B, M + 1)
 
 
-def test_cudnn_without_the_packed_entry_point_takes_the_mask(monkeypatch):
+@pytest.mark.parametrize("docs", ["packed", "one_per_row"])
+def test_cudnn_without_the_packed_entry_point_takes_the_mask(monkeypatch, docs):
     """Where JAX lacks the cuDNN entry point with packed offsets, packed documents go to cuDNN as
-    a [B, 1, T, T] mask (jax.nn's entry point, faked here: CPU has no cuDNN)."""
+    a [B, 1, T, T] mask, and rows of one document each to its plain causal attention (jax.nn's
+    entry point, faked here: CPU has no cuDNN; it answers 1 without a mask, 2 with the right
+    mask, -1 with a wrong one)."""
     attn = sys.modules[attention.__module__]
     monkeypatch.setattr(attn, "cudnn_fused_attention", lambda: None)
-    seen = {}
+    rows = [[1, 1, 2, 2, 2, 3, 3, 3], [4, 4, 4, 4, 5, 5, 5, 5]]
+    seg = np.asarray(rows if docs == "packed" else [[3] * 8, [9] * 8], np.int32)
+    same_doc = seg[:, :, None] == seg[:, None, :]
 
     def fake_dpa(q, k, v, mask=None, **kw):
-        seen["mask"], seen["is_causal"] = mask, kw["is_causal"]
-        return jnp.zeros(q.shape, q.dtype)
+        assert kw["is_causal"]
+        if mask is None:
+            return jnp.full(q.shape, 1, q.dtype)
+        return jnp.full(q.shape, jnp.where(jnp.all(mask[:, 0] == same_doc), 2, -1), q.dtype)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake_dpa)
     q = normal(1, (2, 8, 2, 16))
-    seg = jnp.asarray([[1, 1, 2, 2, 2, 3, 3, 3]] * 2, jnp.int32)
-    out = attn._cudnn_attention(q, q, q[..., :8], scale=0.25, segment_ids=seg)
-    assert out.shape == (2, 8, 2, 8) and seen["is_causal"]
-    np.testing.assert_array_equal(seen["mask"][:, 0],
-                                  np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :])
+    out = attn._cudnn_attention(q, q, q[..., :8], scale=0.25, segment_ids=jnp.asarray(seg))
+    assert out.shape == (2, 8, 2, 8)
+    np.testing.assert_array_equal(np.unique(np.asarray(out)), [1 if docs == "one_per_row" else 2])
 
 
 @pytest.mark.parametrize("docs", ["one", "at_small_room", "past_small_room", "past_large_room",

@@ -361,29 +361,32 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
     """cuDNN flash attention, causal. A batch whose rows each hold one document: plain causal
     attention, as with no ids. Packed documents: cuDNN's packed layout (Hopper), each
     document attended on its own with no mask in memory; a batch whose fullest row has more
-    documents than the largest room in PACKED_RUNS_PER_ROW, and GPUs without the layout, use a
-    [B, 1, T, T] mask (cuDNN reads it as an additive bias, one tile per block: memory B T^2,
+    documents than the largest room in PACKED_RUNS_PER_ROW, and other batches on GPUs without
+    the layout, use a [B, 1, T, T] mask (cuDNN reads it as an additive bias, one tile per block: memory B T^2,
     so dispatch keeps it to short rows)."""
-    if segment_ids is None:
+    def plain(q, k, v):
         return _cudnn_call(q, k, v, scale=scale, mask_type="causal")
+
+    if segment_ids is None:
+        return plain(q, k, v)
 
     def masked(q, k, v):
         mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
         return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
 
+    runs = jnp.max(jnp.sum(_run_starts(segment_ids), axis=1))  # documents in the fullest row
+
+    def plain_or_masked():
+        return lax.switch(jnp.where(runs == 1, 0, 1), [plain, masked], q, k, v)
+
     rooms = sorted({min(q.shape[1], m) for m in PACKED_RUNS_PER_ROW if m > 0})
     if not rooms or cudnn_fused_attention() is None:
-        return masked(q, k, v)  # the layout turned off, or a JAX without its entry point
-
-    runs = jnp.max(jnp.sum(_run_starts(segment_ids), axis=1))  # documents in the fullest row
+        return plain_or_masked()  # the layout turned off, or a JAX without its entry point
 
     def packed(M):
         lengths, offsets, _ = packed_layout(segment_ids, M)
         return lambda q, k, v: _cudnn_packed_call(q, k, v, scale=scale, lengths=lengths,
                                                   offsets=offsets)
-
-    def plain(q, k, v):
-        return _cudnn_call(q, k, v, scale=scale, mask_type="causal")
 
     # Runs are documents only when ids never come back (the data pipeline numbers them 1, 2, ..
     # along a row); otherwise, or with too many documents in a row, the mask is the definition.
@@ -398,7 +401,7 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
     try:
         return lax.switch(branch, [plain] + [packed(M) for M in rooms] + [masked], q, k, v)
     except NotImplementedError:  # JAX's entry point: no packed layout on this GPU / cuDNN
-        return masked(q, k, v)
+        return plain_or_masked()
 
 
 def _splash_inputs(q, k, v, scale):
