@@ -377,6 +377,29 @@ def test_gradient_accumulation_equals_the_one_shot_step():
             np.testing.assert_allclose(a, b, atol=2e-6)
 
 
+def test_micro_batches_put_rows_of_one_document_first_and_keep_each_group():
+    """The accumulating step's micro-batches: position i of every micro-batch takes a row of
+    group i (rows i A .. i A + A - 1, one device's), each row exactly once, rows with fewer
+    documents in earlier micro-batches; so as many micro-batches hold one document per row as
+    the group with the fewest such rows allows."""
+    rng = np.random.default_rng()
+    G, A, T = 6, 4, 12
+    docs_B = np.where(rng.random(G * A) < 0.6, 1, rng.integers(2, 5, G * A))
+    segs = np.stack([np.sort(rng.choice(np.arange(1, T), n - 1, replace=False)).searchsorted(
+        np.arange(T), side="right") + 1 for n in docs_B]).astype(np.int32)
+    tokens = rng.permutation(G * A * T).reshape(G * A, T).astype(np.int32)  # distinct rows
+    runs = lambda s: 1 + (s[..., 1:] != s[..., :-1]).sum(-1)
+    assert (runs(segs) == docs_B).all()
+    order = train_lib.micro_batch_order(jnp.asarray(segs), A)
+    mb_tokens = np.asarray(train_lib.micro_batches(jnp.asarray(tokens), order))  # [A, G, T]
+    mb_docs = runs(np.asarray(train_lib.micro_batches(jnp.asarray(segs), order)))  # [A, G]
+    for i in range(G):
+        assert sorted(map(tuple, mb_tokens[:, i])) == sorted(map(tuple, tokens[i * A:(i + 1) * A]))
+    assert (np.diff(mb_docs, axis=0) >= 0).all()
+    singles_per_group = (docs_B.reshape(G, A) == 1).sum(axis=1)
+    assert (mb_docs == 1).all(axis=1).sum() == singles_per_group.min()
+
+
 class PoisonedStandIn(StandIn):
     """Returns NaN logits when token 0 is first in the batch."""
 

@@ -335,6 +335,11 @@ def _run_starts(segment_ids_BxT: jax.Array) -> jax.Array:
     return jnp.concatenate([first_Bx1, seg[:, 1:] != seg[:, :-1]], axis=1)
 
 
+def documents_per_row(segment_ids_BxT: jax.Array) -> jax.Array:
+    """[B] int32: the runs of equal ids (documents) in each row."""
+    return jnp.sum(_run_starts(segment_ids_BxT), axis=1, dtype=jnp.int32)
+
+
 def packed_layout(segment_ids_BxT: jax.Array, max_runs: int):
     """Each row's documents as cuDNN's packed layout. A document is a run of equal ids.
 
@@ -374,7 +379,7 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
         mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
         return _cudnn_call(q, k, v, scale=scale, mask_type="causal", mask=mask)
 
-    runs = jnp.max(jnp.sum(_run_starts(segment_ids), axis=1))  # documents in the fullest row
+    runs = jnp.max(documents_per_row(segment_ids))  # documents in the fullest row
 
     def plain_or_masked():
         return lax.switch(jnp.where(runs == 1, 0, 1), [plain, masked], q, k, v)
