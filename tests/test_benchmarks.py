@@ -187,3 +187,16 @@ def test_kda_kernel_packs_rows_with_documents_of_about_the_given_length():
     assert min(whole) >= 16 and 0.7 * L < np.mean(whole) < 1.3 * L, (L, np.mean(whole))
     table = kk.format_table(jax.devices()[0], {}, kk.pk.KernelTuning(), documents=L)
     assert f"packed documents of ~{L} tokens" in table
+
+
+def test_micro_batch_order_bench_counts_one_document_micro_batches_on_cpu(capsys):
+    """benchmarks/micro_batch_order.py on the stdlib rows: the step's order holds more
+    micro-batches of one document per row than the rows' own order, over the same rows."""
+    load("micro_batch_order").main(["--config=configs/tiny.py", "--microbatch_size=2",
+                                    "--seq=512", "--steps=2", "--heads=1", "--impl=xla",
+                                    "--reps=1"])
+    out = capsys.readouterr().out
+    share = {line.split("|")[1].strip(): float(line.split("|")[2].strip().rstrip("%"))
+             for line in out.splitlines() if line.startswith("| given") or line.startswith("| step")}
+    assert set(share) == {"given", "step"} and share["step"] > share["given"]
+    assert 0 < share["step"] < 100  # rows of 512 bytes: some of one document, some not
