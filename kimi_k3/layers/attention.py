@@ -364,11 +364,11 @@ def packed_layout(segment_ids_BxT: jax.Array, max_runs: int):
 
 def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
     """cuDNN flash attention, causal. A batch whose rows each hold one document: plain causal
-    attention, as with no ids. Packed documents: cuDNN's packed layout (Hopper), each
-    document attended on its own with no mask in memory; a batch whose fullest row has more
-    documents than the largest room in PACKED_RUNS_PER_ROW, and other batches on GPUs without
-    the layout, use a [B, 1, T, T] mask (cuDNN reads it as an additive bias, one tile per block: memory B T^2,
-    so dispatch keeps it to short rows)."""
+    attention, as with no ids. Packed documents: cuDNN's packed layout (Hopper), each document
+    attended on its own with no mask in memory; a batch whose fullest row has more documents
+    than the largest room in PACKED_RUNS_PER_ROW, and other batches on GPUs without the
+    layout, use a [B, 1, T, T] mask (cuDNN reads it as an additive bias, one tile per block:
+    memory B T^2, so dispatch keeps it to short rows)."""
     def plain(q, k, v):
         return _cudnn_call(q, k, v, scale=scale, mask_type="causal")
 
