@@ -102,7 +102,8 @@ def precast(params, dtype, keys: Sequence[str] = ("kernel", "embedding")):
     The gradient accumulation loop passes the copies into every micro-batch, so the parameters
     are rounded once per step: rounded inside the loop, every micro-batch read each float32
     weight and wrote its bf16 copy again (1.1B weights of configs/1b.py: ~1.5 ms per micro-batch
-    on an H200). Not differentiated: gradients flow to ``master`` only.
+    on an H200). Not differentiated: the products take the copy through ``_copy_in``, which
+    stops its gradient, so gradients flow to ``master`` only.
     """
     dtype = jnp.dtype(dtype)
 
@@ -110,7 +111,7 @@ def precast(params, dtype, keys: Sequence[str] = ("kernel", "embedding")):
         name = getattr(path[-1], "key", None) if path else None
         if (name in keys and jnp.issubdtype(leaf.dtype, jnp.floating)
                 and dtype.itemsize < jnp.dtype(leaf.dtype).itemsize):
-            return Precast(leaf, jax.lax.stop_gradient(leaf).astype(dtype))
+            return Precast(leaf, leaf.astype(dtype))
         return leaf
 
     return jax.tree_util.tree_map_with_path(one, params)
