@@ -66,6 +66,9 @@ def main(argv=None):
     if a.microbatch_size <= 0 or B % a.microbatch_size:
         ap.error(f"--microbatch_size must divide data.global_batch_size={B}, got "
                  f"{a.microbatch_size}")
+    for name in ("steps", "reps"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     accum = B // a.microbatch_size
     batches = global_batches(config, a.steps, T)
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
