@@ -18,8 +18,9 @@ State part (``kda_body.bwd_intra_channels``' V loop, one wgmma each over all of 
     dgam_d = sum_v St_vd dSt_vd                          (a wgmma by a ones [C, V] matrix on
                                                           the exact hi + lo bf16 split of St*dSt)
 
-Score part (``kda_body.pair_grads``, bounded gate), for each sub-chunk ib of s rows with row
-anchor a = ib s and column anchor b = ib s + s - 1:
+Score part (the sums of ``kda_body.pair_grads``, bounded gate), for each sub-chunk ib of s
+rows with row anchor a = ib s and column anchor b = ib s + s - 1 (the Triton kernel now takes a
+for both sides; this kernel keeps the second anchor):
 
     rq_i = e^(G_i - G_a) sum_j dAqk_ij  k_j e^(G_a - G_j)     rows i of sub-chunk ib, j < a + s
     rk_i = same with dAkk

@@ -200,3 +200,79 @@ def test_micro_batch_order_bench_counts_one_document_micro_batches_on_cpu(capsys
              for line in out.splitlines() if line.startswith("| given") or line.startswith("| step")}
     assert set(share) == {"given", "step"} and share["step"] > share["given"]
     assert 0 < share["step"] < 100  # rows of 512 bytes: some of one document, some not
+
+
+def test_kda_profile_opens_a_window_per_tuning_and_names_bad_arguments(capsys):
+    """benchmarks/kda_profile.py on CPU (no CUDA driver: the profiler window does nothing): one
+    window per --tune value, in order; --reps below 1 and an unknown tuning key are refused by
+    name."""
+    kp = load("kda_profile")
+    kp.main(["--smoke", "--forward", "--tune", "bk=16;"])
+    windows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("window")]
+    assert len(windows) == 2
+    assert "tune 'bk=16'" in windows[0] and "tune 'defaults'" in windows[1]
+    for argv, named in ((["--smoke", "--reps", "0"], "--reps"),
+                        (["--smoke", "--tune", "blocks=2"], "--tune")):
+        with pytest.raises(SystemExit):
+            kp.main(argv)
+        assert named in capsys.readouterr().err
+
+
+def test_ncu_table_splits_windows_and_converts_units(tmp_path, capsys):
+    """benchmarks/ncu_table.py: a window starts where the report's first kernel comes again;
+    times are converted to ms from the unit row; a file that is not such a report is named."""
+    nt = load("ncu_table")
+    rng = np.random.default_rng()
+    us = rng.uniform(1, 3000, size=(2, 3)).round(3)
+    lines = ['"ID","Kernel Name","gpu__time_duration.sum"', '"","","usecond"']
+    for w in range(2):
+        for name, t in zip(("fusion", "kda_intra_fwd", "kda_state_fwd"), us[w], strict=True):
+            lines.append(f'"{len(lines)}","{name}","{t:,}"')
+    path = tmp_path / "report.csv"
+    path.write_text("\n".join(lines) + "\n")
+    nt.main([str(path), "--labels", ";bk=16"])
+    rows = {line.split("|")[1].strip(): [c.strip().strip("*") for c in line.split("|")[2:-1]]
+            for line in capsys.readouterr().out.splitlines()[2:]}
+    assert list(rows) == ["fusion", "kda_intra_fwd", "kda_state_fwd", "**total**"]
+    for w in range(2):
+        assert float(rows["kda_intra_fwd"][w]) == pytest.approx(us[w, 1] / 1e3, abs=6e-4)
+        assert float(rows["**total**"][w]) == pytest.approx(us[w].sum() / 1e3, abs=2e-3)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("not,a,report\n")
+    with pytest.raises(SystemExit, match="bad.csv"):
+        nt.main([str(bad)])
+
+
+def test_ncu_sass_shares_add_up_and_loops_show_as_runs(tmp_path, capsys):
+    """benchmarks/ncu_sass.py on a made-up source page: stall and opcode shares are the
+    samples' own, the hottest line is listed with its reason, and a loop body (lines executed
+    4x as often) is one run of lines; a kernel not in the report is refused by name."""
+    sm = load("ncu_sass")
+    rng = np.random.default_rng()
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+    body = [("LDG.E.128 R4, desc[UR4][R2.64]", 1), ("@P0 STS.128 [R8], R4", 4),
+            ("FFMA R1, R2, R3, R4", 4), ("HMMA.16816.F32.BF16 R8, R4, R6, RZ", 4),
+            ("STG.E [R2.64], R8", 1)]
+    long_sb = rng.integers(0, 500, size=len(body))
+    wait = rng.integers(1, 500, size=len(body))
+    lines = [",".join(f'"{c}"' for c in ("Kernel Name", "other")), ",".join(header),
+             '"0x0","NOP","3","10","0","3","0"',
+             ",".join(f'"{c}"' for c in ("Kernel Name", "kda_intra_bwd_channels")),
+             ",".join(header)]
+    for i, ((src, times), a, b) in enumerate(zip(body, long_sb, wait, strict=True)):
+        lines.append(",".join(f'"{c}"' for c in (hex(i), src, a + b, 1000 * times, a, b, a)))
+    path = tmp_path / "src.csv"
+    path.write_text("\n".join(lines) + "\n")
+    sm.main([str(path), "--kernel", "kda_intra_bwd_channels", "--top", "3"])
+    out = capsys.readouterr().out
+    total = int(long_sb.sum() + wait.sum())
+    assert f"| long_sb | {100 * long_sb.sum() / total:.1f}% |" in out
+    sts = int(long_sb[1] + wait[1])
+    assert f"| STS | {100 * 4000 / 14000:.1f}% | {100 * sts / total:.1f}% |" in out
+    hottest = int(np.argmax(long_sb + wait))
+    assert f"| {hottest} | " in out
+    assert "| 1-4 | 4000 |" in out and "| 0-1 | 1000 |" in out and "| 4-5 | 1000 |" in out
+    with pytest.raises(SystemExit):
+        sm.main([str(path), "--kernel", "kda_intra_fwd"])
+    assert "kda_intra_fwd" in capsys.readouterr().err

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Nsight Compute over one KDA forward+backward (benchmarks/kda_profile.py) on the lent H200
+# (Firecracker: ncu reads the counters there; the clocks are left alone). One call:
+#
+#   run(carry=[".whl"], command="bash benchmarks/kda_ncu.sh [full|sweep]")
+#
+# full (default):
+# 1. Nsight Compute's full set (warp stalls, sampled stall locations, pipes, memory) over ours:
+#    full_ours.txt, and the stall samples by SASS line: src_ours.csv. With HOPPER_FWD=1 the same
+#    for the forward with the Mosaic GPU intra_fwd (hopper=7): full_mgpu_fwd.*.
+# 2. Per kernel time, registers, shared memory and occupancy of each implementation in IMPLS
+#    (ours, jla, fla: their wheels in .whl/), XLA's own kernels included: sum_IMPL.txt/.csv.
+# sweep: per kernel times of ours under each launch-parameter change in TUNES (';' between
+#    them, "" for the defaults), one process each: sweep.md (benchmarks/ncu_table.py).
+#    TREES="dir ..." adds the defaults of other checkouts of the code (kda_profile.py is
+#    copied there), to compare code in one call.
+# Everything is packed into $OUT/ncu.tgz; the text reports are also copied to $OUT.
+set -u
+OUT=${OUT:-/tmp/ncu_out}
+W=/tmp/ncu
+SHAPE=${SHAPE:-8x4096}
+IMPLS=${IMPLS:-ours jla fla}
+mkdir -p "$OUT" "$W"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+# Command buffers off: each kernel is launched (and so profiled) on its own.
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=
+NCU=(ncu --clock-control none --profile-from-start off --target-processes all -f)
+METRICS=gpu__time_duration.sum,launch__registers_per_thread,launch__shared_mem_per_block,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem
+ncu --version | tee "$W/ncu_version.txt"
+
+pack() {
+    tar czf "$OUT/ncu.tgz" -C "$W" --exclude='*.ncu-rep' . 2>/dev/null
+    cp "$W"/*.txt "$OUT/" 2>/dev/null
+    ls -la "$W"
+}
+trap pack EXIT
+
+profile() {  # NAME LIMIT NCU-ARGS -- PROFILE-ARGS  (run in $DIR, default .)
+    local name=$1 limit=$2
+    shift 2
+    local ncu_args=()
+    while [ "$1" != -- ]; do ncu_args+=("$1"); shift; done
+    shift
+    (cd "${DIR:-.}" && PYTHONPATH=/tmp/site:. timeout "$limit" "${NCU[@]}" "${ncu_args[@]}" \
+        -o "$W/$name" python3 benchmarks/kda_profile.py --shape "$SHAPE" "$@") \
+        > "$W/$name.log" 2>&1
+    echo "$name: rc $? ($(grep -c '^window' "$W/$name.log") windows; $(tail -n 1 "$W/$name.log"))"
+    ncu --import "$W/$name.ncu-rep" --page details > "$W/$name.txt" 2>&1
+    ncu --import "$W/$name.ncu-rep" --page raw --csv --metrics "$METRICS" > "$W/$name.csv" 2>&1
+}
+
+MODE=${1:-full}
+if [ "$MODE" = sweep ]; then
+    # One process per launch-parameter set: each window compiles its own kernels.
+    IFS=';' read -r -a tunes <<< "${TUNES:-}"
+    [ ${#tunes[@]} -eq 0 ] && tunes=("")
+    i=0
+    for tune in "${tunes[@]}"; do
+        profile "sweep_$i" 120 --section SpeedOfLight -- --impl ours --tune "$tune"
+        python3 benchmarks/ncu_table.py "$W/sweep_$i.csv" --labels "$tune" | tee "$W/sweep_$i.md"
+        i=$((i + 1))
+    done
+    for tree in ${TREES:-}; do
+        name=sweep_$(basename "$tree" | tr -cd 'A-Za-z0-9_')
+        cp benchmarks/kda_profile.py "$tree/benchmarks/"
+        DIR=$tree profile "$name" 120 --section SpeedOfLight -- --impl ours
+        python3 benchmarks/ncu_table.py "$W/$name.csv" --labels "$tree" | tee "$W/$name.md"
+    done
+    cat "$W"/sweep*.md > "$OUT/sweep.md"
+    exit 0
+fi
+profile full_ours 200 --set full --import-source yes -- --impl ours
+ncu --import "$W/full_ours.ncu-rep" --page source --csv --print-source sass \
+    > "$W/src_ours.csv" 2> "$W/src_ours.err"
+for impl in $IMPLS; do
+    profile "sum_$impl" 110 --section SpeedOfLight --section LaunchStats --section Occupancy \
+        -- --impl "$impl"
+done
+if [ "${HOPPER_FWD:-0}" = 1 ]; then
+    profile full_mgpu_fwd 200 --set full -- --impl ours --forward --tune hopper=7
+    ncu --import "$W/full_mgpu_fwd.ncu-rep" --page source --csv --print-source sass \
+        > "$W/src_mgpu_fwd.csv" 2> "$W/src_mgpu_fwd.err"
+fi
