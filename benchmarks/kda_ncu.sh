@@ -10,6 +10,8 @@
 #    for the forward with the Mosaic GPU intra_fwd (hopper=7): full_mgpu_fwd.*.
 # 2. Per kernel time, registers, shared memory and occupancy of each implementation in IMPLS
 #    (ours, jla, fla: their wheels in .whl/), XLA's own kernels included: sum_IMPL.txt/.csv.
+#    fla's autotuning under ncu takes minutes: to stay inside one 600 s call, give it a call
+#    of its own (IMPLS=fla; ours' full set runs first in every full call).
 # sweep: per kernel times of ours under each launch-parameter change in TUNES (';' between
 #    them, "" for the defaults), one process each: sweep.md (benchmarks/ncu_table.py).
 #    TREES="dir ..." adds the defaults of other checkouts of the code (kda_profile.py is
@@ -75,7 +77,11 @@ profile full_ours 200 --set full --import-source yes -- --impl ours
 ncu --import "$W/full_ours.ncu-rep" --page source --csv --print-source sass \
     > "$W/src_ours.csv" 2> "$W/src_ours.err"
 for impl in $IMPLS; do
-    profile "sum_$impl" 110 --section SpeedOfLight --section LaunchStats --section Occupancy \
+    # fla autotunes its Triton kernels in the warm-up calls, which ncu slows down: 110 s was
+    # not enough for it (2026-12-04)
+    limit=110
+    [ "$impl" = fla ] && limit=300
+    profile "sum_$impl" "$limit" --section SpeedOfLight --section LaunchStats --section Occupancy \
         -- --impl "$impl"
 done
 if [ "${HOPPER_FWD:-0}" = 1 ]; then
