@@ -5,13 +5,17 @@ per kernel (ours, fla or jla; the inputs of benchmarks/kda_kernel.py).
         --section LaunchStats --section Occupancy -o ours \
         python3 benchmarks/kda_profile.py --impl ours --shape 8x4096
     ncu --import ours.ncu-rep --page details          # per kernel: time, registers, occupancy
-    python3 benchmarks/kda_profile.py --tune "stages_intra=2;bv_seq=128"  # a window each
+    python3 benchmarks/kda_profile.py --tune "stages_intra=2;bv_seq=128"  # a window each (*)
     python3 benchmarks/kda_profile.py --impl ours --smoke   # CPU: the window opens and closes
 
 The function runs twice first (compilation, fla's autotuning), then ``--reps`` times between
 cuProfilerStart and cuProfilerStop, so the report holds the kernels of those calls alone, XLA's
 own (layout changes, casts, reductions) with ours. "ours" is ``impl="pallas"`` with the card's
 default launch parameters (--tune changes them, as in kda_kernel.py).
+
+(*) Under ncu on the H200 (2026-12-04) a second window in the same process once ended in a
+segmentation fault, where the same launch parameters profiled alone did not; kda_ncu.sh's
+sweep therefore runs one process per --tune value.
 """
 
 from __future__ import annotations
