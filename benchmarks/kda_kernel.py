@@ -172,14 +172,12 @@ def bench_jax(fwd, arrays):
     return t_f, t_fb
 
 
-def bench_fla(arrays):
-    try:  # optional: torch, triton and fla-core are not project dependencies
-        import torch
-        import triton
-        from fla.ops.kda import chunk_kda
-    except Exception as err:
-        print(f"fla unavailable: {err}")
-        return None
+def fla_fns(arrays):
+    """fla's chunk_kda on ``arrays`` (make_inputs): () -> o without gradients, and () -> the
+    gradients of sum(o * do) in all five inputs. Needs torch and fla-core (ImportError)."""
+    import torch
+    from fla.ops.kda import chunk_kda
+
     # The same device buffers, shared through DLPack (copied so autograd owns its leaves).
     tq, tk, tv, tg, tb = (torch.from_dlpack(x).clone().requires_grad_() for x in arrays[:5])
     tdo = torch.from_dlpack(arrays[5]).clone()
@@ -192,6 +190,17 @@ def bench_fla(arrays):
         o = chunk_kda(tq, tk, tv, tg, tb, safe_gate=True, lower_bound=LOWER)[0]
         return torch.autograd.grad(o, (tq, tk, tv, tg, tb), tdo)
 
+    return fwd, fwdbwd
+
+
+def bench_fla(arrays):
+    try:  # optional: torch, triton and fla-core are not project dependencies
+        import torch
+        import triton
+        fwd, fwdbwd = fla_fns(arrays)
+    except Exception as err:
+        print(f"fla unavailable: {err}")
+        return None
     t_f = triton.testing.do_bench(fwd, warmup=100, rep=500, return_mode="median")
     t_fb = triton.testing.do_bench(fwdbwd, warmup=100, rep=500, return_mode="median")
     torch.cuda.empty_cache()

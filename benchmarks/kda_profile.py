@@ -90,21 +90,11 @@ def jax_step(impl: str, arrays, tuning, backward: bool):
 
 
 def fla_step(arrays, backward: bool):
-    """fla's chunk_kda on the same buffers (PyTorch): () -> outputs."""
+    """fla's chunk_kda on the same buffers (PyTorch): (() -> outputs, sync)."""
     import torch
-    from fla.ops.kda import chunk_kda
 
-    tq, tk, tv, tg, tb = (torch.from_dlpack(x).clone().requires_grad_() for x in arrays[:5])
-    tdo = torch.from_dlpack(arrays[5]).clone()
-
-    def step():
-        if not backward:
-            with torch.no_grad():
-                return chunk_kda(tq, tk, tv, tg, tb, safe_gate=True, lower_bound=kk.LOWER)[0]
-        o = chunk_kda(tq, tk, tv, tg, tb, safe_gate=True, lower_bound=kk.LOWER)[0]
-        return torch.autograd.grad(o, (tq, tk, tv, tg, tb), tdo)
-
-    return step, lambda _out: torch.cuda.synchronize()
+    fwd, fwdbwd = kk.fla_fns(arrays)
+    return (fwdbwd if backward else fwd), lambda _out: torch.cuda.synchronize()
 
 
 def main(argv=None):

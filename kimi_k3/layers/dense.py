@@ -144,6 +144,9 @@ def _transposes(eq: str) -> tuple[str, str]:
 def _copy_in(w: jax.Array, w_lo: jax.Array | None, dtype) -> jax.Array:
     """``w`` in ``dtype``: the copy ``precast`` made when it is one, else rounded here. Never
     differentiated: the products below return the weight's gradient to ``w``."""
+    if w_lo is not None and w_lo.shape != w.shape:
+        raise ValueError(f"the weight's copy has shape {w_lo.shape}, the weight {w.shape}: "
+                         "copies must come from precast of the same parameters")
     if w_lo is None or w_lo.dtype != jnp.dtype(dtype):
         w_lo = w.astype(dtype)
     return jax.lax.stop_gradient(w_lo)
