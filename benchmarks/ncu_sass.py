@@ -120,6 +120,8 @@ def main(argv=None):
     ap.add_argument("--lines", default=None, help="A:B, the SASS lines A..B-1 alone")
     ap.add_argument("--top", type=int, default=15, help="opcodes and hottest lines to list")
     args = ap.parse_args(argv)
+    if args.top < 1:
+        ap.error(f"--top must be at least 1, got {args.top}")
     kernels = read_kernels(args.csv)
     if args.kernel not in kernels:
         ap.error(f"--kernel: {args.kernel!r} is not in {args.csv}; it has {sorted(kernels)}")
