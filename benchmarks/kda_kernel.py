@@ -325,10 +325,12 @@ def main(argv=None):
             f, A_log, dt_bias = gate_inputs(arrays)
             measure(name, "ours_gk", bench_jax,
                     ours_gate_in_kernel(tuning, A_log, dt_bias, segs), (*arrays[:3], f, *arrays[4:]))
-        if not args.no_fla and not packed:  # fla autotunes its kernels on first use: slow to start
-            measure(name, "fla", bench_fla, arrays)
         if jla is not None:
             measure(name, "jla", bench_jax, jla, arrays)
+        # fla last of the peers: it autotunes its kernels on first use, which on a fresh
+        # machine ran past 200 s at 8 x 4096 (2026-12-04), so a run cut short keeps jla's cells
+        if not args.no_fla and not packed:
+            measure(name, "fla", bench_fla, arrays)
         if not args.no_xla and not packed:
             measure(name, "xla", bench_jax, xla_fwd, arrays)
         del arrays

@@ -117,6 +117,13 @@ class KernelTuning:
     # On the H200 at 8 x 4096 the two run even (BENCHMARKS.md, ninth pass); a scores kernel
     # with one program per sub-chunk of rows was 1.5x slower and is gone.
     split_intra: int = 0
+    # 1: the one-kernel intra_fwd stores W's operand beta k e^G, computed in its scores loop,
+    # into W's own output buffer and reads it back for W = Tinv (beta k e^G) after a barrier of
+    # the program's threads; 0: it recomputes the operand per K slice after the inverse (a
+    # second cumsum and exponential). The same bf16 operand either way, so the same results;
+    # 1 was 0.1-0.2 ms faster in the forward at 8 x 4096 on the H200 (BENCHMARKS.md). GPU
+    # (Triton) and interpret modes; the TPU modes keep 0.
+    w_in_place: int = 1
     # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
     # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:
     # forward + backward 17.2 against 7.27 ms, the forward 3.8 against 2.2 ms.)
@@ -168,6 +175,7 @@ _TUNING_RULES = {
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
     "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
     "split_intra": ("0 or 1", lambda x: x in (0, 1)),
+    "w_in_place": ("0 or 1", lambda x: x in (0, 1)),
 }
 
 
@@ -261,6 +269,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
+        w_in_place=tuning.w_in_place if mode in ("gpu", "interpret") else 0,
     )
 
 

@@ -93,6 +93,7 @@ class KdaConfig:
     # (KernelTuning.hopper; kda_calls.hopper_intra_mode)
     hopper: int = 0
     split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
+    w_in_place: int = 0  # intra_fwd hands W's operand over in W's buffer (KernelTuning)
 
     @property
     def N(self) -> int:
@@ -571,13 +572,23 @@ def fwd_intra(io, n, cfg: KdaConfig):
     not "given", with gate_params(s) -> A, dt_bias [1, BK]); v(t) -> v tile [C, BV];
     beta [C, 1]; seg = (a, lm, segc, segr) or Nones. ``io.put(name, index, value)`` stores QG, Kg, gam, W
     (by K slice), U (by V tile) and Aqk (masked); if ``io.residuals``, also G (by K slice), Akk
-    (masked) and Tinv for the backward.
+    (masked) and Tinv for the backward. With ``io.handoff`` = "W" (``cfg.w_in_place``) W's
+    operand goes through W's buffer: ``io.W_in(s)`` loads slice s back after ``io.sync()``, a
+    barrier of the program's threads.
     """
     Akk = fwd_scores(io, n, cfg)
     if io.residuals:  # for bwd_intra_scores: O(C^2) per chunk, cheaper than recomputing
         io.put("Akk", 0, Akk)
     lv = last_valid_row(n, cfg)
     beta = io.beta.astype(f32)
+    if io.handoff == "W":
+        # W's operand came through W's own buffer (``cfg.w_in_place``): every thread's stores
+        # must be visible before any thread reads a slice back. Slice s is then overwritten
+        # with W's slice s, which the dot computes only from all of slice s read (the
+        # operand is staged in shared memory behind a barrier first).
+        io.sync()
+        fwd_wy(io, Akk, io.W_in, cfg)
+        return
     # W's operand beta k e^G is recomputed slice by slice rather than kept from the scores
     # loop: kept, it would hold [C, K] in registers across the inverse.
     fwd_wy(io, Akk, lambda s: beta * _fwd_slice(io, lv, s, cfg).KGa, cfg)
@@ -596,8 +607,9 @@ def _fwd_slice(io, lv, s, cfg: KdaConfig) -> Slice:
 def fwd_scores(io, n, cfg: KdaConfig):
     """The decayed scores of chunk n, summed over the K slices: stores QG, Kg, gam (and G with
     ``io.residuals``) by K slice and Aqk (masked, whole); returns Akk [C, C] float32, masked to
-    the strictly lower pairs of one segment. With ``io.handoff`` (``fwd_intra`` split in two
-    kernels) it also stores "bKGa" = beta k e^G by K slice, W's operand in ``fwd_wy``.
+    the strictly lower pairs of one segment. With ``io.handoff`` (an output name: "bKGa" when
+    ``fwd_intra`` is split in two kernels, "W" with ``cfg.w_in_place``) it also stores beta k
+    e^G there by K slice, W's operand in ``fwd_wy``.
     """
     C, nk = cfg.C, cfg.K // cfg.bk
     lv = last_valid_row(n, cfg)
@@ -613,7 +625,7 @@ def fwd_scores(io, n, cfg: KdaConfig):
         if io.residuals:
             io.put("G", s, p.G)
         if io.handoff:
-            io.put("bKGa", s, beta * p.KGa)
+            io.put(io.handoff, s, beta * p.KGa)
         return acc[0] + Aqk, acc[1] + Akk
 
     zero = jnp.zeros((C, C), f32)

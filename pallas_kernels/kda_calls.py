@@ -227,6 +227,13 @@ def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta,
     return "interpret" if kda_mgpu.interpret_params() is not None else None
 
 
+def _cta_barrier(cfg: KdaConfig):
+    """Compiled Triton: a barrier of the program's threads, after which each sees every other's
+    stores to memory (bar.sync). Interpret mode runs a program's code in order: nothing."""
+    if cfg.mode == "gpu":
+        pl_triton.debug_barrier()
+
+
 def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
               residuals: bool = False):
     """W, U, QG, Kg [B*HV, N, C, X] (cfg.cd), Aqk [B*HV, N, C, C] (cfg.cd), gam [B*HV, N, 1, K] f32
@@ -280,7 +287,9 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
             v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put, residuals=residuals,
-            handoff=False, gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
+            handoff="W" if cfg.w_in_place else None, W_in=lambda s: W_r[:, ks(s)],
+            sync=functools.partial(_cta_barrier, cfg),
+            gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
         body.fwd_intra(io, pl.program_id(1), cfg)
 
     args = (q, k, v, g, beta, *gate_params) + (tuple(segs) if cfg.has_seg else ())
@@ -323,7 +332,7 @@ def _intra_fwd_split(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params, *, res
         put = _writer(ks, vs, by_k=by_k, by_v={}, whole={"Aqk": A_r})
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]), beta=b_r[...],
-            seg=seg, put=put, residuals=residuals, handoff=True,
+            seg=seg, put=put, residuals=residuals, handoff="bKGa",
             gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
         Akk_r[...] = body.fwd_scores(io, pl.program_id(1), cfg)
 

@@ -405,36 +405,39 @@ def test_tuning_reaches_the_kernels():
         run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
 
 
-@pytest.mark.parametrize(("backend", "gate_in_kernel"), [
-    *[pytest.param(b, False, id=f"{b}-given-gate") for b in ALL],
-    *[pytest.param(b, True, id=f"{b}-gate-in-kernel") for b in NO_TPU]])
-def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel):
-    """KernelTuning.split_intra=1 (the forward's intra-chunk work as a scores kernel and a W/U
-    kernel, handing Akk and beta k e^G through memory) gives what the defaults give:
-    output, final state and every gradient, with packed documents, two K slices (bk = 16), two
-    sub-chunks per chunk, grouped value heads, T not a multiple of the chunk, the bounded gate
-    (anchored diagonal blocks) and the softplus gate (exact ones); and the definition within
-    the usual tolerances."""
+@pytest.mark.parametrize(("backend", "gate"), [
+    *[pytest.param(b, "given", id=f"{b}-given-gate") for b in ALL],
+    *[pytest.param(b, g, id=f"{b}-{g}-gate-in-kernel") for b in NO_TPU
+      for g in ("softplus", "bounded")]])
+def test_kernel_variants_equal_the_defaults(backend, gate):
+    """The forward's variants give what the defaults give: output, final state and every
+    gradient, with packed documents, two K slices (bk = 16), two sub-chunks per chunk, grouped
+    value heads, T not a multiple of the chunk, the bounded gate (anchored diagonal blocks) and
+    the softplus gate (exact ones), each gate given or computed in the kernel; and the
+    definition within the usual tolerances. Variants: split_intra=1 (the intra-chunk work as a
+    scores kernel and a W/U kernel, handing Akk and beta k e^G through memory) and w_in_place=0
+    (W's operand recomputed after the inverse instead of handed over in W's buffer, the
+    default). The TPU modes ignore w_in_place."""
     B, T, H, HV, K, V, C = 2, 75, 1, 2, 32, 16, 32
-    gate = "softplus" if gate_in_kernel else "bounded"
-    lb = None if gate_in_kernel else -5.0
+    gate_in_kernel = gate != "given"
+    lb = None if gate == "softplus" else -5.0
     q, k, v, g, beta, h0 = make_inputs(int(np.random.default_rng().integers(1 << 30)), B, T, H,
-                                       HV, K, V, gate=gate)
+                                       HV, K, V, gate="softplus" if gate == "softplus" else "bounded")
     seg = segments(B, T, seed=int(np.random.default_rng().integers(1 << 30)))
     rng = np.random.default_rng()
     A_log = jnp.asarray(0.5 * rng.standard_normal(HV), jnp.float32) if gate_in_kernel else None
     dt_bias = jnp.asarray(rng.standard_normal((HV, K)), jnp.float32) if gate_in_kernel else None
     if gate_in_kernel:  # g becomes the gate's logits f
-        g = jnp.asarray(rng.standard_normal(g.shape), jnp.float32)
+        g = jnp.asarray(3.0 * rng.standard_normal(g.shape), jnp.float32)
     o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
     S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
     narrow = KernelTuning(bk=16)  # the first test above checks bk=16 itself
 
-    def run(on):
+    def run(**changes):
         def fn(q, k, v, g, beta, h0):
             return kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
                               segment_ids=seg, chunk_size=C, lower_bound=lb, backend=backend,
-                              tuning=dataclasses.replace(narrow, split_intra=int(on)),
+                              tuning=dataclasses.replace(narrow, **changes),
                               poison=True, A_log=A_log, dt_bias=dt_bias)
         def out_and_grads(*args):  # one program: the forward once, its outputs kept
             out, vjp = jax.vjp(fn, *args)
@@ -442,17 +445,25 @@ def test_kernel_variants_equal_the_defaults(backend, gate_in_kernel):
 
         kernels = str(jax.make_jaxpr(out_and_grads)(q, k, v, g, beta, h0))
         # split_intra: its two kernels instead of the one
-        assert ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == on
+        split = bool(changes.get("split_intra"))
+        assert ("kda_intra_scores" in kernels) == ("kda_intra_fwd" not in kernels) == split
         return fast_jit(out_and_grads)(q, k, v, g, beta, h0)
 
-    default = run(False)
+    default = run()
     names = ("o", "S", *(f"d{n}" for n in GRAD_NAMES))
-    varied = run(True)
-    for name, a, b in zip(names, varied, default, strict=True):
-        assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite (unwritten?)"
-        assert rel(a, b) < 1e-6, (backend, name, rel(a, b))
+    assert KernelTuning().w_in_place == 1
+    for changes in ({"split_intra": 1}, {"w_in_place": 0}):
+        varied = run(**changes)
+        for name, a, b in zip(names, varied, default, strict=True):
+            assert bool(jnp.all(jnp.isfinite(a))), f"{backend} {changes}: {name} not finite"
+            assert rel(a, b) < 1e-6, (backend, changes, name, rel(a, b))
     # and the definition (the gate applied outside, the token-by-token recurrence)
-    g_def = g if not gate_in_kernel else -jnp.exp(A_log)[:, None] * jax.nn.softplus(g + dt_bias)
+    if gate == "softplus":
+        g_def = -jnp.exp(A_log)[:, None] * jax.nn.softplus(g + dt_bias)
+    elif gate == "bounded":
+        g_def = lb * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (g + dt_bias))
+    else:
+        g_def = g
     with jax.default_matmul_precision("highest"):
         o_ref, S_ref = fast_jit(lambda *a: kda_recurrent(
             *a, scale=K ** -0.5, initial_state_BxHVxKxV=h0, segment_ids_BxT=seg))(
