@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from kimi_k3.ops.kda import kda
 from kimi_k3.ops.kda_recurrent import kda_recurrent
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
+from pallas_kernels import triton_report
 from pallas_kernels.kda import KernelTuning, kda_pallas, pallas_supported
 from tests.compile_options import fast_jit
 
@@ -368,6 +370,23 @@ def test_lowers_for_gpu_and_tpu():
             text = grad.trace(q, k, v, g, beta, h0).lower(
                 lowering_platforms=(platform,)).as_text()
             assert text.count("custom_call") >= 4 + (tuning is split), (backend, lb, tuning)
+
+
+def test_w_in_place_lowers_with_its_barrier(tmp_path):
+    """KernelTuning.w_in_place hands W's operand from some threads to others through W's
+    buffer, which is only safe behind a barrier of the program's threads. Interpret mode runs
+    in order and cannot miss it, so this reads the Triton IR of intra_fwd lowered for the GPU
+    from CPU: one gpu.barrier with the hand-off, none without (and none in the split kernels,
+    which hand over between launches)."""
+    def barriers(kernel, **tuning):
+        out = tmp_path / "_".join(f"{k}{v}" for k, v in tuning.items())
+        out.mkdir()
+        found = triton_report.dump_ttir(str(out), KernelTuning(**tuning), B=1, T=128, H=2, D=128)
+        return Path(found[kernel]).read_text().count("gpu.barrier")
+
+    assert barriers("kda_intra_fwd", w_in_place=1) == 1
+    assert barriers("kda_intra_fwd", w_in_place=0) == 0
+    assert barriers("kda_intra_scores", split_intra=1) == 0
 
 
 def test_bad_tuning_is_named():
