@@ -121,8 +121,8 @@ class KernelTuning:
     # into W's own output buffer and reads it back for W = Tinv (beta k e^G) after a barrier of
     # the program's threads; 0: it recomputes the operand per K slice after the inverse (a
     # second cumsum and exponential). The same bf16 operand either way, so the same results;
-    # 1 was 0.1-0.2 ms faster in the forward at 8 x 4096 on the H200 (BENCHMARKS.md). GPU
-    # (Triton) and interpret modes; the TPU modes keep 0.
+    # with 1, forward+backward was 0.1-0.25 ms faster at 8 x 4096 on the H200 (the forward
+    # alone 0-0.2 ms; BENCHMARKS.md). GPU (Triton) and interpret modes; the TPU modes keep 0.
     w_in_place: int = 1
     # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
     # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:

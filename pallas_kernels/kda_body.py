@@ -364,10 +364,10 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     dots cover only j < a (row side) and i > b (column side), and ``_diag_pair_grads`` adds the
     diagonal sub-blocks exactly from the whole matrices ``cc(name)`` for dAqk and dAkk.
     """
-    C, s = cfg.C, cfg.sub
-    ri, blk = _block_ids(cfg)
     if cfg.bounded:
         return _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg)
+    C, s = cfg.C, cfg.sub
+    ri, blk = _block_ids(cfg)
 
     def sub_chunk(ib, acc):
         rq, rk, cq, ck = acc
@@ -579,19 +579,19 @@ def fwd_intra(io, n, cfg: KdaConfig):
     Akk = fwd_scores(io, n, cfg)
     if io.residuals:  # for bwd_intra_scores: O(C^2) per chunk, cheaper than recomputing
         io.put("Akk", 0, Akk)
-    lv = last_valid_row(n, cfg)
-    beta = io.beta.astype(f32)
     if io.handoff == "W":
         # W's operand came through W's own buffer (``cfg.w_in_place``): every thread's stores
         # must be visible before any thread reads a slice back. Slice s is then overwritten
         # with W's slice s, which the dot computes only from all of slice s read (the
         # operand is staged in shared memory behind a barrier first).
         io.sync()
-        fwd_wy(io, Akk, io.W_in, cfg)
-        return
-    # W's operand beta k e^G is recomputed slice by slice rather than kept from the scores
-    # loop: kept, it would hold [C, K] in registers across the inverse.
-    fwd_wy(io, Akk, lambda s: beta * _fwd_slice(io, lv, s, cfg).KGa, cfg)
+        bkga = io.W_in
+    else:
+        # W's operand beta k e^G is recomputed slice by slice rather than kept from the scores
+        # loop: kept, it would hold [C, K] in registers across the inverse.
+        lv, beta = last_valid_row(n, cfg), io.beta.astype(f32)
+        bkga = lambda s: beta * _fwd_slice(io, lv, s, cfg).KGa
+    fwd_wy(io, Akk, bkga, cfg)
 
 
 def _fwd_slice(io, lv, s, cfg: KdaConfig) -> Slice:
