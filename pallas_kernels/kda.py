@@ -55,12 +55,13 @@ from pallas_kernels.kda_body import (
     HOPPER_BWD_CHANNELS,
     HOPPER_BWD_SCORES,
     HOPPER_INTRA_FWD,
+    HOPPER_STATE,
     MAX_FACTORED_EXPONENT,
     KdaConfig,
 )
 
 __all__ = ["kda_pallas", "pallas_supported", "make_config", "KernelTuning", "default_tuning",
-           "HOPPER_INTRA_FWD", "HOPPER_BWD_SCORES", "HOPPER_BWD_CHANNELS", "HOPPER_ALL"]
+           "HOPPER_INTRA_FWD", "HOPPER_BWD_SCORES", "HOPPER_BWD_CHANNELS", "HOPPER_STATE", "HOPPER_ALL"]
 
 f32 = jnp.float32
 MODES = ("gpu", "tpu", "interpret", "tpu_interpret")
@@ -103,11 +104,13 @@ class KernelTuning:
     # pass. The GPU tests pass with either, and the three passes make intra_fwd markedly
     # slower (BENCHMARKS.md).
     inverse_x3: int = 0
-    # Which intra-chunk kernels run on Mosaic GPU (pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py)
-    # instead of Triton, a sum of bits: HOPPER_INTRA_FWD (1), HOPPER_BWD_SCORES (2),
-    # HOPPER_BWD_CHANNELS (4); HOPPER_ALL = 7. Each applies where it can: backend "gpu" on a
-    # Hopper (sm_90) device, or "interpret" (Mosaic GPU interpret mode), for the configs
-    # kda_mgpu.unsupported_reason accepts; everything else keeps the Triton kernels.
+    # Which kernels run on Mosaic GPU (pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py,
+    # kda_mgpu_state.py) instead of Triton, a sum of bits: HOPPER_INTRA_FWD (1),
+    # HOPPER_BWD_SCORES (2), HOPPER_BWD_CHANNELS (4), HOPPER_STATE (8: both state passes);
+    # HOPPER_ALL = 15.
+    # Each applies where it can: backend "gpu" on a Hopper (sm_90) device, or "interpret"
+    # (Mosaic GPU interpret mode), for the configs its unsupported_reason accepts; everything
+    # else keeps the Triton kernels.
     # default_tuning turns on those measured faster on a Hopper card (BENCHMARKS.md).
     hopper: int = 0
     # 1: the forward's intra-chunk work as two kernels, the decayed scores (Aqk, Akk) and then

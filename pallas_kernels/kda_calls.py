@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import kda_body as body
-from pallas_kernels import kda_mgpu, kda_mgpu_bwd
+from pallas_kernels import kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
 from pallas_kernels.kda_body import KdaConfig
 
 # Optional backends: a JAX without one still runs the others (pallas_supported says which).
@@ -395,9 +395,30 @@ def _tpu_sequential_call(kernel, cfg: KdaConfig, in_specs, out_specs, out_shape,
                  scratch=[pltpu.VMEM((BV, cfg.K), f32)])
 
 
+def _hopper_state_mode(cfg: KdaConfig, dtype) -> str | None:
+    """How the state passes run their Mosaic GPU form (kda_mgpu_state): "compiled",
+    "interpret" or None (the Triton kernels), as ``hopper_intra_mode`` decides for the
+    intra-chunk kernels. dtype: the forward's O, the backward's dO."""
+    if not cfg.hopper & body.HOPPER_STATE or cfg.mode not in ("gpu", "interpret"):
+        return None
+    if kda_mgpu_state.unsupported_reason(cfg, dtype) is not None:
+        return None
+    if cfg.mode == "gpu":
+        return "compiled" if kda_mgpu.is_hopper() else None
+    return "interpret" if kda_mgpu.interpret_params() is not None else None
+
+
 def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residuals: bool):
     """O in the user layout (out_dtype), final St [B*HV, V, K] f32 and, if ``residuals``, the
-    state entering every chunk h [B*HV, N, V, K] and V' [B*HV, N, C, V] (both cfg.cd)."""
+    state entering every chunk h [B*HV, N, V, K] and V' [B*HV, N, C, V] (both cfg.cd).
+
+    With ``cfg.hopper``'s HOPPER_STATE bit the Mosaic GPU kernel (kda_mgpu_state) computes
+    it where it applies (``_hopper_state_mode``)."""
+    hopper = _hopper_state_mode(cfg, out_dtype)
+    if hopper is not None:
+        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
+        return kda_mgpu_state.state_fwd(cfg, W, U, QG, Kg, Aqk, gam, h0t, out_dtype=out_dtype,
+                                        residuals=residuals, interpret=interpret)
     BHV, N, C, K, V, HV, BV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV, cfg.bv_seq
     nv = V // BV
     dt = cfg.dtype
@@ -468,7 +489,14 @@ def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residua
 
 def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt):
     """Reverse pass. dO in the user layout, dSTt [B*HV, V, K] (gradient of the final state,
-    transposed). Returns dh [B*HV, N, V, K], dV' [B*HV, N, C, V] (cfg.cd) and dS0t [B*HV, V, K]."""
+    transposed). Returns dh [B*HV, N, V, K], dV' [B*HV, N, C, V] (cfg.cd) and dS0t [B*HV, V, K].
+
+    With ``cfg.hopper``'s HOPPER_STATE bit the Mosaic GPU kernel (kda_mgpu_state) computes it
+    where it applies (``_hopper_state_mode``)."""
+    hopper = _hopper_state_mode(cfg, dO.dtype)
+    if hopper is not None:
+        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
+        return kda_mgpu_state.state_bwd(cfg, dO, W, QG, Kg, Aqk, gam, dSTt, interpret=interpret)
     BHV, N, C, K, V, HV, BV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV, cfg.bv_seq
     nv = V // BV
     dt = cfg.dtype

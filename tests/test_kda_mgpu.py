@@ -23,7 +23,7 @@ import pytest
 
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
-from pallas_kernels import kda_mgpu, kda_mgpu_bwd
+from pallas_kernels import kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
 from pallas_kernels.kda import HOPPER_ALL, HOPPER_BWD_SCORES, KernelTuning, kda_pallas
 from tests.compile_options import fast_jit
 from tests.test_kda_pallas import numpy_kda, rel
@@ -290,6 +290,86 @@ def test_intra_bwd_scores_matches_triton(rng, packed):
         np.testing.assert_array_equal(np.asarray(x), np.swapaxes(np.asarray(xt), -1, -2))
 
 
+@pytest.mark.parametrize("residuals", [False, True], ids=["o-only", "residuals"])
+def test_state_fwd_matches_triton(rng, residuals):
+    """O, the final state and (with residuals) h and V' of the Mosaic GPU forward state pass
+    against the Triton kernel's (interpret mode; compiled on a Hopper card): four chunks, two
+    value heads, both V tiles, random intermediates, decays from 1e-3 to 1 and a random initial
+    state."""
+    B, T, H, HV = 1, 250, 1, 2
+    cfg = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16),
+                 mode="gpu" if HOPPER else "interpret")
+    BHV, N, C = B * HV, cfg.N, cfg.C
+    assert N == 4 and kda_mgpu_state.unsupported_reason(cfg, jnp.bfloat16) is None
+
+    def rand(*shape):
+        return jnp.asarray(0.3 * rng.standard_normal(shape), jnp.bfloat16)
+
+    args = (rand(BHV, N, C, 128), rand(BHV, N, C, 128), rand(BHV, N, C, 128),
+            rand(BHV, N, C, 128), rand(BHV, N, C, C),
+            jnp.asarray(np.exp(rng.uniform(-7.0, 0.0, (BHV, N, 1, 128))), jnp.float32),
+            jnp.asarray(rng.standard_normal((BHV, 128, 128)), jnp.float32))
+    interpret = None if HOPPER else kda_mgpu.interpret_params()
+    got = fast_jit(lambda *a: kda_mgpu_state.state_fwd(
+        cfg, *a, out_dtype=jnp.bfloat16, residuals=residuals, interpret=interpret))(*args)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    want = calls.state_fwd(ref_cfg, *args, out_dtype=jnp.bfloat16, residuals=residuals)
+    assert len(got) == len(want) == 2 + 2 * residuals
+    # CPU: the same bf16 products in float32, summed in another order, so a bf16 output (and
+    # what a rounded V' feeds) may differ in its last bit: up to ~1e-4 in the norm
+    tol = 1e-2 if ON_GPU else 1e-3
+    names = ("o", "final state", "h", "V'")[:len(want)]
+    for name, a, b in zip(names, got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+
+
+def test_state_bwd_matches_triton(rng):
+    """dh, dV' and dS0 of the Mosaic GPU reverse state pass against the Triton kernel's
+    (interpret mode; compiled on a Hopper card): four chunks walked last to first, two value
+    heads, both V tiles, random intermediates and dO, decays from 1e-3 to 1, a random gradient
+    of the final state."""
+    B, T, H, HV = 1, 250, 1, 2
+    cfg = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16),
+                 mode="gpu" if HOPPER else "interpret")
+    BHV, N, C = B * HV, cfg.N, cfg.C
+
+    def rand(*shape):
+        return jnp.asarray(0.3 * rng.standard_normal(shape), jnp.bfloat16)
+
+    args = (rand(B, N * C, HV, 128), rand(BHV, N, C, 128), rand(BHV, N, C, 128),
+            rand(BHV, N, C, 128), rand(BHV, N, C, C),
+            jnp.asarray(np.exp(rng.uniform(-7.0, 0.0, (BHV, N, 1, 128))), jnp.float32),
+            jnp.asarray(rng.standard_normal((BHV, 128, 128)), jnp.float32))
+    interpret = None if HOPPER else kda_mgpu.interpret_params()
+    got = fast_jit(lambda *a: kda_mgpu_state.state_bwd(cfg, *a, interpret=interpret))(*args)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    want = calls.state_bwd(ref_cfg, *args)
+    tol = 1e-2 if ON_GPU else 1e-3  # as in the forward's test
+    for name, a, b in zip(("dh", "dV'", "dS0"), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+
+
+def test_state_pass_dispatch():
+    """The state passes take their Mosaic GPU form only with HOPPER_STATE and for what it
+    supports (bf16 intermediates, O and dO, K = V = 128, C = 64); interpret mode stands in for
+    the card."""
+    bf = jnp.bfloat16
+    cfg = config(jax.ShapeDtypeStruct((1, 128, 1, 128), bf),
+                 jax.ShapeDtypeStruct((1, 128, 1, 128), bf), mode="interpret")
+    assert calls._hopper_state_mode(cfg, bf) == "interpret"
+    assert calls._hopper_state_mode(cfg, jnp.float32) is None  # output dtype
+    off = dataclasses.replace(cfg, hopper=HOPPER_ALL & ~pk.HOPPER_STATE)
+    assert calls._hopper_state_mode(off, bf) is None
+    for changes in ({"K": 64, "k_dim": 64}, {"C": 32}, {"cd": "float32"}, {"mode": "tpu_interpret"}):
+        assert calls._hopper_state_mode(dataclasses.replace(cfg, **changes), bf) is None, changes
+
+
 # ----------------------------------------------------------------------------- lowering
 
 
@@ -335,6 +415,30 @@ def test_cuda_lowering(residuals, gate_dtype, smem):
     fn = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    if smem:
+        assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
+
+
+@pytest.mark.parametrize("residuals", [False, True])
+def test_cuda_lowering_of_state_passes(residuals, smem):
+    """The two state passes lower for CUDA without a GPU, and the shared memory of each (Pallas'
+    estimate) lets two blocks share an sm_90 SM: 256 CTAs in one wave at B*HV = 128."""
+    bf = jnp.bfloat16
+    cfg = config(jax.ShapeDtypeStruct((2, 256, 2, 128), bf),
+                 jax.ShapeDtypeStruct((2, 256, 4, 128), bf), mode="gpu")
+    BHV, N, C = 8, cfg.N, cfg.C
+    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        *[((BHV, N, C, 128), bf)] * 4, ((BHV, N, C, C), bf), ((BHV, N, 1, 128), jnp.float32),
+        ((BHV, 128, 128), jnp.float32))]
+    fn = jax.jit(lambda *a: kda_mgpu_state.state_fwd(cfg, *a, out_dtype=bf, residuals=residuals))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    if smem:
+        assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
+    smem.clear()  # and the reverse pass (dO [B, Tp, HV, V] first)
+    args[0] = jax.ShapeDtypeStruct((2, N * C, 4, 128), bf)
+    fn = jax.jit(lambda *a: kda_mgpu_state.state_bwd(cfg, *a))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     if smem:
         assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
 
@@ -412,7 +516,7 @@ def test_hopper_kernels_by_default_only_on_hopper_cards():
         assert pk.default_tuning(kind).hopper == HOPPER_BWD_SCORES, kind
     for kind in ("cpu", "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "TPU v5 lite", None):
         assert pk.default_tuning(kind).hopper == 0, kind
-    for bad in (-1, 8, True):
+    for bad in (-1, HOPPER_ALL + 1, True):
         with pytest.raises(ValueError, match="KernelTuning.hopper must be a sum of HOPPER_"):
             KernelTuning(hopper=bad)
 
