@@ -189,12 +189,14 @@ def default_tuning(device_kind: str | None = None) -> KernelTuning:
     The Triton parameters are one set for every kind: they were chosen on the H200 and no other
     card has been measured. A Hopper card (H100, H200, H800, H20, GH200) also runs the Mosaic GPU
     kernels that were faster there: intra_bwd_scores, 0.82 against Triton's 1.14 ms at
-    8 x 4096 x 16 heads on the H200; its Mosaic GPU intra_fwd and intra_bwd_channels were
-    slower (3.7 against 1.7 ms, 13.2 against 4.0 ms) and stay opt-in. This function is the one
+    8 x 4096 x 16 heads on the H200, and both state passes (kda_mgpu_state: the whole
+    forward 1.98-2.01 against 2.12-2.18 ms, forward+backward 5.81-5.86 against 6.16-6.23 ms,
+    same call); its Mosaic GPU intra_fwd and intra_bwd_channels were slower (3.7 against
+    1.7 ms, 13.2 against 4.0 ms) and stay opt-in. This function is the one
     place a per-kind table goes; nothing else should look at the device kind.
     """
     if device_kind and _HOPPER_KIND.search(device_kind):
-        return KernelTuning(hopper=HOPPER_BWD_SCORES)
+        return KernelTuning(hopper=HOPPER_BWD_SCORES | HOPPER_STATE)
     return KernelTuning()
 
 

@@ -24,7 +24,7 @@ import pytest
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
 from pallas_kernels import kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
-from pallas_kernels.kda import HOPPER_ALL, HOPPER_BWD_SCORES, KernelTuning, kda_pallas
+from pallas_kernels.kda import HOPPER_ALL, HOPPER_BWD_SCORES, HOPPER_STATE, KernelTuning, kda_pallas
 from tests.compile_options import fast_jit
 from tests.test_kda_pallas import numpy_kda, rel
 
@@ -509,11 +509,12 @@ def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
 
 
 def test_hopper_kernels_by_default_only_on_hopper_cards():
-    """default_tuning turns on the Mosaic GPU kernel measured faster on the H200 (the backward's
-    intra_bwd_scores) for Hopper device kinds only; KernelTuning() itself keeps Triton."""
+    """default_tuning turns on the Mosaic GPU kernels measured faster on the H200 (the backward's
+    intra_bwd_scores and both state passes) for Hopper device kinds only; KernelTuning() itself
+    keeps Triton."""
     assert KernelTuning().hopper == 0
     for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", "NVIDIA H800"):
-        assert pk.default_tuning(kind).hopper == HOPPER_BWD_SCORES, kind
+        assert pk.default_tuning(kind).hopper == HOPPER_BWD_SCORES | HOPPER_STATE, kind
     for kind in ("cpu", "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "TPU v5 lite", None):
         assert pk.default_tuning(kind).hopper == 0, kind
     for bad in (-1, HOPPER_ALL + 1, True):
