@@ -25,7 +25,8 @@ With the gate in the kernel (``KdaConfig.gate``), g itself is computed per chunk
 logits (``gate_from_logits``) and the backward maps dg to df (``gate_logit_grads``).
 
 Scores with the pairwise decay are matmuls by factoring E_ijd = exp(G_id - G_ad) exp(G_ad - G_jd)
-around an anchor row a of each sub-chunk of ``sub`` rows (see ``decayed_scores``).
+around an anchor row a of each sub-chunk of ``sub`` rows (see ``decayed_scores``); the
+forward's diagonal blocks, with a bounded gate, around their middle row (``fwd_anchor``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ class KdaConfig:
     hopper: int = 0
     split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
     w_in_place: int = 0  # intra_fwd hands W's operand over in W's buffer (KernelTuning)
+    # The forward's decayed-score blocks (``decayed_scores``): rows per block and the anchor
+    # row's offset in a block (KernelTuning.anchor_mid: the middle row; 0: the first). 0 rows:
+    # ``sub`` rows anchored at their first.
+    fwd_rows: int = 0
+    fwd_anchor: int = 0
 
     @property
     def N(self) -> int:
@@ -250,10 +256,9 @@ def gate_logit_grads(dg, f, A, b, rows_ok, cfg: KdaConfig):
 # ----------------------------------------------------------------------------- scores
 
 
-def _block_ids(cfg: KdaConfig):
-    s = cfg.sub
+def _block_ids(cfg: KdaConfig, s: int | None = None):
     ri = iota((cfg.C, 1), 0)
-    return ri, lax.div(ri, s)
+    return ri, lax.div(ri, cfg.sub if s is None else s)
 
 
 def _block_bcast_row(x, t, s):
@@ -264,18 +269,17 @@ def _block_bcast_row(x, t, s):
     return jnp.broadcast_to(sel, (C // s, s, X)).reshape(C, X)
 
 
-def _anchored_columns(y, G, Ga, ib, cfg: KdaConfig):
-    """y_j e^(G_a - G_j) [C, X] for the columns j of sub-chunk ib's factored dot, zero for the
-    rest: j < (ib+1)*s with a bounded gate, j < ib*s otherwise (the diagonal block is then
-    summed exactly). Ga: G at the sub-chunk's anchor [1, X]; every factor is <= 1 for j before
-    the sub-chunk and <= e^((s-1)|lower_bound|) inside it."""
-    jlim = (ib + 1) * cfg.sub if cfg.bounded else ib * cfg.sub
+def _anchored_columns(y, G, Ga, jlim, cfg: KdaConfig):
+    """y_j e^(G_a - G_j) [C, X] for the columns j < jlim of a factored dot, zero for the rest.
+    Ga: G at the dot's anchor row a [1, X]; every factor is <= 1 for j <= a and at most
+    e^((j - a)|lower_bound|) past it."""
     col_ok = iota((cfg.C, 1), 0) < jlim
     return jnp.where(col_ok, y * jnp.exp(jnp.where(col_ok, Ga - G, 0.0)), 0.0)
 
 
-def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
-    """For each x in xs: A[i, j] = sum_d x_id y_jd exp(G_id - G_jd) for j <= i (garbage above).
+def decayed_scores(xs, y, G, lv, cfg: KdaConfig, acc=None):
+    """For each x in xs: A[i, j] = sum_d x_id y_jd exp(G_id - G_jd) for j <= i (garbage above),
+    added to acc (one [C, C] float32 running sum per x; None: zeros).
 
     Row sub-chunk ib (rows ib*s .. ib*s+s-1) uses the anchor a = min(ib*s, lv) (never a row past
     the chunk's last real token): A[i, j] = sum_d [x_id e^(G_id - G_ad)] [y_jd e^(G_ad - G_jd)].
@@ -284,26 +288,64 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig):
     e^((s-1)|lower_bound|): allowed only for a bounded gate (``cfg.bounded``); otherwise the
     diagonal sub-blocks are summed exactly by ``_diag_scores``. The sub-chunks are a loop, not
     unrolled, to keep one sub-chunk's temporaries live at a time.
+
+    With ``cfg.fwd_anchor`` (KernelTuning.anchor_mid, bounded gates) the blocks are
+    ``cfg.fwd_rows`` tall: the loop above makes only their off-diagonal parts (j before i's
+    block), and ``_mid_anchored_diagonal`` all diagonal blocks in one more dot.
     """
-    C, s = cfg.C, cfg.sub
-    _, blk = _block_ids(cfg)
+    C = cfg.C
+    mid = cfg.bounded and cfg.fwd_anchor > 0
+    s = cfg.fwd_rows if mid else cfg.sub
+    _, blk = _block_ids(cfg, s)
+    whole_blocks = cfg.bounded and not mid  # the loop's dots take the diagonal blocks too
 
     def sub_chunk(ib, outs):
         Ga = row_at(G, jnp.minimum(ib * s, lv))  # [1, K]
         in_blk = blk == ib
-        y_t = _anchored_columns(y, G, Ga, ib, cfg)
+        y_t = _anchored_columns(y, G, Ga, (ib + 1) * s if whole_blocks else ib * s, cfg)
         e_row = jnp.exp(jnp.where(in_blk, G - Ga, 0.0))
         # [C, K] x [K, C] with the rows outside the sub-chunk zeroed: values cannot be sliced
         # in Triton, and row-blocking the dot by a masked sum measured slower (BENCHMARKS.md)
         return tuple(o + mm(jnp.where(in_blk, x * e_row, 0.0), y_t, cfg, tb=True)
                      for o, x in zip(outs, xs, strict=True))
 
-    first = 0 if cfg.bounded else 1  # the safe path has no off-diagonal block in sub-chunk 0
-    outs = lax.fori_loop(first, C // s, sub_chunk, tuple(jnp.zeros((C, C), f32) for _ in xs))
+    outs = tuple(jnp.zeros((C, C), f32) for _ in xs) if acc is None else tuple(acc)
+    if mid:
+        # first, so that the loop accumulates into the same registers (the off-diagonal dots
+        # are exactly zero inside the diagonal blocks); a select, since the diagonal dot is
+        # garbage (and may be inf) outside them
+        same_block = blk == lax.div(iota((1, C), 1), s)  # [C, C]
+        outs = tuple(o + jnp.where(same_block, d, 0.0)
+                     for o, d in zip(outs, _mid_anchored_diagonal(xs, y, G, cfg), strict=True))
+    first = 0 if whole_blocks else 1  # block 0 has no off-diagonal part
+    if C // s - first == 1:  # one block (anchor_mid's two halves): static, its masks folded
+        outs = sub_chunk(first, outs)
+    else:
+        outs = lax.fori_loop(first, C // s, sub_chunk, outs)
     if not cfg.bounded:
         diag = _diag_scores(xs, y, G, cfg)
         outs = [o + d for o, d in zip(outs, diag, strict=True)]
     return list(outs)
+
+
+def _mid_anchored_diagonal(xs, y, G, cfg: KdaConfig):
+    """The diagonal blocks of ``decayed_scores`` (blocks of s = cfg.fwd_rows rows), all in one
+    dot per x, each block factored through its own middle row m = b + s/2 (b its first row):
+
+        A[i, j] = sum_d [x_id e^(G_id - G_md)] [y_jd e^(G_md - G_jd)],   i, j in one block.
+
+    A bounded gate keeps both exponents within MAX_FACTORED_EXPONENT in magnitude: (s/2)
+    |lower_bound| at the first row, (s/2 - 1)|lower_bound| at the last (``_mid_anchored_rows``).
+    So for a pair j <= i of a block neither factor overflows nor underflows, and their product
+    is e^(G_i - G_j) <= 1. Pairs j > i of a block reach e^160 (inf in float32), and pairs of two
+    blocks are products of two anchors: the caller drops both with a select. Rows past the
+    chunk's last token have g = 0 (padding), so their G and a middle row there are G at the
+    last token. Returns one [C, C] float32 array per x."""
+    s = cfg.fwd_rows
+    Gm = _block_bcast_row(G, cfg.fwd_anchor, s)  # [C, K]: G at each row's block middle
+    y_m = y * jnp.exp(Gm - G)
+    e_row = jnp.exp(G - Gm)
+    return [mm(x * e_row, y_m, cfg, tb=True) for x in xs]
 
 
 def _diag_scores(xs, y, G, cfg: KdaConfig):
@@ -375,7 +417,7 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
         in_blk = blk == ib
         # row side: the columns before the sub-chunk
         Ga = G_row(jnp.minimum(ib * s, lv))
-        X_t = _anchored_columns(kf, G, Ga, ib, cfg)
+        X_t = _anchored_columns(kf, G, Ga, ib * s, cfg)  # unbounded: before the sub-chunk
         e_i = jnp.where(in_blk, jnp.exp(jnp.where(in_blk, G - Ga, 0.0)), 0.0)
         rq = rq + e_i * _place_rows(mm(rows("dAqk", ib), X_t, cfg, split_b=True), ib, C)
         rk = rk + e_i * _place_rows(mm(rows("dAkk", ib), X_t, cfg, split_b=True), ib, C)
@@ -619,7 +661,7 @@ def fwd_scores(io, n, cfg: KdaConfig):
 
     def scores(s, acc):
         p = _fwd_slice(io, lv, s, cfg)
-        Aqk, Akk = decayed_scores([p.qs, p.kf], p.kf, p.G, lv, cfg)
+        Aqk, Akk = decayed_scores([p.qs, p.kf], p.kf, p.G, lv, cfg, acc)
         io.put("QG", s, p.QG)
         io.put("Kg", s, p.Kg)
         io.put("gam", s, p.gam)
@@ -627,7 +669,7 @@ def fwd_scores(io, n, cfg: KdaConfig):
             io.put("G", s, p.G)
         if io.handoff:
             io.put(io.handoff, s, beta * p.KGa)
-        return acc[0] + Aqk, acc[1] + Akk
+        return Aqk, Akk
 
     zero = jnp.zeros((C, C), f32)
     Aqk, Akk = _loop(nk, scores, (zero, zero))

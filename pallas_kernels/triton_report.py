@@ -2,7 +2,7 @@
 
     pip install --target /tmp/tsite triton==3.6.0          # once, outside the project venv
     PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report [--tune bk=16] [--safe] \
-        [--dim 64]
+        [--dim 64] [--gate-in-kernel]
     PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report --depth_read 1x4/1x4x16 \
         [--dim 2048] [--sources 6]                      # the Attention Residual read kernels
 
@@ -32,9 +32,10 @@ DEVICE_KIND = "NVIDIA H200"
 
 
 def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, lower_bound=-5.0,
-              segments=False):
+              segments=False, gate_in_kernel=False):
     """Lower forward+backward for the GPU with ``tuning`` and write each kernel's Triton IR to
-    outdir. Returns {kernel name: path}."""
+    outdir (``gate_in_kernel``: g holds the gate's logits, the gate computed in intra_fwd).
+    Returns {kernel name: path}."""
     found = {}
     undo = _capture_ttir(outdir, found)
     try:
@@ -43,11 +44,12 @@ def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, 
         args = (jnp.zeros(shape, bf), jnp.zeros(shape, bf), jnp.zeros(shape, bf),
                 jnp.zeros(shape, jnp.float32), jnp.zeros((B, T, H), bf))
         seg = jnp.zeros((B, T), jnp.int32) if segments else None
+        gate = dict(A_log=jnp.zeros((H,)), dt_bias=jnp.zeros((H, D))) if gate_in_kernel else {}
 
         def loss(q, k, v, g, beta):
             o, _ = pk.kda_pallas(q, k, v, g, beta, scale=D ** -0.5, initial_state=None,
                                  segment_ids=seg, chunk_size=64, lower_bound=lower_bound,
-                                 backend="gpu", tuning=tuning)
+                                 backend="gpu", tuning=tuning, **gate)
             return jnp.sum(o.astype(jnp.float32))
 
         jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(
@@ -132,6 +134,8 @@ def main(argv=None):
                          "bk=16,warps_grad=4 (pallas_kernels.kda.KernelTuning)")
     ap.add_argument("--safe", action="store_true", help="unbounded-gate path")
     ap.add_argument("--segments", action="store_true", help="packed-segment variant")
+    ap.add_argument("--gate-in-kernel", action="store_true",
+                    help="g as the gate's logits, the gate computed in intra_fwd")
     ap.add_argument("--dim", type=int, default=None,
                     help="head dim K = V (default 128; configs/small.py's heads are 64), or "
                          "with --depth_read the model width (default 2048)")
@@ -161,7 +165,7 @@ def main(argv=None):
     print(f"tuning: {tuning}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         found = dump_ttir(tmp, tuning, D=args.dim, lower_bound=None if args.safe else -5.0,
-                          segments=args.segments)
+                          segments=args.segments, gate_in_kernel=args.gate_in_kernel)
         for name, path in sorted(found.items()):
             print(f"{name}: {report(path, *launch_params(name, tuning))}", flush=True)
 

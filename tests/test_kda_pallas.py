@@ -357,9 +357,10 @@ def test_lowers_for_gpu_and_tpu():
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
     split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
+    mid = KernelTuning(anchor_mid=1)  # the forward's score blocks anchored at their middle
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
         for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split),
-                              (None, seg, split)):
+                              (None, seg, split), (-5.0, seg, mid)):
             def loss(q, k, v, g, beta, h0, backend=backend, lb=lb, s=s, tuning=tuning):
                 o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=h0,
                                   segment_ids=s, chunk_size=64, lower_bound=lb,
@@ -370,6 +371,52 @@ def test_lowers_for_gpu_and_tpu():
             text = grad.trace(q, k, v, g, beta, h0).lower(
                 lowering_platforms=(platform,)).as_text()
             assert text.count("custom_call") >= 4 + (tuning is split), (backend, lb, tuning)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_mid_anchored_scores_match_the_definition(backend):
+    """KernelTuning.anchor_mid (the default): the forward's score blocks twice as tall (32
+    rows at lower_bound = -5, C = 64), each diagonal block factored through its middle row and
+    the blocks before it through its first. Every third key channel sits exactly at the bound,
+    so the first row of a block has a row factor of e^80, the largest allowed. Checked against
+    the float64 recurrence (forward) and against sub-chunks anchored at their first row
+    (anchor_mid=0: forward and every gradient), with packed documents and T not a multiple of
+    the chunk; a lower bound that already gives whole-chunk blocks leaves the blocks as they
+    are."""
+    B, T, H, HV, K, V, C = 1, 150, 1, 2, 32, 16, 64
+    seed = int(np.random.default_rng().integers(1 << 30))
+    q, k, v, g, beta, h0 = make_inputs(seed, B, T, H, HV, K, V)
+    g = jnp.where(jnp.arange(K) % 3 == 0, -5.0, g)
+    seg = segments(B, T, seed=seed + 1)
+    mid = KernelTuning(anchor_mid=1, bk=16)  # two K slices too
+
+    def config(lb, tuning):
+        return pk.make_config(q, v, scale=1.0, segment_ids=seg, chunk_size=C, lower_bound=lb,
+                              mode="interpret", tuning=tuning)
+
+    assert (config(-5.0, mid).fwd_rows, config(-5.0, mid).fwd_anchor) == (32, 16)
+    assert (config(-2.5, mid).fwd_rows, config(-2.5, mid).fwd_anchor) == (64, 32)
+    assert config(-1.0, mid).fwd_anchor == 0 and config(-5.0, KernelTuning()).fwd_anchor == 16
+    assert config(-5.0, KernelTuning(anchor_mid=0)).fwd_anchor == 0
+
+    def out_and_grads(tuning):
+        def fn(q, k, v, g, beta, h0):
+            return run_pallas(backend, q, k, v, g, beta, h0, seg=seg, chunk_size=C,
+                              tuning=tuning)
+        out, vjp = jax.vjp(fn, q, k, v, g, beta, h0)
+        rng = np.random.default_rng(seed)
+        cot = (jnp.asarray(rng.standard_normal(out[0].shape), out[0].dtype),
+               jnp.asarray(rng.standard_normal(out[1].shape), jnp.float32))
+        return [*out, *vjp(cot)]
+
+    got = out_and_grads(mid)
+    o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5, h0, seg=np.asarray(seg))
+    tol = fwd_tol(backend, q.dtype)
+    assert rel(got[0], o_ref) < tol and rel(got[1], S_ref) < tol, (rel(got[0], o_ref), tol)
+    default = out_and_grads(dataclasses.replace(mid, anchor_mid=0))
+    for name, a, b in zip(("o", "S", *GRAD_NAMES), got, default, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite"
+        assert rel(a, b) < (1e-5 if backend != "gpu" else 5e-3), (backend, name, rel(a, b))
 
 
 def test_w_in_place_lowers_with_its_barrier(tmp_path):
