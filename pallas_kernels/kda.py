@@ -127,17 +127,19 @@ class KernelTuning:
     # with 1, forward+backward was 0.1-0.25 ms faster at 8 x 4096 on the H200 (the forward
     # alone 0-0.2 ms; BENCHMARKS.md). GPU (Triton) and interpret modes; the TPU modes keep 0.
     w_in_place: int = 1
-    # 1: with a bounded gate, the forward's decayed scores factor each block of rows through
-    # its middle row instead of its first: the positive exponents then split between the row
-    # factor (up to half a block of steps) and the column factor (the other half), so a block
-    # can be twice as tall for the same largest exponent, MAX_FACTORED_EXPONENT (32 rows
+    # 1: with a bounded gate, the forward's decayed scores factor each diagonal block of rows
+    # around the midpoint of G over the block instead of its first row: the exponents then
+    # split between the row factor and the column factor (half a block of steps each), so a
+    # block can be twice as tall for the same largest exponent, MAX_FACTORED_EXPONENT (32 rows
     # instead of 16 at lower_bound = -5). The diagonal blocks then take one dot, and the
     # blocks before each row's own (anchored at that block's first row, factors <= 1) one
     # more: half the scores loop's exponentials and dots. It applies where it makes the
     # blocks taller (-5 <= lower_bound < -80/63). 0: sub-chunks anchored at their first row.
     # On the H200 at 8 x 4096 the forward took 1.51-1.57 against 1.86-1.99 ms, and
-    # forward+backward 5.58-5.68 against 5.83-5.85 (BENCHMARKS.md). The backward keeps its
-    # own blocks either way. All modes.
+    # forward+backward 5.58-5.68 against 5.83-5.85, with the diagonal blocks around their
+    # middle row (a float32 flush at the bound moved them to the midpoint; BENCHMARKS.md).
+    # The backward keeps its sub-chunks (its outer factor would flush small gradients). All
+    # modes.
     anchor_mid: int = 1
     # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
     # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:
@@ -250,12 +252,11 @@ def _sub_rows(lower_bound, C: int) -> tuple[bool, int]:
 
 
 def _mid_anchored_rows(lower_bound, C: int) -> int:
-    """Rows of the forward's score blocks anchored at their middle row (``anchor_mid``): the
-    row factor's exponent reaches (rows/2)*|lower_bound| (the block's first row), the column
-    factor's (rows/2 - 1)*|lower_bound| (its last), both within MAX_FACTORED_EXPONENT. A bounded
-    gate only (lower_bound >= -5, so at least 32 rows where the chunk has them)."""
+    """Rows of the forward's score blocks factored around their midpoint (``anchor_mid``): each
+    factor's exponent reaches (rows - 1)*|lower_bound|/2, within MAX_FACTORED_EXPONENT. A
+    bounded gate only (lower_bound >= -5, so at least 32 rows where the chunk has them)."""
     rows = 32
-    while 2 * rows <= C and rows * (-lower_bound) <= MAX_FACTORED_EXPONENT:
+    while 2 * rows <= C and (2 * rows - 1) * (-lower_bound) / 2 <= MAX_FACTORED_EXPONENT:
         rows *= 2
     return min(rows, C)
 
@@ -275,12 +276,10 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
     HV, V = v.shape[2:]
     C = max(16, chunk_size)  # dots need >= 16 rows; the result does not depend on C
     bounded, sub = _sub_rows(lower_bound, C)
-    # the forward's score blocks (KernelTuning.anchor_mid, where it makes them taller): rows
-    # and the anchor's offset in one
-    fwd_rows, fwd_anchor = sub, 0
+    # the forward's score blocks (KernelTuning.anchor_mid, where it makes them taller)
+    fwd_rows, fwd_mid = sub, 0
     if bounded and tuning.anchor_mid and _mid_anchored_rows(lower_bound, C) > sub:
-        fwd_rows = _mid_anchored_rows(lower_bound, C)
-        fwd_anchor = fwd_rows // 2
+        fwd_rows, fwd_mid = _mid_anchored_rows(lower_bound, C), 1
     cd = jnp.result_type(q.dtype, v.dtype)
     cd = "float32" if cd not in (jnp.bfloat16, jnp.float16) else jnp.dtype(cd).name
     Kp, Vp = _next_pow2(K), _next_pow2(V)
@@ -305,7 +304,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
         w_in_place=tuning.w_in_place if mode in ("gpu", "interpret") else 0,
-        fwd_rows=fwd_rows, fwd_anchor=fwd_anchor,
+        fwd_rows=fwd_rows, fwd_mid=fwd_mid,
     )
 
 

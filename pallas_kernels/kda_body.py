@@ -26,7 +26,8 @@ logits (``gate_from_logits``) and the backward maps dg to df (``gate_logit_grads
 
 Scores with the pairwise decay are matmuls by factoring E_ijd = exp(G_id - G_ad) exp(G_ad - G_jd)
 around an anchor row a of each sub-chunk of ``sub`` rows (see ``decayed_scores``); the
-forward's diagonal blocks, with a bounded gate, around their middle row (``fwd_anchor``).
+forward's diagonal blocks, with a bounded gate, around the midpoint of G over each block
+(``fwd_mid``).
 """
 
 from __future__ import annotations
@@ -96,11 +97,11 @@ class KdaConfig:
     hopper: int = 0
     split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
     w_in_place: int = 0  # intra_fwd hands W's operand over in W's buffer (KernelTuning)
-    # The forward's decayed-score blocks (``decayed_scores``): rows per block and the anchor
-    # row's offset in a block (KernelTuning.anchor_mid: the middle row; 0: the first). 0 rows:
-    # ``sub`` rows anchored at their first.
+    # The forward's decayed-score blocks (``decayed_scores``; KernelTuning.anchor_mid): rows
+    # per block, and 1 where their diagonal blocks are factored around the midpoint of G over
+    # each block (0: ``sub``-row sub-chunks anchored at their first row).
     fwd_rows: int = 0
-    fwd_anchor: int = 0
+    fwd_mid: int = 0
 
     @property
     def N(self) -> int:
@@ -289,12 +290,13 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig, acc=None):
     diagonal sub-blocks are summed exactly by ``_diag_scores``. The sub-chunks are a loop, not
     unrolled, to keep one sub-chunk's temporaries live at a time.
 
-    With ``cfg.fwd_anchor`` (KernelTuning.anchor_mid, bounded gates) the blocks are
+    With ``cfg.fwd_mid`` (KernelTuning.anchor_mid, bounded gates) the blocks are
     ``cfg.fwd_rows`` tall: the loop above makes only their off-diagonal parts (j before i's
-    block), and ``_mid_anchored_diagonal`` all diagonal blocks in one more dot.
+    block, anchored at the block's first row), and ``_mid_anchored_diagonal`` all diagonal
+    blocks in one more dot.
     """
     C = cfg.C
-    mid = cfg.bounded and cfg.fwd_anchor > 0
+    mid = cfg.bounded and cfg.fwd_mid
     s = cfg.fwd_rows if mid else cfg.sub
     _, blk = _block_ids(cfg, s)
     whole_blocks = cfg.bounded and not mid  # the loop's dots take the diagonal blocks too
@@ -330,21 +332,25 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig, acc=None):
 
 def _mid_anchored_diagonal(xs, y, G, cfg: KdaConfig):
     """The diagonal blocks of ``decayed_scores`` (blocks of s = cfg.fwd_rows rows), all in one
-    dot per x, each block factored through its own middle row m = b + s/2 (b its first row):
+    dot per x, each block factored around the midpoint of G over it, per channel:
 
-        A[i, j] = sum_d [x_id e^(G_id - G_md)] [y_jd e^(G_md - G_jd)],   i, j in one block.
+        A[i, j] = sum_d [x_id e^(G_id - M_d)] [y_jd e^(M_d - G_jd)],   i, j in one block,
+        M = (G_first + G_last) / 2   (the block's first and last rows).
 
-    A bounded gate keeps both exponents within MAX_FACTORED_EXPONENT in magnitude: (s/2)
-    |lower_bound| at the first row, (s/2 - 1)|lower_bound| at the last (``_mid_anchored_rows``).
-    So for a pair j <= i of a block neither factor overflows nor underflows, and their product
-    is e^(G_i - G_j) <= 1. Pairs j > i of a block reach e^160 (inf in float32), and pairs of two
-    blocks are products of two anchors: the caller drops both with a select. Rows past the
-    chunk's last token have g = 0 (padding), so their G and a middle row there are G at the
-    last token. Returns one [C, C] float32 array per x."""
+    Over a block G falls by at most (s-1)|lower_bound|, so every factor lies within
+    e^(+-(s-1)|lower_bound|/2) (e^77.5 at lower_bound = -5; ``_mid_anchored_rows`` keeps it
+    under MAX_FACTORED_EXPONENT), and for a pair j <= i of a block their product is
+    e^(G_i - G_j) <= 1. A midpoint rather than a middle row balances the two sides: a term is
+    lost to float32's smallest normal (flushed) only where an operand component is below
+    e^(-87.3 + 77.5) ~ 6e-5 at the extreme, where an anchor row at e^80 would lose it below
+    7e-4 (the first-row sub-chunks: 5e-6). Pairs j > i of a block reach e^155 (inf in
+    float32), and pairs of two blocks are products of two midpoints: the caller drops both
+    with a select. Rows past the chunk's last token have g = 0 (padding), so G there is G at
+    the last token. Returns one [C, C] float32 array per x."""
     s = cfg.fwd_rows
-    Gm = _block_bcast_row(G, cfg.fwd_anchor, s)  # [C, K]: G at each row's block middle
-    y_m = y * jnp.exp(Gm - G)
-    e_row = jnp.exp(G - Gm)
+    M = 0.5 * (_block_bcast_row(G, 0, s) + _block_bcast_row(G, s - 1, s))  # [C, K]
+    y_m = y * jnp.exp(M - G)
+    e_row = jnp.exp(G - M)
     return [mm(x * e_row, y_m, cfg, tb=True) for x in xs]
 
 

@@ -357,7 +357,7 @@ def test_lowers_for_gpu_and_tpu():
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
     split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
-    mid = KernelTuning(anchor_mid=1)  # the forward's score blocks anchored at their middle
+    mid = KernelTuning(anchor_mid=1)  # the forward's score blocks around their midpoints
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
         for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split),
                               (None, seg, split), (-5.0, seg, mid)):
@@ -376,9 +376,10 @@ def test_lowers_for_gpu_and_tpu():
 @pytest.mark.parametrize("backend", ALL)
 def test_mid_anchored_scores_match_the_definition(backend):
     """KernelTuning.anchor_mid (the default): the forward's score blocks twice as tall (32
-    rows at lower_bound = -5, C = 64), each diagonal block factored through its middle row and
-    the blocks before it through its first. Every third key channel sits exactly at the bound,
-    so the first row of a block has a row factor of e^80, the largest allowed. Checked against
+    rows at lower_bound = -5, C = 64), each diagonal block factored around the midpoint of G
+    over it and the blocks before it through its first row. Every third key channel sits
+    exactly at the bound, so a block's first row has a row factor of e^77.5, the largest there
+    is. Checked against
     the float64 recurrence (forward) and against sub-chunks anchored at their first row
     (anchor_mid=0: forward and every gradient), with packed documents and T not a multiple of
     the chunk; a lower bound that already gives whole-chunk blocks leaves the blocks as they
@@ -394,10 +395,10 @@ def test_mid_anchored_scores_match_the_definition(backend):
         return pk.make_config(q, v, scale=1.0, segment_ids=seg, chunk_size=C, lower_bound=lb,
                               mode="interpret", tuning=tuning)
 
-    assert (config(-5.0, mid).fwd_rows, config(-5.0, mid).fwd_anchor) == (32, 16)
-    assert (config(-2.5, mid).fwd_rows, config(-2.5, mid).fwd_anchor) == (64, 32)
-    assert config(-1.0, mid).fwd_anchor == 0 and config(-5.0, KernelTuning()).fwd_anchor == 16
-    assert config(-5.0, KernelTuning(anchor_mid=0)).fwd_anchor == 0
+    assert (config(-5.0, mid).fwd_rows, config(-5.0, mid).fwd_mid) == (32, 1)
+    assert (config(-2.5, mid).fwd_rows, config(-2.5, mid).fwd_mid) == (64, 1)
+    assert config(-1.0, mid).fwd_mid == 0 and config(-5.0, KernelTuning()).fwd_mid == 1
+    assert config(-5.0, KernelTuning(anchor_mid=0)).fwd_mid == 0
 
     def out_and_grads(tuning):
         def fn(q, k, v, g, beta, h0):
@@ -417,6 +418,35 @@ def test_mid_anchored_scores_match_the_definition(backend):
     for name, a, b in zip(("o", "S", *GRAD_NAMES), got, default, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite"
         assert rel(a, b) < (1e-5 if backend != "gpu" else 5e-3), (backend, name, rel(a, b))
+
+
+def test_mid_anchored_scores_keep_small_keys_at_the_bound():
+    """The forward's diagonal blocks (``kda_body._mid_anchored_diagonal``) at the extreme: one
+    key channel decays at the bound on every row (G falls 155 over a 32-row block) and its key
+    components are 2e-4. Around the block's midpoint the smallest factor is e^-77.5, so 2e-4
+    times it is still a normal float32; through the middle row it would be e^-80 and flushed
+    to zero on CPU (subnormal), dropping that channel's terms. Every pair j <= i against
+    float64, in plain JAX (the kernel body outside Pallas)."""
+    from pallas_kernels import kda_body as body
+    C, K = 64, 16
+    rng = np.random.default_rng()
+    x = rng.standard_normal((C, K)) / np.sqrt(K)
+    y = rng.standard_normal((C, K)) / np.sqrt(K)
+    g = -5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((C, K))))
+    g[:, 3], y[:, 3] = -5.0, 2e-4 * np.sign(y[:, 3])
+    G = np.cumsum(g, axis=0)
+    cfg = pk.make_config(jnp.zeros((1, C, 1, K)), jnp.zeros((1, C, 1, K)), scale=1.0,
+                         segment_ids=None, chunk_size=C, lower_bound=-5.0, mode="interpret",
+                         tuning=KernelTuning())
+    assert cfg.fwd_mid and cfg.fwd_rows == 32
+    (A,) = jax.jit(lambda x, y, G: body.decayed_scores([x], y, G, C - 1, cfg))(
+        *(jnp.asarray(a, jnp.float32) for a in (x, y, G)))
+    want = np.einsum("id,jd,ijd->ij", x, y, np.exp(np.minimum(G[:, None] - G[None], 0.0)))
+    lower = np.tril(np.ones((C, C), bool))
+    got = np.where(lower, np.asarray(A, np.float64), 0.0)
+    err = np.abs(got - np.where(lower, want, 0.0))
+    # the channel's own terms are ~1e-4 x 0.25: a dropped one is an error of that size
+    assert err.max() < 1e-6, (err.max(), np.unravel_index(err.argmax(), err.shape))
 
 
 def test_w_in_place_lowers_with_its_barrier(tmp_path):
