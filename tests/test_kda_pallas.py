@@ -433,7 +433,7 @@ def test_mid_anchored_scores_keep_small_keys_at_the_bound():
     x = rng.standard_normal((C, K)) / np.sqrt(K)
     y = rng.standard_normal((C, K)) / np.sqrt(K)
     g = -5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((C, K))))
-    g[:, 3], y[:, 3] = -5.0, 2e-4 * np.sign(y[:, 3])
+    g[:, 3], x[:, 3], y[:, 3] = -5.0, 0.5, 2e-4 * np.sign(y[:, 3])
     G = np.cumsum(g, axis=0)
     cfg = pk.make_config(jnp.zeros((1, C, 1, K)), jnp.zeros((1, C, 1, K)), scale=1.0,
                          segment_ids=None, chunk_size=C, lower_bound=-5.0, mode="interpret",
@@ -445,8 +445,9 @@ def test_mid_anchored_scores_keep_small_keys_at_the_bound():
     lower = np.tril(np.ones((C, C), bool))
     got = np.where(lower, np.asarray(A, np.float64), 0.0)
     err = np.abs(got - np.where(lower, want, 0.0))
-    # the channel's own terms are ~1e-4 x 0.25: a dropped one is an error of that size
-    assert err.max() < 1e-6, (err.max(), np.unravel_index(err.argmax(), err.shape))
+    # the channel's own terms are 1e-4 (times a decay): a dropped one is an error of that size,
+    # float32 rounding ~1e-6 of the O(1) scores
+    assert err.max() < 1e-5, (err.max(), np.unravel_index(err.argmax(), err.shape))
 
 
 def test_w_in_place_lowers_with_its_barrier(tmp_path):
