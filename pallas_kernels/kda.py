@@ -278,8 +278,8 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
     bounded, sub = _sub_rows(lower_bound, C)
     # the forward's score blocks (KernelTuning.anchor_mid, where it makes them taller)
     fwd_rows, fwd_mid = sub, 0
-    if bounded and tuning.anchor_mid and _mid_anchored_rows(lower_bound, C) > sub:
-        fwd_rows, fwd_mid = _mid_anchored_rows(lower_bound, C), 1
+    if bounded and tuning.anchor_mid and (rows := _mid_anchored_rows(lower_bound, C)) > sub:
+        fwd_rows, fwd_mid = rows, 1
     cd = jnp.result_type(q.dtype, v.dtype)
     cd = "float32" if cd not in (jnp.bfloat16, jnp.float16) else jnp.dtype(cd).name
     Kp, Vp = _next_pow2(K), _next_pow2(V)

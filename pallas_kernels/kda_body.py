@@ -296,7 +296,7 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig, acc=None):
     blocks in one more dot.
     """
     C = cfg.C
-    mid = cfg.bounded and cfg.fwd_mid
+    mid = bool(cfg.fwd_mid)  # make_config sets it for bounded gates only
     s = cfg.fwd_rows if mid else cfg.sub
     _, blk = _block_ids(cfg, s)
     whole_blocks = cfg.bounded and not mid  # the loop's dots take the diagonal blocks too
@@ -348,7 +348,12 @@ def _mid_anchored_diagonal(xs, y, G, cfg: KdaConfig):
     with a select. Rows past the chunk's last token have g = 0 (padding), so G there is G at
     the last token. Returns one [C, C] float32 array per x."""
     s = cfg.fwd_rows
-    M = 0.5 * (_block_bcast_row(G, 0, s) + _block_bcast_row(G, s - 1, s))  # [C, K]
+    # M in one masked reduction per block: the first and last rows, each halved (exact)
+    C, K = G.shape
+    G3 = G.reshape(C // s, s, K)
+    ends = iota((C // s, s, 1), 1) % (s - 1) == 0  # rows 0 and s-1 of each block
+    M = jnp.sum(jnp.where(ends, 0.5 * G3, 0.0), axis=1, keepdims=True)
+    M = jnp.broadcast_to(M, (C // s, s, K)).reshape(C, K)
     y_m = y * jnp.exp(M - G)
     e_row = jnp.exp(G - M)
     return [mm(x * e_row, y_m, cfg, tb=True) for x in xs]
