@@ -15,8 +15,9 @@ inputs, called with an explicit ``tuning=``: the card's ``default_tuning`` chang
 Inputs: bf16 q, k (L2-normalised), v, beta (sigmoid); float32 bounded gate g = -5 sigmoid(x)
 (K3's gate); H = HV = 16, K = V = 128 (configs/1b.py's; 8 x 4096 is its micro-batch of 8 rows),
 and for "small" configs/small.py's 32 x 2048 with H = 12, K = V = 64. Forward+backward is the
-gradient of sum(o * do) with respect to all five inputs. Each time is the median of
-device-synchronised runs after warm-up.
+gradient of sum(o * do) with respect to all five inputs. Each JAX time (ours, jla, xla) is the
+median over batches of calls enqueued back to back (``time_jax``), fla's is
+``triton.testing.do_bench``'s median: both keep the card busy between calls.
 
 "ours, gate in kernel" is the same kernel fed the gate's logits f and its parameters (A_log,
 dt_bias) instead of g: the kernel computes g = -5 sigmoid(exp(A_log) (f + dt_bias)) itself
@@ -90,17 +91,24 @@ def document_ids(B: int, T: int, mean_len: int, seed: int = 2):
     return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-def time_jax(fn, args, *, min_reps=3, max_reps=30, budget_s=1.5):
-    out = fn(*args)
-    jax.block_until_ready(out)  # compile + warm-up
+def time_jax(fn, args, *, batches=7, batch_s=0.05):
+    """Median ms per call of ``fn(*args)``, calls enqueued back to back in batches.
+
+    Each batch dispatches enough calls to keep the card busy for ~``batch_s`` and waits once at
+    its end, so the GPU never idles between calls (as in a training step, and as
+    triton.testing.do_bench times fla); waiting after every call let the clocks drop between
+    calls and made the same kernel read up to 20% apart within one process (2026-12-04)."""
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
+    reps = max(1, min(200, int(batch_s / max(time.perf_counter() - t0, 1e-5))))
     times = []
-    t_start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or
-                                     time.perf_counter() - t_start < budget_s):
+    for _ in range(batches):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        outs = [fn(*args) for _ in range(reps)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / reps)
+        del outs
     return statistics.median(times) * 1e3
 
 
