@@ -4,6 +4,7 @@ attention benchmark checks its implementations against each other (CPU smoke run
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import jax
@@ -170,6 +171,26 @@ def test_kda_kernel_table_gives_each_peer_its_ratio_and_dashes_for_the_missing()
     assert cells[0] == "8 x 4096, 16 x 128"
     assert cells[1:6] == ["2.00 / 8.00", "1.60 / 6.40", "2.40 / 9.60", "—", "—"]
     assert cells[7:] == ["1.20x / 1.20x", "—", "1.50x / 1.50x", "—"]
+
+
+def test_kda_kernel_timer_reports_the_time_of_one_call_over_batches():
+    """kda_kernel.time_jax: two calls to warm up, then batches of back-to-back calls sized to
+    ~batch_s each, and the median time of one call in ms."""
+    kk = load("kda_kernel")
+    rng = np.random.default_rng()
+    call_s, batches = float(rng.uniform(0.002, 0.004)), int(rng.integers(2, 5))
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        time.sleep(call_s)
+        return jnp.asarray(x)
+
+    ms = kk.time_jax(fn, (1.0,), batches=batches, batch_s=0.03)
+    reps = (len(calls) - 2) / batches
+    # sized from the second warm-up call, which a loaded machine may stretch
+    assert reps == int(reps) and 0.4 * 0.03 / call_s <= reps <= 0.03 / call_s + 1, reps
+    assert 1e3 * call_s <= ms < 1e3 * call_s + 3, (ms, call_s)
 
 
 def test_kda_kernel_packs_rows_with_documents_of_about_the_given_length():
