@@ -469,13 +469,30 @@ def _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
         e_pos = jnp.exp(jnp.where(ri >= ib * s, D, -jnp.inf))
         rq = rq + e_pos * _place_rows(r_q, ib, C)
         rk = rk + e_pos * _place_rows(r_k, ib, C)
-        c_sum = (mm(dAqkT, qs * e_pos, cfg, split_b=True)
-                 + mm(dAkkT, kf * e_pos, cfg, split_b=True))
-        c = c + e_neg * _place_rows(c_sum, ib, C)
+        # The column side's outer factor reaches e^((s-1)|lower_bound|), so its inner products
+        # go down to e^-75 times dA: small gradients (a mean loss's) would fall under float32's
+        # smallest normal and be flushed. The dot takes the rows of dA^T scaled to O(1)
+        # (exactly: powers of two), and they are scaled back after the outer factor.
+        up, down = pow2_row_scales(dAqkT, dAkkT)
+        c_sum = (mm(dAqkT * up, qs * e_pos, cfg, split_b=True)
+                 + mm(dAkkT * up, kf * e_pos, cfg, split_b=True))
+        c = c + e_neg * _place_rows(c_sum, ib, C) * _place_rows(down, ib, C)
         return rq, rk, c
 
     zero = jnp.zeros(kf.shape, f32)
     return lax.fori_loop(0, C // s, sub_chunk, (zero,) * 3)
+
+
+def pow2_row_scales(*xs):
+    """(up, down) [R, 1] float32 for arrays xs [R, X] of one shape: up = 2^-e and down = 2^e,
+    2^e the power of two at or below the largest |x| of each row over all xs (at least
+    2^-126), so up * x is within [-2, 2] and scaling by up, then by down, is exact. Built from
+    the float32 bits: no rounding on any platform."""
+    m = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x.astype(f32)), axis=1, keepdims=True)
+                                       for x in xs])
+    e_bits = jnp.maximum(lax.bitcast_convert_type(m, jnp.int32) & 0x7F800000, 0x00800000)
+    up = lax.bitcast_convert_type(0x7F000000 - e_bits, f32)  # exponent field 254 - E
+    return up, lax.bitcast_convert_type(e_bits, f32)
 
 
 def _diag_pair_grads(acc, dAqk, dAkk, qs, kf, G, cfg: KdaConfig):

@@ -420,6 +420,35 @@ def test_mid_anchored_scores_match_the_definition(backend):
         assert rel(a, b) < (1e-5 if backend != "gpu" else 5e-3), (backend, name, rel(a, b))
 
 
+@pytest.mark.parametrize("backend", ALL)
+def test_gradients_of_a_small_cotangent_are_scaled_exactly(backend):
+    """The backward is linear in the cotangent, and scaling by a power of two rounds nothing:
+    a cotangent times 2^-24 (the size of a mean loss's gradients over millions of tokens) must
+    give every gradient times 2^-24. Every third key channel sits at the bound, where the
+    backward's column side factors e^(G_i - G_j) into e^-75 and e^75: without its dA rows
+    scaled to O(1), those products of small gradients fall under float32's smallest normal and
+    are flushed (dk and dg several percent off on CPU)."""
+    B, T, H, HV, K, V = 1, 150, 1, 2, 32, 16
+    seed = int(np.random.default_rng().integers(1 << 30))
+    q, k, v, g, beta, h0 = make_inputs(seed, B, T, H, HV, K, V)
+    g = jnp.where(jnp.arange(K) % 3 == 0, -5.0, g)
+    seg = segments(B, T, seed=seed + 1)
+
+    def fn(q, k, v, g, beta, h0):
+        return run_pallas(backend, q, k, v, g, beta, h0, seg=seg)
+
+    out, vjp = jax.vjp(fn, q, k, v, g, beta, h0)
+    rng = np.random.default_rng(seed)
+    cot = (jnp.asarray(rng.standard_normal(out[0].shape), out[0].dtype),
+           jnp.asarray(rng.standard_normal(out[1].shape), jnp.float32))
+    small = 2.0 ** -24
+    grads = vjp(cot)
+    grads_small = vjp(tuple(c * small for c in cot))
+    tol = 1e-4 if backend == "gpu" else 1e-6
+    for name, a, b in zip(GRAD_NAMES, grads_small, grads, strict=True):
+        assert rel(np.asarray(a, np.float64) / small, b) < tol, (backend, name)
+
+
 def test_mid_anchored_scores_keep_small_keys_at_the_bound():
     """The forward's diagonal blocks (``kda_body._mid_anchored_diagonal``) at the extreme: one
     key channel decays at the bound on every row (G falls 155 over a 32-row block) and its key
