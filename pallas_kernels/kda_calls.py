@@ -218,9 +218,11 @@ def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta,
     implement: kda_mgpu.unsupported_reason)."""
     if not cfg.hopper & kernel or cfg.mode not in ("gpu", "interpret"):
         return None
-    # Of the three, intra_bwd_scores alone takes packed segments (the training step's rows).
-    segments = kernel == body.HOPPER_BWD_SCORES
-    if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta, segments=segments) is not None:
+    # Of the three, intra_bwd_scores alone takes packed segments (the training step's rows),
+    # and the gate in the kernel: it reads the forward's G, never the gate's logits.
+    scores = kernel == body.HOPPER_BWD_SCORES
+    if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta, segments=scores,
+                                   computes_gate=not scores) is not None:
         return None
     if cfg.mode == "gpu":
         return "compiled" if kda_mgpu.is_hopper() else None

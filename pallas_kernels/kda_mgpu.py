@@ -99,17 +99,19 @@ def interpret_params():
     return cls()
 
 
-def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta, *, segments: bool = False) -> str | None:
+def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta, *, segments: bool = False,
+                       computes_gate: bool = True) -> str | None:
     """None when ``intra_fwd`` here (and the backward kernels of kda_mgpu_bwd) computes this call,
     else why not (the caller falls back to the Triton kernel). Supported: no packed segments
-    (``segments=True``: a kernel that takes them), the log-decay given (no gate in the kernel),
+    (``segments=True``: a kernel that takes them), the log-decay given (no gate in the kernel;
+    ``computes_gate=False``: a kernel that reads only the forward's G, which any gate gives),
     a bounded gate, C = 64, K = V = 128 (after padding), bf16 q, k, v and bf16 or float32 g
     and beta."""
     if not available():
         return "no Mosaic GPU Pallas in this JAX"
     checks = [
         (cfg.has_seg and not segments, "packed segments"),
-        (cfg.gate != "given", f"gate in the kernel ({cfg.gate})"),
+        (cfg.gate != "given" and computes_gate, f"gate in the kernel ({cfg.gate})"),
         (not cfg.bounded, "unbounded gate (exact diagonal blocks)"),
         (cfg.C != CHUNK, f"chunk {cfg.C} != {CHUNK}"),
         (cfg.K != DIM or cfg.V != DIM, f"K, V = {cfg.K}, {cfg.V} (want {DIM})"),

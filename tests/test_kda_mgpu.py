@@ -216,6 +216,41 @@ def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls, packed):
         assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
 
 
+def test_gate_in_kernel_takes_the_mgpu_scores_kernel(rng, mgpu_bwd_calls):
+    """With the gate in the kernel the forward and intra_bwd_channels compute the gate from its
+    logits (Triton), but intra_bwd_scores reads only the forward's G: it takes the Mosaic GPU
+    kernel (the default's HOPPER_BWD_SCORES bit), with every gradient (the gate's parameters
+    included) that of the all-Triton path."""
+    B, T, H, HV = 1, 64, 1, 1
+    q, k, v, f, beta = bf16_inputs(rng, B, T, H, HV)
+    f = jnp.asarray(rng.standard_normal(f.shape), jnp.float32)  # the gate's logits
+    A_log = jnp.asarray(0.5 * rng.standard_normal((HV,)), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal((HV, 128)), jnp.float32)
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, 128)), jnp.float32)
+    backend = "gpu" if HOPPER else "interpret"
+
+    def grads(hopper):
+        def fn(q, k, v, f, beta, A_log, dt_bias):
+            o, _ = kda_pallas(q, k, v, f, beta, scale=128 ** -0.5, initial_state=None,
+                              segment_ids=None, chunk_size=64, lower_bound=-5.0,
+                              backend=backend, tuning=KernelTuning(hopper=hopper),
+                              A_log=A_log, dt_bias=dt_bias)
+            return jnp.sum(o.astype(jnp.float32) * o_w)
+        return fast_jit(jax.grad(fn, argnums=range(7)))(q, k, v, f, beta, A_log, dt_bias)
+
+    got = grads(HOPPER_BWD_SCORES | HOPPER_STATE)
+    assert mgpu_bwd_calls == ["intra_bwd_scores"], mgpu_bwd_calls
+    want = grads(0)
+    assert mgpu_bwd_calls == ["intra_bwd_scores"], "hopper=0 must keep the Triton kernels"
+    names = ("q", "k", "v", "f", "beta", "A_log", "dt_bias")
+    tols = (dict.fromkeys(names, 1e-2) | {"f": 3e-2, "beta": 3e-2, "A_log": 3e-2,
+                                          "dt_bias": 3e-2} if ON_GPU
+            else dict.fromkeys(names, 2.0 ** -8))
+    for name, a, b in zip(names, got, want, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
+        assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
+
+
 def channels_args(rng, B, T, H, HV, gate_dtype=jnp.float32):
     """(cfg, the arguments of intra_bwd_channels after cfg): q, k, beta and the forward's G and
     Tinv from real inputs (the Triton intra_fwd, interpret mode); the state-pass tensors h, dh,
@@ -581,20 +616,24 @@ def test_fallback_runs_the_triton_kernel(mgpu_calls):
 
 
 @pytest.mark.parametrize("case", ["supported", "hopper_off", "scores_only", "channels_only",
-                                  "K64", "segments", "out_dtypes"])
+                                  "K64", "segments", "out_dtypes", "gate_in_kernel"])
 def test_bwd_dispatch(case, mgpu_bwd_calls):
     """intra_bwd_scores and intra_bwd_channels (traced only: jax.eval_shape) take the Mosaic GPU
     kernels for the supported config and the Triton kernels otherwise: their HOPPER_* bit not
     set (only intra_fwd's; only one of the two: that one alone switches), any config
     hopper_intra_mode turns down (the forward's checks: K = 64, ...; packed segments for
     intra_bwd_channels, which intra_bwd_scores takes), or output dtypes they do not write (dv
-    not bf16; dq, dk or dg not bf16 / float32)."""
+    not bf16; dq, dk or dg not bf16 / float32). With the gate in the kernel intra_bwd_scores
+    still takes it (it reads the forward's G) and intra_bwd_channels, which computes df, not."""
     B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     seg = jnp.zeros((B, T), jnp.int32) if case == "segments" else None
     bits = {"hopper_off": pk.HOPPER_INTRA_FWD, "scores_only": pk.HOPPER_BWD_SCORES,
             "channels_only": pk.HOPPER_BWD_CHANNELS}.get(case, HOPPER_ALL)
     cfg = config(x, x, mode="interpret", hopper=bits, seg=seg)
+    gated = case == "gate_in_kernel"
+    if gated:
+        cfg = dataclasses.replace(cfg, gate="bounded", gate_bound=-5.0)
     N, C, K, V = cfg.N, cfg.C, cfg.K, cfg.V
 
     def sds(*shape, dt=jnp.bfloat16):
@@ -610,11 +649,14 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
         cfg, *a[:4], segs, *a[4:], dv_dtype=jnp.float32 if odd else jnp.bfloat16),
         k, v, G, beta, sds(B * H, N, C, K), cv, sds(B * H, N, C, C, dt=jnp.float32), cc, st, cv,
         cv, v)
+    gate = ((sds(B, T, H, K, dt=jnp.float32), (sds(H, 1, K, dt=jnp.float32),) * 2) if gated
+            else (None, ()))
     jax.eval_shape(lambda *a: calls.intra_bwd_channels(
-        cfg, *a[:4], segs, a[4:8], *a[8:], dqk_dtype=jnp.float16 if odd else jnp.float32,
+        cfg, *a[:4], segs, a[4:8], *a[8:], *gate, dqk_dtype=jnp.float16 if odd else jnp.float32,
         dg_dtype=jnp.float32), k, k, G, beta, cc, cc, cc, cc, cc, st, st, cv, cv, v)
     want = {"supported": ["intra_bwd_scores", "intra_bwd_channels"],
             "scores_only": ["intra_bwd_scores"], "segments": ["intra_bwd_scores"],
-            "channels_only": ["intra_bwd_channels"]}.get(case, [])
+            "channels_only": ["intra_bwd_channels"],
+            "gate_in_kernel": ["intra_bwd_scores"]}.get(case, [])
     assert mgpu_bwd_calls == want, case
 
