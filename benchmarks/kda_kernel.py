@@ -7,6 +7,8 @@
     python benchmarks/kda_kernel.py --tune bk=16,warps_grad=8 --shapes 8x4096
     python benchmarks/kda_kernel.py --shapes 8x4096 --documents 3000 --sweep 8x4096 \
         --variants "hopper=0"   # rows of ~1.3 documents, as configs/1b.py trains on: ours only
+    python benchmarks/kda_kernel.py --no-xla --fla-tuning benchmarks/results/fla_autotune_h200.tgz
+        # fla's autotuning results from earlier runs (copy the file back from the card after)
 
 Ours is ``pallas_kernels.kda.kda_pallas``, what ``kda(..., impl="pallas")`` runs for these
 inputs, called with an explicit ``tuning=``: the card's ``default_tuning`` changed by --tune;
@@ -39,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -180,6 +185,38 @@ def bench_jax(fwd, arrays):
     return t_f, t_fb
 
 
+def restore_fla_tuning(path: str) -> str:
+    """Points Triton's cache (TRITON_CACHE_DIR) at a fresh directory holding the autotuning
+    results in ``path`` (a .tgz of ``save_fla_tuning``; none yet: an empty one), and returns it.
+
+    fla autotunes each kernel on first use and, with Triton's ``cache_results``, keeps the
+    winner as ``<hash>/<kernel>.autotune.json`` in that cache; on a fresh machine the tuning
+    took ~250 s per head shape (2026-12-04). The hash covers Triton's and fla's versions, the
+    card and the tuning key, so results from the same software on the same card are reused and
+    anything else is tuned anew. Call before fla (and so Triton) first runs."""
+    cache = tempfile.mkdtemp(prefix="triton_cache_")
+    if os.path.exists(path):
+        with tarfile.open(path) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.isfile() and m.name.endswith(".autotune.json")
+                       and not m.name.startswith(("/", "..")) and ".." not in m.name.split("/")]
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(cache, members=members, **safe)
+        print(f"fla tuning: {len(members)} results from {path}", flush=True)
+    os.environ["TRITON_CACHE_DIR"] = cache
+    return cache
+
+
+def save_fla_tuning(cache: str, path: str) -> int:
+    """Writes every ``*.autotune.json`` under ``cache`` to the .tgz ``path`` (paths relative to
+    the cache); returns how many."""
+    found = sorted(Path(cache).glob("*/*.autotune.json"))
+    with tarfile.open(path, "w:gz") as tar:
+        for f in found:
+            tar.add(f, arcname=str(f.relative_to(cache)))
+    return len(found)
+
+
 def fla_fns(arrays):
     """fla's chunk_kda on ``arrays`` (make_inputs): () -> o without gradients, and () -> the
     gradients of sum(o * do) in all five inputs. Needs torch and fla-core (ImportError)."""
@@ -278,7 +315,11 @@ def main(argv=None):
     ap.add_argument("--documents", type=int, default=0,
                     help="pack the rows with documents of about this many tokens (ours only)")
     ap.add_argument("--out", default="", help="write the markdown table here")
+    ap.add_argument("--fla-tuning", default="",
+                    help="a .tgz of fla's autotuning results: read before fla runs (if it "
+                         "exists), written back after each shape (see restore_fla_tuning)")
     args = ap.parse_args(argv)
+    triton_cache = restore_fla_tuning(args.fla_tuning) if args.fla_tuning else None
     if args.documents < 0 or (args.documents and (args.breakdown or args.breakdown_only)):
         ap.error(f"--documents must be 0 or a positive length, without --breakdown; got "
                  f"{args.documents}{' with --breakdown' * (args.breakdown or args.breakdown_only)}")
@@ -339,6 +380,8 @@ def main(argv=None):
         # machine ran past 200 s at 8 x 4096 (2026-12-04), so a run cut short keeps jla's cells
         if not args.no_fla and not packed:
             measure(name, "fla", bench_fla, arrays)
+            if triton_cache:
+                save_fla_tuning(triton_cache, args.fla_tuning)
         if not args.no_xla and not packed:
             measure(name, "xla", bench_jax, xla_fwd, arrays)
         del arrays

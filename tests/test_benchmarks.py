@@ -4,6 +4,9 @@ attention benchmark checks its implementations against each other (CPU smoke run
 from __future__ import annotations
 
 import importlib.util
+import io
+import os
+import tarfile
 import time
 from pathlib import Path
 
@@ -191,6 +194,39 @@ def test_kda_kernel_timer_reports_the_time_of_one_call_over_batches():
     # sized from the second warm-up call, which a loaded machine may stretch
     assert reps == int(reps) and 0.4 * 0.03 / call_s <= reps <= 0.03 / call_s + 1, reps
     assert 1e3 * call_s <= ms < 1e3 * call_s + 3, (ms, call_s)
+
+
+def test_kda_kernel_keeps_fla_tuning_results_across_machines(tmp_path, monkeypatch):
+    """--fla-tuning: the autotuning results Triton left in its cache go into one .tgz and come
+    back in a fresh cache directory that TRITON_CACHE_DIR points to; nothing else is kept, and
+    a member reaching outside the cache is not extracted."""
+    kk = load("kda_kernel")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unchanged")
+    first = kk.restore_fla_tuning(str(tmp_path / "none_yet.tgz"))  # none yet: an empty cache
+    assert os.environ["TRITON_CACHE_DIR"] == first and not os.listdir(first)
+    rng = np.random.default_rng()
+    want = {}
+    for i in range(int(rng.integers(1, 5))):
+        f = Path(first) / f"HASH{i}" / f"kernel_{i}.autotune.json"
+        f.parent.mkdir()
+        want[f"HASH{i}/{f.name}"] = f'{{"configs_timings": {rng.random()}}}'
+        f.write_text(want[f"HASH{i}/{f.name}"])
+        (f.parent / "kernel.cubin").write_bytes(b"compiled code is not kept")
+    path = str(tmp_path / "fla.tgz")
+    assert kk.save_fla_tuning(first, path) == len(want)
+    with tarfile.open(path) as tar:
+        assert sorted(tar.getnames()) == sorted(want)
+    evil = tmp_path / "evil.tgz"  # the same results plus one member outside the cache
+    with tarfile.open(path) as src, tarfile.open(evil, "w:gz") as dst:
+        for m in src.getmembers():
+            dst.addfile(m, src.extractfile(m))
+        info = tarfile.TarInfo("../outside.autotune.json")
+        info.size = 2
+        dst.addfile(info, io.BytesIO(b"{}"))
+    second = kk.restore_fla_tuning(str(evil))
+    assert second != first and os.environ["TRITON_CACHE_DIR"] == second
+    got = {str(f.relative_to(second)): f.read_text() for f in Path(second).rglob("*") if f.is_file()}
+    assert got == want and not (Path(second).parent / "outside.autotune.json").exists()
 
 
 def test_kda_kernel_packs_rows_with_documents_of_about_the_given_length():
