@@ -135,12 +135,17 @@ class KernelTuning:
     # blocks before each row's own (anchored at that block's first row, factors <= 1) one
     # more: half the scores loop's exponentials and dots. It applies where it makes the
     # blocks taller (-5 <= lower_bound < -80/63). 0: sub-chunks anchored at their first row.
-    # On the H200 at 8 x 4096 the forward took 1.51-1.57 against 1.86-1.99 ms, and
-    # forward+backward 5.58-5.68 against 5.83-5.85, with the diagonal blocks around their
-    # middle row (a float32 flush at the bound moved them to the midpoint; BENCHMARKS.md).
-    # The backward keeps its sub-chunks (its outer factor would flush small gradients). All
+    # On the H200 at 8 x 4096 the forward took 1.30 against 1.57 ms, forward+backward 5.22
+    # against 5.47, and intra_fwd under ncu 1.11 against 1.34 (BENCHMARKS.md, session x). All
     # modes.
     anchor_mid: int = 1
+    # 1: the backward's pairwise-decay sums (intra_bwd_channels, ``kda_body.pair_grads``) in
+    # the same blocks as anchor_mid: the diagonal blocks around their midpoints, one dot per
+    # sum over the whole chunk, with the rows of dA scaled to O(1) by powers of two (the outer
+    # factor up to e^77.5 would otherwise bring back flushed products of small gradients); the
+    # blocks before each block through its first row. 0: 16-row sub-chunks. Bounded gates,
+    # all modes but the Mosaic GPU intra_bwd_channels (its own sub-chunks). Not yet timed.
+    anchor_mid_bwd: int = 0
     # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
     # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:
     # forward + backward 17.2 against 7.27 ms, the forward 3.8 against 2.2 ms.)
@@ -194,6 +199,7 @@ _TUNING_RULES = {
     "split_intra": ("0 or 1", lambda x: x in (0, 1)),
     "w_in_place": ("0 or 1", lambda x: x in (0, 1)),
     "anchor_mid": ("0 or 1", lambda x: x in (0, 1)),
+    "anchor_mid_bwd": ("0 or 1", lambda x: x in (0, 1)),
 }
 
 
@@ -277,9 +283,12 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
     C = max(16, chunk_size)  # dots need >= 16 rows; the result does not depend on C
     bounded, sub = _sub_rows(lower_bound, C)
     # the forward's score blocks (KernelTuning.anchor_mid, where it makes them taller)
-    fwd_rows, fwd_mid = sub, 0
-    if bounded and tuning.anchor_mid and (rows := _mid_anchored_rows(lower_bound, C)) > sub:
-        fwd_rows, fwd_mid = rows, 1
+    fwd_rows, fwd_mid, bwd_rows = sub, 0, 0
+    if bounded and (rows := _mid_anchored_rows(lower_bound, C)) > sub:
+        if tuning.anchor_mid:
+            fwd_rows, fwd_mid = rows, 1
+        if tuning.anchor_mid_bwd:  # the backward's pairwise-decay sums (0: sub-chunks)
+            bwd_rows = rows
     cd = jnp.result_type(q.dtype, v.dtype)
     cd = "float32" if cd not in (jnp.bfloat16, jnp.float16) else jnp.dtype(cd).name
     Kp, Vp = _next_pow2(K), _next_pow2(V)
@@ -304,7 +313,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
         w_in_place=tuning.w_in_place if mode in ("gpu", "interpret") else 0,
-        fwd_rows=fwd_rows, fwd_mid=fwd_mid,
+        fwd_rows=fwd_rows, fwd_mid=fwd_mid, bwd_rows=bwd_rows,
     )
 
 

@@ -102,6 +102,9 @@ class KdaConfig:
     # each block (0: ``sub``-row sub-chunks anchored at their first row).
     fwd_rows: int = 0
     fwd_mid: int = 0
+    # The backward's pairwise-decay sums (``pair_grads``; KernelTuning.anchor_mid_bwd): rows per
+    # block, their diagonal blocks around their midpoints; 0: ``sub``-row sub-chunks.
+    bwd_rows: int = 0
 
     @property
     def N(self) -> int:
@@ -347,16 +350,20 @@ def _mid_anchored_diagonal(xs, y, G, cfg: KdaConfig):
     float32), and pairs of two blocks are products of two midpoints: the caller drops both
     with a select. Rows past the chunk's last token have g = 0 (padding), so G there is G at
     the last token. Returns one [C, C] float32 array per x."""
-    s = cfg.fwd_rows
-    # M in one masked reduction per block: the first and last rows, each halved (exact)
+    M = _block_midpoints(G, cfg.fwd_rows)
+    y_m = y * jnp.exp(M - G)
+    e_row = jnp.exp(G - M)
+    return [mm(x * e_row, y_m, cfg, tb=True) for x in xs]
+
+
+def _block_midpoints(G, s: int):
+    """[C, K]: per channel, the midpoint (G_first + G_last) / 2 of G over each block of s rows,
+    broadcast over the block's rows. One masked reduction: the two rows, each halved (exact)."""
     C, K = G.shape
     G3 = G.reshape(C // s, s, K)
     ends = iota((C // s, s, 1), 1) % (s - 1) == 0  # rows 0 and s-1 of each block
     M = jnp.sum(jnp.where(ends, 0.5 * G3, 0.0), axis=1, keepdims=True)
-    M = jnp.broadcast_to(M, (C // s, s, K)).reshape(C, K)
-    y_m = y * jnp.exp(M - G)
-    e_row = jnp.exp(G - M)
-    return [mm(x * e_row, y_m, cfg, tb=True) for x in xs]
+    return jnp.broadcast_to(M, (C // s, s, K)).reshape(C, K)
 
 
 def _diag_scores(xs, y, G, cfg: KdaConfig):
@@ -413,11 +420,15 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
                                                          in the sub-chunk; the row side's
                                                          operand factor, the column side's outer
 
-    (the zeroed rows meet only zero entries of dA). Unbounded gate: row side anchor a as above,
+    (the zeroed rows meet only zero entries of dA). With ``cfg.bwd_rows``
+    (KernelTuning.anchor_mid_bwd, bounded gates): ``_mid_pair_grads``, in taller blocks from
+    the whole matrices ``cc(name)``. Unbounded gate: row side anchor a as above,
     column side anchor b = min(ib*s + s - 1, lv), the sub-chunk's last real row; the factored
     dots cover only j < a (row side) and i > b (column side), and ``_diag_pair_grads`` adds the
     diagonal sub-blocks exactly from the whole matrices ``cc(name)`` for dAqk and dAkk.
     """
+    if cfg.bounded and cfg.bwd_rows:
+        return _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg)
     if cfg.bounded:
         return _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg)
     C, s = cfg.C, cfg.sub
@@ -484,6 +495,53 @@ def _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
 
     zero = jnp.zeros(kf.shape, f32)
     return lax.fori_loop(0, C // s, sub_chunk, (zero,) * 3)
+
+
+def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
+    """``pair_grads`` in blocks of r = cfg.bwd_rows rows (KernelTuning.anchor_mid_bwd), from the
+    whole [C, C] matrices ``cc(name)`` of dAqk, dAkk, dAqkT, dAkkT.
+
+    The diagonal blocks, all in one dot per sum, factored around each block's midpoint M
+    (``_block_midpoints``; factors within e^(+-(r-1)|lower_bound|/2), as in the forward):
+
+        rq_i = e^(G_i - M) sum_j dAqk_ij k_j e^(M - G_j)      i, j in one block
+        c_j  = e^(M - G_j) sum_i (dAqk_ij qs_i + dAkk_ij k_i) e^(G_i - M)
+
+    The outer factors reach e^77.5 at lower_bound = -5, so the inner products must not be
+    flushed: each dot takes dA's (or dA^T's) rows masked to the block and scaled to O(1) by
+    powers of two (``pow2_row_scales``), scaled back after the outer factor. The blocks
+    before block ib (rows of ib, columns before it) go through its first row a = min(ib*r, lv),
+    both factors <= 1, one dot per sum on the unmasked matrices: e^(D_i) zeroes the rows
+    outside block ib, e^(-D_j) the columns from it on."""
+    C, r = cfg.C, cfg.bwd_rows
+    ri = iota((C, 1), 0)
+    blk = lax.div(ri, r)
+    same = blk == lax.div(iota((1, C), 1), r)  # [C, C]: i and j in one block
+    M = _block_midpoints(G, r)
+    e_up, e_dn = jnp.exp(G - M), jnp.exp(M - G)
+
+    def block_diag(name):
+        return jnp.where(same, cc(name).astype(f32), 0.0)
+
+    dAqk, dAkk = block_diag("dAqk"), block_diag("dAkk")
+    up, down = pow2_row_scales(dAqk, dAkk)
+    x = kf * e_dn
+    rq = e_up * mm(dAqk * up, x, cfg, split_b=True) * down
+    rk = e_up * mm(dAkk * up, x, cfg, split_b=True) * down
+    dAqkT, dAkkT = block_diag("dAqkT"), block_diag("dAkkT")
+    up, down = pow2_row_scales(dAqkT, dAkkT)
+    c = e_dn * (mm(dAqkT * up, qs * e_up, cfg, split_b=True)
+                + mm(dAkkT * up, kf * e_up, cfg, split_b=True)) * down
+    for ib in range(1, C // r):
+        D = G - G_row(jnp.minimum(ib * r, lv))
+        e_neg = jnp.exp(jnp.where(ri < ib * r, -D, -jnp.inf))
+        e_pos = jnp.exp(jnp.where(blk == ib, D, -jnp.inf))
+        x = kf * e_neg
+        rq = rq + e_pos * mm(cc("dAqk"), x, cfg, split_b=True)
+        rk = rk + e_pos * mm(cc("dAkk"), x, cfg, split_b=True)
+        c = c + e_neg * (mm(cc("dAqkT"), qs * e_pos, cfg, split_b=True)
+                         + mm(cc("dAkkT"), kf * e_pos, cfg, split_b=True))
+    return rq, rk, c
 
 
 def pow2_row_scales(*xs):
@@ -807,7 +865,8 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
     ``io`` loads: qkg(s) (q and k), G(s) and G_row(r) (see ``Slice``), beta, seg as in
     ``fwd_intra``; rows(name, ib) -> rows ib*s .. ib*s+s-1 [s, C] of dAqk, dAkk and their
     transposes dAqkT, dAkkT (from ``bwd_intra_scores``); cc(name) -> [C, C] for Tinv (from
-    ``fwd_intra``) and, for the unbounded gate's diagonal blocks, dAqk and dAkk whole;
+    ``fwd_intra``) and the four score gradients whole (the unbounded gate's diagonal blocks,
+    ``cfg.bwd_rows``' blocks);
     vt(name, t) for Vp, dVp, dO;
     st(name, t, s) for St and dSt (the gradient of the state leaving the chunk) -> [BV, BK].
     ``io.put`` stores dq, dk, dg of slice s. With the gate in the kernel (``cfg.gate``), io also

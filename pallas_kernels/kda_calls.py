@@ -680,7 +680,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
         _, vs = _slicers(cfg)
         by_v = {"Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
         dA = dict(zip(DA_NAMES, dA_r, strict=True))
-        cc = {"Tinv": Ti_r, "dAqk": dA["dAqk"], "dAkk": dA["dAkk"]}
+        cc = {"Tinv": Ti_r, **dA}  # dA whole: the unbounded gate's diagonal, anchor_mid_bwd
         whole = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
         if gated:
             whole.update(dbias=dgate_r[0], dA=dgate_r[1])

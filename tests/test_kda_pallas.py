@@ -13,6 +13,7 @@ cores, so GPU runs are held to fla's test tolerances: 5e-3 outputs, 8e-3 dq/dk/d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from pathlib import Path
 
@@ -62,6 +63,35 @@ def numpy_kda(q, k, v, g, beta, scale, h0=None, seg=None):
                 o[b, t, hv] = S.T @ (scale * q[b, t, h])
             S_final[b, hv] = S
     return o, S_final
+
+
+def float64_grads(q, k, v, g, beta, h0, seg, o_w, S_w, scale):
+    """The gradients of sum(o * o_w) + sum(S * S_w) in q, k, v, g, beta, h0 through the
+    recurrence of ``numpy_kda``, in float64: jax.grad of a token-by-token scan under x64.
+    Returns NumPy float64 arrays."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, g, beta, h0)]
+        B, T, H, _ = args[0].shape
+        G = args[2].shape[2] // H
+        starts = np.zeros((B, T), bool) if seg is None else np.concatenate(
+            [np.zeros((B, 1), bool), np.diff(np.asarray(seg), axis=1) != 0], axis=1)
+        o_w, S_w = (jnp.asarray(np.asarray(x, np.float64)) for x in (o_w, S_w))
+
+        def loss(q, k, v, g, beta, h0):
+            def step(S_BxHVxKxV, xs):
+                qt, kt, vt, gt, bt, start = xs
+                S = jnp.where(start[:, None, None, None], 0.0, S_BxHVxKxV)
+                S = jnp.exp(gt)[..., None] * S
+                err = vt - jnp.einsum("bhkv,bhk->bhv", S, kt)
+                S = S + bt[..., None, None] * kt[..., None] * err[:, :, None, :]
+                return S, jnp.einsum("bhkv,bhk->bhv", S, scale * qt)
+
+            q, k = (jnp.repeat(x, G, axis=2) for x in (q, k))
+            xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, jnp.asarray(starts))]
+            S, o = jax.lax.scan(step, h0, xs)
+            return jnp.sum(jnp.moveaxis(o, 0, 1) * o_w) + jnp.sum(S * S_w)
+
+        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=range(6)))(*args)]
 
 
 def make_inputs(seed, B, T, H, HV, K, V, *, gate="bounded", dtype=jnp.float32):
@@ -357,7 +387,7 @@ def test_lowers_for_gpu_and_tpu():
     q, k, v, g, beta, h0 = make_inputs(19, B, T, H, HV, K, V, dtype=jnp.bfloat16)
     seg = segments(B, T, 1)
     split = KernelTuning(split_intra=1)  # the forward's intra-chunk work as two kernels
-    mid = KernelTuning(anchor_mid=1)  # the forward's score blocks around their midpoints
+    mid = KernelTuning(anchor_mid=1, anchor_mid_bwd=1)  # score blocks around their midpoints
     for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
         for lb, s, tuning in ((-5.0, None, None), (None, seg, None), (-5.0, seg, split),
                               (None, seg, split), (-5.0, seg, mid)):
@@ -373,6 +403,48 @@ def test_lowers_for_gpu_and_tpu():
             assert text.count("custom_call") >= 4 + (tuning is split), (backend, lb, tuning)
 
 
+def test_float64_gradients_match_finite_differences_of_numpy_kda():
+    """The float64 gradient reference (``float64_grads``) against central differences of
+    ``numpy_kda``'s loss along a random direction per input, with two documents in a row and
+    grouped value heads."""
+    B, T, H, HV, K, V = 1, 7, 1, 2, 4, 3
+    rng = np.random.default_rng()
+    q, k, v, g, beta, h0 = (np.asarray(x, np.float64) for x in make_inputs(
+        int(rng.integers(1 << 30)), B, T, H, HV, K, V))
+    seg = np.asarray([[0, 0, 0, 1, 1, 1, 1]])
+    o_w, S_w = rng.standard_normal((B, T, HV, V)), rng.standard_normal(h0.shape)
+
+    def loss(q, k, v, g, beta, h0):
+        o, S = numpy_kda(q, k, v, g, beta, 0.5, h0, seg=seg)
+        return float(np.sum(o * o_w) + np.sum(S * S_w))
+
+    grads = float64_grads(q, k, v, g, beta, h0, seg, o_w, S_w, 0.5)
+    args = [q, k, v, g, beta, h0]
+    for i, name in enumerate(GRAD_NAMES):
+        d = rng.standard_normal(args[i].shape)
+        eps = 1e-5
+        plus, minus = list(args), list(args)
+        plus[i], minus[i] = args[i] + eps * d, args[i] - eps * d
+        fd = (loss(*plus) - loss(*minus)) / (2 * eps)
+        assert abs(fd - np.sum(grads[i] * d)) < 1e-6 * max(1.0, abs(fd)), name
+
+
+def inputs_at_the_bound(B, T, H, HV, K, V):
+    """(seed, make_inputs' six arrays, segment ids): fresh random inputs with every third key
+    channel exactly at the bound (-5) and packed documents, where the factored scores'
+    exponents are largest."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    q, k, v, g, beta, h0 = make_inputs(seed, B, T, H, HV, K, V)
+    g = jnp.where(jnp.arange(K) % 3 == 0, -5.0, g)
+    return seed, (q, k, v, g, beta, h0), segments(B, T, seed=seed + 1)
+
+
+def interpret_config(q, v, seg, C, lower_bound, tuning):
+    """The KdaConfig of an interpret-mode call (make_config), to read the blocks it chose."""
+    return pk.make_config(q, v, scale=1.0, segment_ids=seg, chunk_size=C,
+                          lower_bound=lower_bound, mode="interpret", tuning=tuning)
+
+
 @pytest.mark.parametrize("backend", ALL)
 def test_mid_anchored_scores_match_the_definition(backend):
     """KernelTuning.anchor_mid (the default): the forward's score blocks twice as tall (32
@@ -385,15 +457,9 @@ def test_mid_anchored_scores_match_the_definition(backend):
     the chunk; a lower bound that already gives whole-chunk blocks leaves the blocks as they
     are."""
     B, T, H, HV, K, V, C = 1, 150, 1, 2, 32, 16, 64
-    seed = int(np.random.default_rng().integers(1 << 30))
-    q, k, v, g, beta, h0 = make_inputs(seed, B, T, H, HV, K, V)
-    g = jnp.where(jnp.arange(K) % 3 == 0, -5.0, g)
-    seg = segments(B, T, seed=seed + 1)
+    seed, (q, k, v, g, beta, h0), seg = inputs_at_the_bound(B, T, H, HV, K, V)
     mid = KernelTuning(anchor_mid=1, bk=16)  # two K slices too
-
-    def config(lb, tuning):
-        return pk.make_config(q, v, scale=1.0, segment_ids=seg, chunk_size=C, lower_bound=lb,
-                              mode="interpret", tuning=tuning)
+    config = functools.partial(interpret_config, q, v, seg, C)
 
     assert (config(-5.0, mid).fwd_rows, config(-5.0, mid).fwd_mid) == (32, 1)
     assert (config(-2.5, mid).fwd_rows, config(-2.5, mid).fwd_mid) == (64, 1)
@@ -420,22 +486,22 @@ def test_mid_anchored_scores_match_the_definition(backend):
         assert rel(a, b) < (1e-5 if backend != "gpu" else 5e-3), (backend, name, rel(a, b))
 
 
+@pytest.mark.parametrize("mid_bwd", [0, 1], ids=["sub-chunks", "anchor_mid_bwd"])
 @pytest.mark.parametrize("backend", ALL)
-def test_gradients_of_a_small_cotangent_are_scaled_exactly(backend):
+def test_gradients_of_a_small_cotangent_are_scaled_exactly(backend, mid_bwd):
     """The backward is linear in the cotangent, and scaling by a power of two rounds nothing:
     a cotangent times 2^-24 (the size of a mean loss's gradients over millions of tokens) must
     give every gradient times 2^-24. Every third key channel sits at the bound, where the
-    backward's column side factors e^(G_i - G_j) into e^-75 and e^75: without its dA rows
+    backward's column side factors e^(G_i - G_j) into e^-75 and e^75 (around a 32-row block's
+    midpoint, with anchor_mid_bwd, e^-77.5 and e^77.5 on both sides): without dA's rows
     scaled to O(1), those products of small gradients fall under float32's smallest normal and
     are flushed (dk and dg several percent off on CPU)."""
     B, T, H, HV, K, V = 1, 150, 1, 2, 32, 16
-    seed = int(np.random.default_rng().integers(1 << 30))
-    q, k, v, g, beta, h0 = make_inputs(seed, B, T, H, HV, K, V)
-    g = jnp.where(jnp.arange(K) % 3 == 0, -5.0, g)
-    seg = segments(B, T, seed=seed + 1)
+    seed, (q, k, v, g, beta, h0), seg = inputs_at_the_bound(B, T, H, HV, K, V)
+    tuning = KernelTuning(anchor_mid_bwd=mid_bwd)
 
     def fn(q, k, v, g, beta, h0):
-        return run_pallas(backend, q, k, v, g, beta, h0, seg=seg)
+        return run_pallas(backend, q, k, v, g, beta, h0, seg=seg, tuning=tuning)
 
     out, vjp = jax.vjp(fn, q, k, v, g, beta, h0)
     rng = np.random.default_rng(seed)
@@ -447,6 +513,45 @@ def test_gradients_of_a_small_cotangent_are_scaled_exactly(backend):
     tol = 1e-4 if backend == "gpu" else 1e-6
     for name, a, b in zip(GRAD_NAMES, grads_small, grads, strict=True):
         assert rel(np.asarray(a, np.float64) / small, b) < tol, (backend, name)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_score_gradients_at_the_bound_match_the_float64_recurrence(backend):
+    """The backward's pairwise-decay sums at their extreme, both forms: the 16-row sub-chunks
+    (the default) and KernelTuning.anchor_mid_bwd's 32-row blocks (diagonal blocks around
+    their midpoints, dA's rows scaled by powers of two), against the float64 recurrence's
+    gradients, with every third key channel at the bound, packed documents and T not a
+    multiple of the chunk; at lower_bound = -2.5 the block is the whole chunk.
+
+    At the bound dk and dg lose float32 accuracy: each side's factors e^(+-75) come from G
+    (sums of up to 64 gates, so ~3e-5 absolute rounding), and dg takes the difference of the
+    two sides. Over 25 seeds the largest errors were dk 8.5e-5 and dg 1.3e-3 for the
+    sub-chunks, 9.7e-6 and 2.7e-4 for the taller blocks; q, v, beta, h0 stayed under 5e-5.
+    make_config sets the blocks for bounded gates only."""
+    B, T, H, HV, K, V, C = 1, 150, 1, 2, 32, 16, 64
+    seed, (q, k, v, g, beta, h0), seg = inputs_at_the_bound(B, T, H, HV, K, V)
+    mid = KernelTuning(anchor_mid_bwd=1, bk=16)  # two K slices too
+    config = functools.partial(interpret_config, q, v, seg, C)
+    assert config(-5.0, mid).bwd_rows == 32 and config(-2.5, mid).bwd_rows == 64
+    assert config(-1.0, mid).bwd_rows == 0 and config(None, mid).bwd_rows == 0
+    assert config(-5.0, KernelTuning()).bwd_rows == 0
+    rng = np.random.default_rng(seed)
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
+    S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
+    tols = dict.fromkeys(GRAD_NAMES, 1e-4) | {"k": 3e-4, "g": 4e-3}
+    if backend == "gpu":
+        tols = {name: max(tol, grad_tols(backend)[name]) for name, tol in tols.items()}
+    for lb, gate in ((-5.0, g), (-2.5, g / 2)):
+        want = float64_grads(q, k, v, gate, beta, h0, seg, o_w, S_w, K ** -0.5)
+        for tuning in (mid, dataclasses.replace(mid, anchor_mid_bwd=0)):
+            fn = functools.partial(run_pallas, backend, seg=seg, chunk_size=C, lower_bound=lb,
+                                   tuning=tuning)
+            got = fast_jit(jax.grad(loss_fn(fn, o_w, S_w), argnums=range(6)))(
+                q, k, v, gate, beta, h0)
+            for name, a, b in zip(GRAD_NAMES, got, want, strict=True):
+                assert bool(jnp.all(jnp.isfinite(a))), (backend, lb, tuning, name)
+                assert rel(a, b) < tols[name], (backend, lb, tuning.anchor_mid_bwd, name,
+                                                rel(a, b))
 
 
 def test_mid_anchored_scores_keep_small_keys_at_the_bound():
