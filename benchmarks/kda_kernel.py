@@ -199,7 +199,7 @@ def restore_fla_tuning(path: str) -> str:
         with tarfile.open(path) as tar:
             members = [m for m in tar.getmembers()
                        if m.isfile() and m.name.endswith(".autotune.json")
-                       and not m.name.startswith(("/", "..")) and ".." not in m.name.split("/")]
+                       and not m.name.startswith("/") and ".." not in m.name.split("/")]
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(cache, members=members, **safe)
         print(f"fla tuning: {len(members)} results from {path}", flush=True)

@@ -282,7 +282,8 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
     HV, V = v.shape[2:]
     C = max(16, chunk_size)  # dots need >= 16 rows; the result does not depend on C
     bounded, sub = _sub_rows(lower_bound, C)
-    # the forward's score blocks (KernelTuning.anchor_mid, where it makes them taller)
+    # the score blocks of the forward and the backward (KernelTuning.anchor_mid,
+    # anchor_mid_bwd), where the midpoint makes them taller than the sub-chunks
     fwd_rows, fwd_mid, bwd_rows = sub, 0, 0
     if bounded and (rows := _mid_anchored_rows(lower_bound, C)) > sub:
         if tuning.anchor_mid:

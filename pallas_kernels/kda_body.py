@@ -520,27 +520,29 @@ def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     M = _block_midpoints(G, r)
     e_up, e_dn = jnp.exp(G - M), jnp.exp(M - G)
 
-    def block_diag(name):
-        return jnp.where(same, cc(name).astype(f32), 0.0)
+    dAqk, dAkk, dAqkT, dAkkT = (cc(name) for name in ("dAqk", "dAkk", "dAqkT", "dAkkT"))
 
-    dAqk, dAkk = block_diag("dAqk"), block_diag("dAkk")
-    up, down = pow2_row_scales(dAqk, dAkk)
+    def block_diag(dA):
+        return jnp.where(same, dA.astype(f32), 0.0)
+
+    aq, ak = block_diag(dAqk), block_diag(dAkk)
+    up, down = pow2_row_scales(aq, ak)
     x = kf * e_dn
-    rq = e_up * mm(dAqk * up, x, cfg, split_b=True) * down
-    rk = e_up * mm(dAkk * up, x, cfg, split_b=True) * down
-    dAqkT, dAkkT = block_diag("dAqkT"), block_diag("dAkkT")
-    up, down = pow2_row_scales(dAqkT, dAkkT)
-    c = e_dn * (mm(dAqkT * up, qs * e_up, cfg, split_b=True)
-                + mm(dAkkT * up, kf * e_up, cfg, split_b=True)) * down
+    rq = e_up * mm(aq * up, x, cfg, split_b=True) * down
+    rk = e_up * mm(ak * up, x, cfg, split_b=True) * down
+    aq, ak = block_diag(dAqkT), block_diag(dAkkT)
+    up, down = pow2_row_scales(aq, ak)
+    c = e_dn * (mm(aq * up, qs * e_up, cfg, split_b=True)
+                + mm(ak * up, kf * e_up, cfg, split_b=True)) * down
     for ib in range(1, C // r):
         D = G - G_row(jnp.minimum(ib * r, lv))
         e_neg = jnp.exp(jnp.where(ri < ib * r, -D, -jnp.inf))
         e_pos = jnp.exp(jnp.where(blk == ib, D, -jnp.inf))
         x = kf * e_neg
-        rq = rq + e_pos * mm(cc("dAqk"), x, cfg, split_b=True)
-        rk = rk + e_pos * mm(cc("dAkk"), x, cfg, split_b=True)
-        c = c + e_neg * (mm(cc("dAqkT"), qs * e_pos, cfg, split_b=True)
-                         + mm(cc("dAkkT"), kf * e_pos, cfg, split_b=True))
+        rq = rq + e_pos * mm(dAqk, x, cfg, split_b=True)
+        rk = rk + e_pos * mm(dAkk, x, cfg, split_b=True)
+        c = c + e_neg * (mm(dAqkT, qs * e_pos, cfg, split_b=True)
+                         + mm(dAkkT, kf * e_pos, cfg, split_b=True))
     return rq, rk, c
 
 

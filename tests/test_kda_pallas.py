@@ -439,6 +439,13 @@ def inputs_at_the_bound(B, T, H, HV, K, V):
     return seed, (q, k, v, g, beta, h0), segments(B, T, seed=seed + 1)
 
 
+def random_cotangent(out, seed):
+    """Standard normal cotangents for (o, final state), o's in its dtype, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(out[0].shape), out[0].dtype),
+            jnp.asarray(rng.standard_normal(out[1].shape), jnp.float32))
+
+
 def interpret_config(q, v, seg, C, lower_bound, tuning):
     """The KdaConfig of an interpret-mode call (make_config), to read the blocks it chose."""
     return pk.make_config(q, v, scale=1.0, segment_ids=seg, chunk_size=C,
@@ -471,10 +478,7 @@ def test_mid_anchored_scores_match_the_definition(backend):
             return run_pallas(backend, q, k, v, g, beta, h0, seg=seg, chunk_size=C,
                               tuning=tuning)
         out, vjp = jax.vjp(fn, q, k, v, g, beta, h0)
-        rng = np.random.default_rng(seed)
-        cot = (jnp.asarray(rng.standard_normal(out[0].shape), out[0].dtype),
-               jnp.asarray(rng.standard_normal(out[1].shape), jnp.float32))
-        return [*out, *vjp(cot)]
+        return [*out, *vjp(random_cotangent(out, seed))]
 
     got = out_and_grads(mid)
     o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5, h0, seg=np.asarray(seg))
@@ -504,9 +508,7 @@ def test_gradients_of_a_small_cotangent_are_scaled_exactly(backend, mid_bwd):
         return run_pallas(backend, q, k, v, g, beta, h0, seg=seg, tuning=tuning)
 
     out, vjp = jax.vjp(fn, q, k, v, g, beta, h0)
-    rng = np.random.default_rng(seed)
-    cot = (jnp.asarray(rng.standard_normal(out[0].shape), out[0].dtype),
-           jnp.asarray(rng.standard_normal(out[1].shape), jnp.float32))
+    cot = random_cotangent(out, seed)
     small = 2.0 ** -24
     grads = vjp(cot)
     grads_small = vjp(tuple(c * small for c in cot))
