@@ -196,12 +196,16 @@ def restore_fla_tuning(path: str) -> str:
     anything else is tuned anew. Call before fla (and so Triton) first runs."""
     cache = tempfile.mkdtemp(prefix="triton_cache_")
     if os.path.exists(path):
-        with tarfile.open(path) as tar:
-            members = [m for m in tar.getmembers()
-                       if m.isfile() and m.name.endswith(".autotune.json")
-                       and not m.name.startswith("/") and ".." not in m.name.split("/")]
-            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(cache, members=members, **safe)
+        try:
+            with tarfile.open(path) as tar:
+                members = [m for m in tar.getmembers()
+                           if m.isfile() and m.name.endswith(".autotune.json")
+                           and not m.name.startswith("/") and ".." not in m.name.split("/")]
+                safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                tar.extractall(cache, members=members, **safe)
+        except (tarfile.TarError, OSError) as err:
+            raise SystemExit(f"--fla-tuning: {path} is not a readable .tgz of autotuning "
+                             f"results ({err}); give another path, or none to tune afresh") from None
         print(f"fla tuning: {len(members)} results from {path}", flush=True)
     os.environ["TRITON_CACHE_DIR"] = cache
     return cache

@@ -227,6 +227,10 @@ def test_kda_kernel_keeps_fla_tuning_results_across_machines(tmp_path, monkeypat
     assert second != first and os.environ["TRITON_CACHE_DIR"] == second
     got = {str(f.relative_to(second)): f.read_text() for f in Path(second).rglob("*") if f.is_file()}
     assert got == want and not (Path(second).parent / "outside.autotune.json").exists()
+    corrupt = tmp_path / "corrupt.tgz"
+    corrupt.write_bytes(b"not a tar archive")
+    with pytest.raises(SystemExit, match=r"--fla-tuning: .*corrupt.tgz is not a readable"):
+        kk.restore_fla_tuning(str(corrupt))
 
 
 def test_kda_kernel_packs_rows_with_documents_of_about_the_given_length():
