@@ -66,11 +66,11 @@ def rel(a, b):
     return float(_rel(a, b))
 
 
-def channels_inputs(cfg, kargs, G, Tinv, seed=1):
-    """intra_bwd_channels' arguments after cfg: q, k, beta and the forward's G and Tinv (the
-    Triton intra_fwd), random bf16 h, dh, V', dV', dO and score gradients (dAqk lower
-    triangular, dAkk strictly, and their transposes)."""
-    qp, kp, _, _, bp = kargs
+def channels_inputs(cfg, kargs, G, seed=1):
+    """intra_bwd_channels' arguments after cfg: q, k and the forward's G (the Triton
+    intra_fwd), random bf16 h, dh, V', dO, dv and score gradients (dAqk lower triangular, dAkk
+    strictly, and their transposes)."""
+    qp, kp = kargs[:2]
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
 
@@ -79,8 +79,8 @@ def channels_inputs(cfg, kargs, G, Tinv, seed=1):
 
     dA = [jnp.tril(rand(BHV, N, C, C), -i) for i in (0, 1)]
     dA += [jnp.swapaxes(x, -1, -2) for x in dA]
-    return (qp, kp, G, bp, (), dA, Tinv, rand(BHV, N, V, K), rand(BHV, N, V, K),
-            rand(BHV, N, C, V), rand(BHV, N, C, V), rand(cfg.B, N * C, cfg.HV, V))
+    return (qp, kp, G, (), dA, rand(BHV, N, V, K), rand(BHV, N, V, K), rand(BHV, N, C, V),
+            rand(cfg.B, N * C, cfg.HV, V), rand(cfg.B, N * C, cfg.HV, V))
 
 
 def backward_rows(args, cfg, kargs, inputs, mode, interpret):
@@ -88,18 +88,19 @@ def backward_rows(args, cfg, kargs, inputs, mode, interpret):
     float32 g), intra_bwd_scores alone, and the whole kda_pallas gradient."""
     qp, kp, vp, gp, bp = kargs
     W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(cfg, qp, kp, vp, gp, bp, (), residuals=True)
-    cargs = channels_inputs(cfg, kargs, G, Tinv)
+    cargs = channels_inputs(cfg, kargs, G)
     kw = dict(dqk_dtype=jnp.bfloat16, dg_dtype=kargs[3].dtype)
     tri_cfg = dataclasses.replace(cfg, hopper=0)
-    tri = jax.jit(lambda *a: calls.intra_bwd_channels(tri_cfg, *a, **kw), static_argnums=4)
+    tri = jax.jit(lambda *a: calls.intra_bwd_channels(tri_cfg, *a, **kw), static_argnums=3)
     mg = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
-                 static_argnums=4)
+                 static_argnums=3)
     t_tri = timed(tri, cargs, args.warmup, args.iters)
     t_mg = timed(mg, cargs, args.warmup, args.iters)
     diff = max(rel(a, b) for a, b in zip(mg(*cargs), tri(*cargs), strict=True))
     rows = [("intra_bwd_channels", t_tri, t_mg, diff)]
 
-    h, _, Vp, dVp, dO = cargs[7:]
+    h, _, Vp, dO, _ = cargs[5:]
+    dVp = jax.random.normal(jax.random.PRNGKey(2), Vp.shape, Vp.dtype)
     sargs = (kp, vp, G, bp, (), W, U, Akk, Tinv, h, Vp, dVp, dO)
     tri = jax.jit(lambda *a: calls.intra_bwd_scores(tri_cfg, *a, dv_dtype=jnp.bfloat16),
                   static_argnums=4)

@@ -835,18 +835,23 @@ def bwd_intra_scores(io, cfg: KdaConfig):
         dL = dL - mm(dRv, io.vt("U", t), cfg, tb=True)
         dbeta = dbeta + _rowsum(dRv * io.vt("v", t).astype(f32))
         io.put("dv", t, beta * dRv)
+    # With all of V in one tile, sweep (B) takes dR_k = T^T dW = -T^T dV' S^T = -dR_v S^T: one
+    # dot per K slice instead of two, from dR_v as the dot's operand (cast as mm would).
+    dRv_op = dRv.astype(cfg.dtype) if nv == 1 else None
 
-    def dW_slice(s):  # dW = -dV' S^T, columns of slice s
+    def dRk_slice(s):  # dR_k = T^T dW, dW = -dV' S^T: columns of slice s
+        if dRv_op is not None:
+            return -mm(dRv_op, io.st("St", 0, s), cfg)
         dW = jnp.zeros((C, cfg.bk), f32)
         for t in range(nv):
             dW = dW - mm(io.vt("dVp", t), io.st("St", t, s), cfg)
-        return dW
+        return mm(Tinv, dW, cfg, ta=True)
 
-    # (B) dW -> dR_k = T^T dW: dL -= dR_k W^T, dbeta += rowsum(dR_k * Gam K a).
+    # (B) dR_k: dL -= dR_k W^T, dbeta += rowsum(dR_k * Gam K a).
     def sweep_b(s, carry):
         dL, dbeta = carry
         p = Slice(*io.qkg(s), a, lm, cfg, G=io.G(s))
-        dRk = mm(Tinv, dW_slice(s), cfg, ta=True)
+        dRk = dRk_slice(s)
         return dL - mm(dRk, io.W(s), cfg, tb=True), dbeta + _rowsum(dRk * p.KGa)
 
     dL, dbeta = _loop(nk, sweep_b, (dL, dbeta))
@@ -864,12 +869,11 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
     """Backward, part 2: dq, dk, dg of one chunk in K slice s (the math is separable in d once
     part 1 has reduced over K and V).
 
-    ``io`` loads: qkg(s) (q and k), G(s) and G_row(r) (see ``Slice``), beta, seg as in
-    ``fwd_intra``; rows(name, ib) -> rows ib*s .. ib*s+s-1 [s, C] of dAqk, dAkk and their
-    transposes dAqkT, dAkkT (from ``bwd_intra_scores``); cc(name) -> [C, C] for Tinv (from
-    ``fwd_intra``) and the four score gradients whole (the unbounded gate's diagonal blocks,
-    ``cfg.bwd_rows``' blocks);
-    vt(name, t) for Vp, dVp, dO;
+    ``io`` loads: qkg(s) (q and k), G(s) and G_row(r) (see ``Slice``), seg as in ``fwd_intra``;
+    rows(name, ib) -> rows ib*s .. ib*s+s-1 [s, C] of dAqk, dAkk and their transposes dAqkT,
+    dAkkT (from ``bwd_intra_scores``); cc(name) -> [C, C] for the four score gradients whole
+    (the unbounded gate's diagonal blocks, ``cfg.bwd_rows``' blocks); vt(name, t) for Vp, dO and
+    dv (part 1's output);
     st(name, t, s) for St and dSt (the gradient of the state leaving the chunk) -> [BV, BK].
     ``io.put`` stores dq, dk, dg of slice s. With the gate in the kernel (``cfg.gate``), io also
     loads f() -> the gate logits [C, BK] and gate_params(s) -> A, dt_bias [1, BK], and "dg"
@@ -878,7 +882,6 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
     C, nv = cfg.C, cfg.V // cfg.bv_intra
     lv = last_valid_row(n, cfg)
     a, lm, _, _ = io.seg
-    beta = io.beta.astype(f32)
     p = Slice(*io.qkg(s), a, lm, cfg, G=io.G(s), G_row=io.G_row)
     # The score gradients first: reduced at once to three accumulators, fewer tiles stay live
     # through the state dots below (fewer register spills).
@@ -886,18 +889,19 @@ def bwd_intra_channels(io, n, s, cfg: KdaConfig):
     dk = c + rk
     dG = p.qs * rq + p.kf * (rk - c)
     zk = jnp.zeros((C, cfg.bk), f32)
-    dQG, dKg, dW, dgam = zk, zk, zk, jnp.zeros((1, cfg.bk), f32)
-    Tinv = io.cc("Tinv")
+    dQG, dKg, dKGa, dgam = zk, zk, zk, jnp.zeros((1, cfg.bk), f32)
     for t in range(nv):
         # every load of the step first, so their latencies overlap (see _bounded_pair_grads)
         St, dSt = io.st("St", t, s), io.st("dSt", t, s)
-        dO, Vp, dVp = (io.vt(name, t) for name in ("dO", "Vp", "dVp"))
+        dO, Vp, dv = (io.vt(name, t) for name in ("dO", "Vp", "dv"))
         St, dSt = St.astype(f32), dSt.astype(f32)
         dQG = dQG + mm(dO, St, cfg)
         dKg = dKg + mm(Vp, dSt, cfg)
-        dW = dW - mm(dVp, St, cfg)
+        # W = T Diag(beta) (k e^G a) and dW = -dV' S^T give dL/d(k e^G a) = Diag(beta) T^T dW
+        # = -Diag(beta) T^T dV' S^T = -dv S^T: part 1's dv (= Diag(beta) T^T dV') already
+        # holds the product with the inverse, so one dot replaces two and T is not loaded.
+        dKGa = dKGa - mm(dv, St, cfg)
         dgam = dgam + jnp.sum(St * dSt, axis=0, keepdims=True)
-    dKGa = beta * mm(Tinv, dW, cfg, ta=True)
     if cfg.has_seg:
         dqs = dQG * p.Gam * a
         dk = dk + dKGa * p.Gam * a + dKg * p.decay_to_end * lm

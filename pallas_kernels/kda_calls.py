@@ -574,9 +574,8 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
     """
     dv, db, *dA = intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO,
                                    dv_dtype=dv_dtype)
-    dq, dk, dg, *dgate = intra_bwd_channels(
-        cfg, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO, f, gate_params,
-        dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
+    dq, dk, dg, *dgate = intra_bwd_channels(cfg, q, k, G, segs, dA, h, dh, Vp, dO, dv, f,
+                                            gate_params, dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
     return dq, dk, dv, dg, db, tuple(dgate)
 
 
@@ -630,19 +629,21 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         stages=cfg.stages_intra)(k, v, G, beta, *segs, W, U, Akk, Tinv, h, Vp, dVp, dO)
 
 
-def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO,
-                       f=None, gate_params=(), *, dqk_dtype, dg_dtype):
+def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=None,
+                       gate_params=(), *, dqk_dtype, dg_dtype):
     """Backward part 2, grid (B*HV, N, K/BK): dq, dk (per value head) and dg in the user layout.
-    dA = (dAqk, dAkk, dAqk^T, dAkk^T) from ``intra_bwd_scores``. With the gate in the kernel
-    (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums.
+    dA = (dAqk, dAkk, dAqk^T, dAkk^T) and dv from ``intra_bwd_scores``. With the gate in the
+    kernel (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums. dv
+    stands in for beta, Tinv and dV' (``kda_body.bwd_intra_channels`` says why).
 
     With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
-    (``hopper_intra_mode`` on the forward's dtypes: dO has v's, G is float32)."""
-    hopper = hopper_intra_mode(cfg, q, k, dO, G, beta, body.HOPPER_BWD_CHANNELS)
+    (``hopper_intra_mode`` on the forward's dtypes: dO and dv have v's, G is float32; no beta
+    here, dv in its place)."""
+    hopper = hopper_intra_mode(cfg, q, k, dO, G, dv, body.HOPPER_BWD_CHANNELS)
     if hopper is not None and kda_mgpu_bwd.unsupported_reason(cfg, dqk_dtype, dg_dtype) is None:
         interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
         return kda_mgpu_bwd.intra_bwd_channels(
-            cfg, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO, f, gate_params,
+            cfg, q, k, G, segs, dA, h, dh, Vp, dO, dv, f, gate_params,
             dqk_dtype=dqk_dtype, dg_dtype=dg_dtype, interpret=interpret)
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     nk = K // cfg.bk
@@ -654,10 +655,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     state = pl.BlockSpec((None, None, V, bk), lambda bh, n, s: (bh, n, 0, s))
     in_specs = [
         _tok_spec(cfg, bk, qk_head, slice_k), _tok_spec(cfg, bk, qk_head, slice_k),
-        pl.BlockSpec((None, None, C, bk), lambda bh, n, s: (bh, n, 0, s)),
-        _tok_spec(cfg, 1, v_head, chunk), *sp.seg,
-        *[per_chunk(C)] * 5, state, state, per_chunk(V), per_chunk(V),
-        _tok_spec(cfg, V, v_head, chunk),
+        pl.BlockSpec((None, None, C, bk), lambda bh, n, s: (bh, n, 0, s)), *sp.seg,
+        *[per_chunk(C)] * 4, state, state, per_chunk(V),
+        _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, V, v_head, chunk),
     ]
     out_specs = [_tok_spec(cfg, bk, v_head, slice_k)] * 3
     out_shape = [_tok_shape(cfg, HV, K, dqk_dtype), _tok_shape(cfg, HV, K, dqk_dtype),
@@ -671,16 +671,16 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
         out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32)] * 2
     ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
 
-    def channels_kernel(q_r, k_r, G_r, b_r, *refs):
+    def channels_kernel(q_r, k_r, G_r, *refs):
         seg, rest = _take_seg(cfg, refs)
-        *dA_r, Ti_r, h_r, dh_r, Vp_r, dVp_r, dO_r = rest[:len(DA_NAMES) + 6]
-        rest = rest[len(DA_NAMES) + 6:]
+        *dA_r, h_r, dh_r, Vp_r, dO_r, dv_r = rest[:len(DA_NAMES) + 5]
+        rest = rest[len(DA_NAMES) + 5:]
         f_r, *gate_r = rest[:3] if gated else (None,)
         dq_r, dk_r, dg_r, *dgate_r = rest[3:] if gated else rest
         _, vs = _slicers(cfg)
-        by_v = {"Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
-        dA = dict(zip(DA_NAMES, dA_r, strict=True))
-        cc = {"Tinv": Ti_r, **dA}  # dA whole: the unbounded gate's diagonal, anchor_mid_bwd
+        by_v = {"Vp": Vp_r, "dO": dO_r, "dv": dv_r}
+        dA = dict(zip(DA_NAMES, dA_r, strict=True))  # whole: the unbounded gate's diagonal,
+        # and anchor_mid_bwd's blocks
         whole = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
         if gated:
             whole.update(dbias=dgate_r[0], dA=dgate_r[1])
@@ -690,16 +690,16 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
             qkg=lambda s: (q_r[...], k_r[...], None), G=lambda s: G_r[...],
             # anchor rows of G straight from memory; Mosaic takes the masked-reduction default
             G_row=None if head_major(cfg) else (lambda r: G_r[pl.ds(r, 1), :]),
-            beta=b_r[...], seg=seg, put=put,
+            seg=seg, put=put,
             rows=lambda name, ib: dA[name][pl.ds(ib * cfg.sub, cfg.sub), :],
-            cc=lambda name: cc[name][...], vt=lambda name, t: by_v[name][:, vs(t)],
+            cc=lambda name: dA[name][...], vt=lambda name, t: by_v[name][:, vs(t)],
             st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
         body.bwd_intra_channels(io, pl.program_id(1), 0, ch_cfg)
 
     return _call(
         channels_kernel, cfg, grid=(BHV, N, nk), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="kda_intra_bwd_channels", warps=cfg.warps_chan,
-        stages=cfg.stages_intra)(q, k, G, beta, *segs, *dA, Tinv, h, dh, Vp, dVp, dO, *gate_args)
+        stages=cfg.stages_intra)(q, k, G, *segs, *dA, h, dh, Vp, dO, dv, *gate_args)
 
 
 @functools.cache

@@ -13,8 +13,8 @@ notation of ``kda_body`` (rows i, j of the chunk; d a channel of the slice; qs =
 
 State part (``kda_body.bwd_intra_channels``' V loop, one wgmma each over all of V = 128):
 
-    dQG = dO St,   dKg = V' dSt,   dW = -dV' St          [C, V] x [V, BK]
-    dKGa = Diag(beta) Tinv^T dW                          (Tinv^T: a transposed SMEM view)
+    dQG = dO St,   dKg = V' dSt,   dKGa = -dv St         [C, V] x [V, BK]
+                                   (= Diag(beta) Tinv^T dW, dW = -dV' St: dv from part 1)
     dgam_d = sum_v St_vd dSt_vd                          (a wgmma by a ones [C, V] matrix on
                                                           the exact hi + lo bf16 split of St*dSt)
 
@@ -45,14 +45,13 @@ The column sum of P (a ones [C, C] matrix) and the reverse cumsum are wgmmas on 
 three-plane bf16 split (hi + mid + lo, 8 significand bits each) of the float32 operand.
 
 Shapes (HBM): as ``kda_calls.intra_bwd_channels``: q, k [B, Tp, H, K] bf16; G [B*HV, N, C,
-K] f32; beta [B, Tp, HV, 1] (transposed here to [B*HV, Tp] float32: a TMA box needs >= 16
-contiguous bytes); dA = (dAqk, dAkk, dAqkT, dAkkT) and Tinv [B*HV, N, C, C] bf16; h, dh
-[B*HV, N, V, K] bf16; Vp, dVp [B*HV, N, C, V] bf16; dO [B, Tp, HV, V] bf16. Outputs dq, dk
-[B, Tp, HV, K] (dqk_dtype) and dg [B, Tp, HV, K] (dg_dtype), bf16 or float32.
+K] f32; dA = (dAqk, dAkk, dAqkT, dAkkT) [B*HV, N, C, C] bf16; h, dh [B*HV, N, V, K] bf16; Vp
+[B*HV, N, C, V] bf16; dO, dv [B, Tp, HV, V] bf16. Outputs dq, dk [B, Tp, HV, K] (dqk_dtype)
+and dg [B, Tp, HV, K] (dg_dtype), bf16 or float32.
 
-SMEM (Pallas' estimate: 185 KB, one CTA per SM): q, k, G, the four dA, Tinv and four [C, BK] /
-[C, C] staging buffers live throughout (~104 KB); the state operands St, dSt, V', dV', dO
-(80 KB) are scoped to the state part, the output staging (<= 48 KB) to the end. All loads are
+SMEM: q, k, G, the four dA and four [C, BK] / [C, C] staging buffers live throughout
+(~96 KB); the state operands St, dSt, V', dv, dO (80 KB) are scoped to the state part, the
+output staging (<= 48 KB) to the end. All loads are
 issued at the start in the order of use and waited at first use; no overlap of one CTA's loads
 with another CTA's math yet (one CTA per SM).
 """
@@ -104,8 +103,8 @@ def unsupported_reason(cfg: KdaConfig, dqk_dtype, dg_dtype) -> str | None:
     return None
 
 
-def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp, dVp, dO,
-                       f=None, gate_params=(), *, dqk_dtype, dg_dtype, interpret=None):
+def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=None,
+                       gate_params=(), *, dqk_dtype, dg_dtype, interpret=None):
     """``kda_calls.intra_bwd_channels`` on Mosaic GPU (same arguments and outputs, for the
     configs ``kda_mgpu.unsupported_reason`` and ``unsupported_reason`` accept). ``interpret``:
     Mosaic GPU interpret params (CPU), None compiles for sm_90."""
@@ -115,12 +114,11 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     assert C == CHUNK
     BHV, Tp, nb, nk = B * HV, cfg.N * cfg.C, cfg.C // cfg.sub, cfg.K // BK
     scale = cfg.scale
-    beta_BHVxTp = jnp.transpose(beta[..., 0].astype(f32), (0, 2, 1)).reshape(BHV, Tp)
     out_dts = (jnp.dtype(dqk_dtype), jnp.dtype(dqk_dtype), jnp.dtype(dg_dtype))
     out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, K), dt) for dt in out_dts]
 
     WG = plgpu.Layout.WGMMA
-    ROW, COL = WG.reduce(1), WG.reduce(0)  # per-row / per-column vectors of a WGMMA array
+    COL = WG.reduce(0)  # per-column vectors of a WGMMA array
     compiled = interpret is None
 
     iota = functools.partial(_iota, compiled=compiled)
@@ -136,10 +134,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
                 r = r - p.astype(f32)
         plgpu.commit_smem()
 
-    def kernel(q_g, k_g, G_g, beta_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g, T_g, h_g, dh_g, Vp_g,
-               dVp_g, dO_g, dq_g, dk_g, dg_g,
-               q_s, k_s, G_s, beta_s, dAqk_s, dAkk_s, dAqkT_s, dAkkT_s, T_s, x1_s, x2_s, x3_s,
-               m_s, bars):
+    def kernel(q_g, k_g, G_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g, h_g, dh_g, Vp_g, dO_g, dv_g,
+               dq_g, dk_g, dg_g,
+               q_s, k_s, G_s, dAqk_s, dAkk_s, dAqkT_s, dAkkT_s, x1_s, x2_s, x3_s, m_s, bars):
         bh, n, sk = lax.axis_index("bh"), lax.axis_index("n"), lax.axis_index("s")
         b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
         hq = lax.div(hv, jnp.int32(G_))
@@ -172,14 +169,10 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
         def load_G():
             return G_s[...] if not compiled else plgpu.load(G_s, (), layout=WG, optimized=False)
 
-        def by_row(x_C):
-            return lax.broadcast_in_dim(x_C, (C, BK), [0])
-
-        def state_part(h_s, dh_s, Vp_s, dVp_s, dO_s):
+        def state_part(h_s, dh_s, Vp_s, dv_s, dO_s):
             """dQG, dKg, dKGa, then the chunk's dq, dk, dG before the score part."""
             for name, src, dst in (
-                    ("dVp", dVp_g.at[bh, n], dVp_s), ("h", h_g.at[bh, n, :, ch], h_s),
-                    ("T", T_g.at[bh, n], T_s), ("beta", beta_g.at[bh, tok], beta_s),
+                    ("dv", dv_g.at[b, tok, hv], dv_s), ("h", h_g.at[bh, n, :, ch], h_s),
                     ("dO", dO_g.at[b, tok, hv], dO_s), ("Vp", Vp_g.at[bh, n], Vp_s),
                     ("dh", dh_g.at[bh, n, :, ch], dh_s), ("G", G_g.at[bh, n, :, ch], G_s),
                     ("q", q_g.at[b, tok, hq, ch], q_s), ("k", k_g.at[b, tok, hq, ch], k_s),
@@ -187,17 +180,8 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
                     ("dAqkT", dAqkT_g.at[bh, n], dAqkT_s),
                     ("dAkkT", dAkkT_g.at[bh, n], dAkkT_s)):
                 issue(name, src, dst)
-            need("dVp", "h", "T", "beta")
-            beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
-            if not compiled:  # the interpreter's wgmma takes no transposed view: store T^T
-                T_s[...] = T_s[...].T
-                T_t = T_s
-            else:
-                T_t = plgpu.transpose_ref(T_s, (1, 0))
-            # dW = -dV' St (bf16, Tinv^T's right operand), dKGa = Diag(beta) Tinv^T dW
-            x1_s[...] = (-_dot([(dVp_s, h_s)], (C, BK))).astype(bf16)
-            plgpu.commit_smem()
-            dKGa_CxBK = by_row(beta_C) * _dot([(T_t, x1_s)], (C, BK))
+            need("dv", "h")
+            dKGa_CxBK = -_dot([(dv_s, h_s)], (C, BK))
             need("dO")
             dQG_CxBK = _dot([(dO_s, h_s)], (C, BK))
             need("Vp", "dh")
@@ -290,16 +274,15 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, beta, segs, dA, Tinv, h, dh, Vp,
     scratch = (
         _swizzled((C, BK), bf16), _swizzled((C, BK), bf16),  # q, k (this slice)
         plgpu.SMEM((C, BK), f32),  # G (untiled float32: rows are read one at a time)
-        plgpu.SMEM((C,), f32),  # beta
-        *[_swizzled((C, C), bf16)] * 5,  # dAqk, dAkk, dAqkT, dAkkT, Tinv
-        *[_swizzled((C, BK), bf16)] * 3,  # wgmma right operands: dW, planes of X, Y, P, dG
+        *[_swizzled((C, C), bf16)] * 4,  # dAqk, dAkk, dAqkT, dAkkT
+        *[_swizzled((C, BK), bf16)] * 3,  # wgmma right operands: planes of X, Y, P, dG
         _swizzled((C, C), bf16),  # the constant ones / Utri matrix
-        plgpu.Barrier(num_barriers=14),  # one a load
+        plgpu.Barrier(num_barriers=12),  # one a load
     )
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N, nk), grid_names=("bh", "n", "s"),
                       scratch_types=scratch, compiler_params=params, interpret=interpret)
-    return tuple(fn(q, k, G, beta_BHVxTp, *dA, Tinv, h, dh, Vp, dVp, dO))
+    return tuple(fn(q, k, G, *dA, h, dh, Vp, dO, dv))
 
 
 def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
@@ -309,11 +292,11 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
 
         dAqk = tril(dO V'^T)                             [C, V] x [V, C]
         dRv  = Tinv^T dV',   dv = Diag(beta) dRv,   dbeta = rowsum(dRv * v)
-        dW   = -dV' St,      dRk = Tinv^T dW            [C, V] x [V, K], then [C, C] x [C, K]
+        dRk  = Tinv^T dW = -dRv St     (dW = -dV' St)   [C, V] x [V, K]
         dL   = strict tril(-dRv U^T - dRk W^T)
         dbeta += rowsum(dRk * k e^G) + rowsum(dL * Akk),   dAkk = Diag(beta) dL
 
-    Every product is one bf16 wgmma (dRv, dW, dRk rounded to bf16 first, as the Triton kernel's
+    Every product is one bf16 wgmma (dRv and dRk rounded to bf16 first, as the Triton kernel's
     ``mm`` does); transposed operands are transposed SMEM views. dAqk^T and dAkk^T are exact:
     a wgmma of the transposed view of the stored bf16 matrix with the identity.
 
@@ -421,9 +404,9 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             plgpu.commit_smem()  # dv from dO's buffer (read above: dAqk's wgmma is done)
             plgpu.copy_smem_to_gmem(dO_s, dv_g.at[b, tok, hv])
             need("h")
-            dRk_s[...] = (-_dot([(dVp_s, h_s)], (C, K))).astype(bf16)  # dW
-            plgpu.commit_smem()
-            dRk_CxK = _dot([(T_t, dRk_s)], (C, K))
+            # dRk = Tinv^T dW = -Tinv^T dV' St = -dRv St: one wgmma from the stored dRv
+            # (committed with dv above) instead of two with a store of dW between them
+            dRk_CxK = -_dot([(dRv_s, h_s)], (C, K))
             dRk_s[...] = dRk_CxK.astype(bf16)
             plgpu.commit_smem()
             need("k", "G")
@@ -480,7 +463,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         _swizzled((C, C), bf16),  # Tinv
         _swizzled((C, V), bf16),  # dV'
         _swizzled((C, V), bf16),  # dRv (bf16)
-        _swizzled((C, K), bf16),  # dW, then dRk (bf16)
+        _swizzled((C, K), bf16),  # dRk (bf16)
         plgpu.SMEM((C,), f32),  # dbeta staging
         plgpu.Barrier(num_barriers=12),  # one a load (a and the segment ids: 11, 12)
     ]

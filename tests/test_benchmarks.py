@@ -7,7 +7,6 @@ import importlib.util
 import io
 import os
 import tarfile
-import time
 from pathlib import Path
 
 import jax
@@ -176,24 +175,29 @@ def test_kda_kernel_table_gives_each_peer_its_ratio_and_dashes_for_the_missing()
     assert cells[7:] == ["1.20x / 1.20x", "—", "1.50x / 1.50x", "—"]
 
 
-def test_kda_kernel_timer_reports_the_time_of_one_call_over_batches():
+def test_kda_kernel_timer_reports_the_time_of_one_call_over_batches(monkeypatch):
     """kda_kernel.time_jax: two calls to warm up, then batches of back-to-back calls sized to
-    ~batch_s each, and the median time of one call in ms."""
+    ~batch_s each with one wait per batch, and the median time of one call in ms. On a clock
+    that only the calls advance (a real one, on a loaded 2-core machine, stretched the second
+    warm-up call and the batch size with it)."""
     kk = load("kda_kernel")
     rng = np.random.default_rng()
     call_s, batches = float(rng.uniform(0.002, 0.004)), int(rng.integers(2, 5))
-    calls = []
+    now, calls, waits = [100.0], [], []
+    monkeypatch.setattr(kk.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(kk.jax, "block_until_ready", lambda x: waits.append(len(calls)) or x)
 
     def fn(x):
         calls.append(x)
-        time.sleep(call_s)
-        return jnp.asarray(x)
+        now[0] += call_s
+        return x
 
     ms = kk.time_jax(fn, (1.0,), batches=batches, batch_s=0.03)
-    reps = (len(calls) - 2) / batches
-    # sized from the second warm-up call, which a loaded machine may stretch
-    assert reps == int(reps) and 0.4 * 0.03 / call_s <= reps <= 0.03 / call_s + 1, reps
-    assert 1e3 * call_s <= ms < 1e3 * call_s + 3, (ms, call_s)
+    reps = int(0.03 / call_s)
+    assert len(calls) == 2 + batches * reps, (len(calls), reps)
+    # a wait after each warm-up call, then one at the end of each batch
+    assert waits == [1, 2] + [2 + reps * (i + 1) for i in range(batches)], waits
+    assert ms == pytest.approx(1e3 * call_s), (ms, call_s)
 
 
 def test_kda_kernel_keeps_fla_tuning_results_across_machines(tmp_path, monkeypatch):

@@ -252,15 +252,15 @@ def test_gate_in_kernel_takes_the_mgpu_scores_kernel(rng, mgpu_bwd_calls):
 
 
 def channels_args(rng, B, T, H, HV, gate_dtype=jnp.float32):
-    """(cfg, the arguments of intra_bwd_channels after cfg): q, k, beta and the forward's G and
-    Tinv from real inputs (the Triton intra_fwd, interpret mode); the state-pass tensors h, dh,
-    V', dV', dO and the score gradients dAqk (lower triangle), dAkk (strict) and their
-    transposes random bf16."""
+    """(cfg, the arguments of intra_bwd_channels after cfg): q, k and the forward's G from real
+    inputs (the Triton intra_fwd, interpret mode); the state-pass tensors h, dh, V', dO, part
+    1's dv and the score gradients dAqk (lower triangle), dAkk (strict) and their transposes
+    random bf16."""
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, gate_dtype=gate_dtype)
     cfg = config(q, v, mode="gpu" if HOPPER else "interpret")
     qp, kp, vp, gp, bp = kernel_args(q, k, v, g, beta, cfg)
     ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
-    *_, G, _, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (), residuals=True)
+    G = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (), residuals=True)[6]
     BHV, N, C = B * HV, cfg.N, cfg.C
 
     def rand(*shape):
@@ -269,8 +269,8 @@ def channels_args(rng, B, T, H, HV, gate_dtype=jnp.float32):
     dA = [jnp.tril(rand(BHV, N, C, C), -i) for i in (0, 1)]
     dA += [jnp.swapaxes(x, -1, -2) for x in dA]
     rest = (rand(BHV, N, 128, 128), rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
-            rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
-    return cfg, (qp, kp, G, bp, (), dA, Tinv, *rest)
+            rand(B, N * C, HV, 128), rand(B, N * C, HV, 128))
+    return cfg, (qp, kp, G, (), dA, *rest)
 
 
 def test_intra_bwd_channels_matches_triton(rng):
@@ -283,7 +283,7 @@ def test_intra_bwd_channels_matches_triton(rng):
     assert cfg.sub == 16 and kda_mgpu_bwd.unsupported_reason(cfg, **kw) is None
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = fast_jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
-                  static_argnums=4)(*args)
+                  static_argnums=3)(*args)
     ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
     want = calls.intra_bwd_channels(ref_cfg, *args, **kw)
     # CPU: both take the same bf16 products (hi + lo splits included) in float32
@@ -497,11 +497,11 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
     cc, st, cv = (B * HV, N, C, C), (B * HV, N, 128, 128), (B * HV, N, C, 128)
     args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
         ((B, Tp, H, 128), bf), ((B, Tp, H, 128), bf), ((B * HV, N, C, 128), jnp.float32),
-        ((B, Tp, HV, 1), jnp.float32), *[(cc, bf)] * 5, (st, bf), (st, bf), (cv, bf), (cv, bf),
+        *[(cc, bf)] * 4, (st, bf), (st, bf), (cv, bf), ((B, Tp, HV, 128), bf),
         ((B, Tp, HV, 128), bf))]
 
-    def fn(q, k, G, beta, d0, d1, d2, d3, *rest):
-        return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, beta, (), (d0, d1, d2, d3), *rest,
+    def fn(q, k, G, d0, d1, d2, d3, *rest):
+        return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, (), (d0, d1, d2, d3), *rest,
                                                dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
 
     # intra_bwd_scores with and without packed segments (kda_body's a, lm, segc, segr)
@@ -652,8 +652,8 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
     gate = ((sds(B, T, H, K, dt=jnp.float32), (sds(H, 1, K, dt=jnp.float32),) * 2) if gated
             else (None, ()))
     jax.eval_shape(lambda *a: calls.intra_bwd_channels(
-        cfg, *a[:4], segs, a[4:8], *a[8:], *gate, dqk_dtype=jnp.float16 if odd else jnp.float32,
-        dg_dtype=jnp.float32), k, k, G, beta, cc, cc, cc, cc, cc, st, st, cv, cv, v)
+        cfg, *a[:3], segs, a[3:7], *a[7:], *gate, dqk_dtype=jnp.float16 if odd else jnp.float32,
+        dg_dtype=jnp.float32), k, k, G, cc, cc, cc, cc, st, st, cv, v, v)
     want = {"supported": ["intra_bwd_scores", "intra_bwd_channels"],
             "scores_only": ["intra_bwd_scores"], "segments": ["intra_bwd_scores"],
             "channels_only": ["intra_bwd_channels"],

@@ -648,10 +648,12 @@ def test_kernel_variants_equal_the_defaults(backend, gate):
     value heads, T not a multiple of the chunk, the bounded gate (anchored diagonal blocks) and
     the softplus gate (exact ones), each gate given or computed in the kernel; and the
     definition within the usual tolerances. Variants: split_intra=1 (the intra-chunk work as a
-    scores kernel and a W/U kernel, handing Akk and beta k e^G through memory) and w_in_place=0
+    scores kernel and a W/U kernel, handing Akk and beta k e^G through memory), w_in_place=0
     (W's operand recomputed after the inverse instead of handed over in W's buffer, the
-    default). The TPU modes ignore w_in_place."""
-    B, T, H, HV, K, V, C = 2, 75, 1, 2, 32, 16, 32
+    default) and, with the gate given, bv_intra=16 (two V tiles in the intra-chunk kernels:
+    the backward's part 1 then takes dR_k from dW, part 2 sums -dv S^T over the tiles). The
+    TPU modes ignore w_in_place and bv_intra."""
+    B, T, H, HV, K, V, C = 2, 75, 1, 2, 32, 32, 32
     gate_in_kernel = gate != "given"
     lb = None if gate == "softplus" else -5.0
     q, k, v, g, beta, h0 = make_inputs(int(np.random.default_rng().integers(1 << 30)), B, T, H,
@@ -685,7 +687,10 @@ def test_kernel_variants_equal_the_defaults(backend, gate):
     default = run()
     names = ("o", "S", *(f"d{n}" for n in GRAD_NAMES))
     assert KernelTuning().w_in_place == 1
-    for changes in ({"split_intra": 1}, {"w_in_place": 0}):
+    variants = [{"split_intra": 1}, {"w_in_place": 0}]
+    if gate == "given" and backend not in ("tpu", "tpu_interpret"):
+        variants.append({"bv_intra": 16})
+    for changes in variants:
         varied = run(**changes)
         for name, a, b in zip(names, varied, default, strict=True):
             assert bool(jnp.all(jnp.isfinite(a))), f"{backend} {changes}: {name} not finite"
