@@ -2,7 +2,7 @@
 
     pip install --target /tmp/tsite triton==3.6.0          # once, outside the project venv
     PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report [--tune bk=16] [--safe] \
-        [--dim 64] [--gate-in-kernel]
+        [--dim 64] [--gate-in-kernel] [--caps 200,168] [--sass]
     PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report --depth_read 1x4/1x4x16 \
         [--dim 2048] [--sources 6]                      # the Attention Residual read kernels
 
@@ -11,12 +11,20 @@ sm_90 and ptxas reports registers and spills. Per kernel this prints shared memo
 allows 227 KB per block), registers per thread and spill bytes: what decides occupancy and
 whether a launch fits, without spending device time. The GPU runs JAX's own bundled Triton,
 so numbers can differ a little from what runs there.
+
+ptxas takes up to 255 registers when it has them, so the count alone does not say how many a
+kernel needs. ``--caps`` compiles it again under each register cap (a ``.maxnreg`` directive)
+and prints the spills there: k programs of T threads fit on an SM only at 65536 / (k T)
+registers or fewer. ``--sass`` counts the SASS instructions (nvdisasm) by kind, and those of
+each loop body (a backward branch to its label) apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import subprocess
 import tempfile
 
@@ -108,8 +116,55 @@ def launch_params(name: str, t: pk.KernelTuning) -> tuple[int, int]:
             "kda_intra_bwd_channels": (t.warps_chan, t.stages_intra)}[name]
 
 
-def report(path: str, warps: int, stages: int) -> str:
+def _tool(name: str) -> str:
     # Optional: the triton package is not a project dependency (see the module docstring).
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
+
+
+def _ptxas(ptx: str, cubin: str = os.devnull) -> str:
+    """ptxas -v's report (stderr) for the PTX file ``ptx``, for sm_90a."""
+    return subprocess.run([_tool("ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                          capture_output=True, text=True).stderr
+
+
+def capped(ptx_text: str, warps: int, maxnreg: int) -> str:
+    """The PTX with its kernel's registers capped at ``maxnreg`` (after its .reqntid)."""
+    line = f".reqntid {32 * warps}"
+    if line not in ptx_text:
+        raise ValueError(f"no '{line}' in the PTX: cannot place .maxnreg")
+    return ptx_text.replace(line, f"{line}\n.maxnreg {maxnreg}", 1)
+
+
+_SASS_OP = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_BRA = re.compile(r"BRA\s+`?\((\.L_x_\d+)\)")
+
+
+def sass_counts(sass: str) -> dict:
+    """Instruction counts of nvdisasm output: {"all": n, "loops": [n of each loop body], kind:
+    n} (kind: the opcode before its first dot, HGMMA, MUFU, BAR, ...). A loop body runs from a
+    label to a later branch back to it."""
+    ops, labels, loops = collections.Counter(), {}, []
+    n = 0
+    for line in sass.splitlines():
+        if re.match(r"\.L_x_\d+:", line):
+            labels[line.rstrip(":").strip()] = n
+            continue
+        m = _SASS_OP.match(line)
+        if not m:
+            continue
+        n += 1
+        ops[m.group(1).split(".")[0]] += 1
+        b = _SASS_BRA.search(line)
+        if b and b.group(1) in labels and n - labels[b.group(1)] > 1:  # not the end's BRA to self
+            loops.append(n - labels[b.group(1)])
+    return {"all": n, "loops": loops, **ops}
+
+
+SASS_KINDS = ("HGMMA", "HMMA", "MUFU", "BAR", "LDG", "STG", "LDS", "STS", "LDSM", "LDL", "STL")
+
+
+def report(path: str, warps: int, stages: int, caps=(), sass: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -118,13 +173,24 @@ def report(path: str, warps: int, stages: int) -> str:
     ptx = path + ".ptx"
     with open(ptx, "w") as f:
         f.write(kernel.asm["ptx"])
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
-                         capture_output=True, text=True).stderr
+    out = _ptxas(ptx, path + ".cubin" if sass else os.devnull)
     regs = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if "registers" in ln]
     spills = [ln.strip() for ln in out.splitlines() if "spill" in ln]
-    return (f"warps={warps} stages={stages} shared={kernel.metadata.shared / 1024:.0f} KB | "
+    text = (f"warps={warps} stages={stages} shared={kernel.metadata.shared / 1024:.0f} KB | "
             f"{'; '.join(regs)} | {'; '.join(spills)}")
+    for cap in caps:
+        with open(f"{path}.{cap}.ptx", "w") as f:
+            f.write(capped(kernel.asm["ptx"], warps, cap))
+        out = _ptxas(f"{path}.{cap}.ptx")
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        text += f"\n    at most {cap} registers: spills {m.group(1)} B stored, {m.group(2)} B loaded"
+    if sass:
+        dis = subprocess.run([_tool("nvdisasm"), "-c", path + ".cubin"], capture_output=True,
+                             text=True, check=True).stdout
+        c = sass_counts(dis)
+        text += (f"\n    SASS: {c['all']} instructions, loop bodies {c['loops']}; "
+                 + ", ".join(f"{k} {c.get(k, 0)}" for k in SASS_KINDS))
+    return text
 
 
 def main(argv=None):
@@ -143,7 +209,19 @@ def main(argv=None):
                     help="report the Attention Residual read kernels instead, launched with R "
                          "rows at W warps (the backward's programs taking S steps)")
     ap.add_argument("--sources", type=int, default=6, help="sources per read (--depth_read)")
+    ap.add_argument("--caps", default="",
+                    help="comma list of register caps: the spills of each kernel under each")
+    ap.add_argument("--sass", action="store_true",
+                    help="count each kernel's SASS instructions by kind, loop bodies apart")
     args = ap.parse_args(argv)
+    try:
+        caps = [int(c) for c in args.caps.split(",") if c]
+    except ValueError:
+        caps = None
+    if caps is None or any(not 16 <= c <= 255 for c in caps):
+        ap.error(f"--caps: want register counts from 16 to 255 (e.g. 200,168), "
+                 f"got {args.caps!r}")
+    extra = dict(caps=caps, sass=args.sass)
     if args.dim is not None and args.dim < 1:
         ap.error(f"--dim: the head dim must be >= 1, got {args.dim}")
     if args.depth_read is not None:
@@ -158,7 +236,7 @@ def main(argv=None):
             found = dump_depth_read_ttir(tmp, fwd, bwd, D=args.dim or 2048, n=args.sources)
             for name, path in sorted(found.items()):
                 warps = fwd.warps if name.endswith("fwd") else bwd.warps
-                print(f"{name}: {report(path, warps, 1)}", flush=True)
+                print(f"{name}: {report(path, warps, 1, **extra)}", flush=True)
         return
     args.dim = args.dim or 128
     tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(DEVICE_KIND), source="--tune")
@@ -167,7 +245,7 @@ def main(argv=None):
         found = dump_ttir(tmp, tuning, D=args.dim, lower_bound=None if args.safe else -5.0,
                           segments=args.segments, gate_in_kernel=args.gate_in_kernel)
         for name, path in sorted(found.items()):
-            print(f"{name}: {report(path, *launch_params(name, tuning))}", flush=True)
+            print(f"{name}: {report(path, *launch_params(name, tuning), **extra)}", flush=True)
 
 
 if __name__ == "__main__":
