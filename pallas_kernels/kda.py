@@ -146,6 +146,14 @@ class KernelTuning:
     # blocks before each block through its first row. 0: 16-row sub-chunks. Bounded gates,
     # all modes but the Mosaic GPU intra_bwd_channels (its own sub-chunks). Not yet timed.
     anchor_mid_bwd: int = 0
+    # 1: intra_bwd_channels' grid puts the K slice first, which Pallas-Triton launches as CUDA's
+    # x, the index the GPU walks fastest: the K/bk programs of one chunk then run side by side
+    # and share the chunk's score gradients, dO, V' and dv through L2 (88 KB a chunk). 0: the
+    # slice last (launched slowest): the programs of one chunk ran B*HV*N launches apart, and
+    # each read those from DRAM again (at 8 x 4096 that repeat was ~2.2 GB, half of the
+    # 4.5 GB Nsight Compute measured the kernel moving in session w). Not yet timed. GPU and
+    # interpret modes; the TPU walks the grid last axis innermost, where the slice already is.
+    slice_first: int = 1
     # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
     # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:
     # forward + backward 17.2 against 7.27 ms, the forward 3.8 against 2.2 ms.)
@@ -200,6 +208,7 @@ _TUNING_RULES = {
     "w_in_place": ("0 or 1", lambda x: x in (0, 1)),
     "anchor_mid": ("0 or 1", lambda x: x in (0, 1)),
     "anchor_mid_bwd": ("0 or 1", lambda x: x in (0, 1)),
+    "slice_first": ("0 or 1", lambda x: x in (0, 1)),
 }
 
 
@@ -315,6 +324,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         hopper=tuning.hopper, split_intra=tuning.split_intra,
         w_in_place=tuning.w_in_place if mode in ("gpu", "interpret") else 0,
         fwd_rows=fwd_rows, fwd_mid=fwd_mid, bwd_rows=bwd_rows,
+        slice_first=tuning.slice_first if mode in ("gpu", "interpret") else 0,
     )
 
 

@@ -105,6 +105,9 @@ class KdaConfig:
     # The backward's pairwise-decay sums (``pair_grads``; KernelTuning.anchor_mid_bwd): rows per
     # block, their diagonal blocks around their midpoints; 0: ``sub``-row sub-chunks.
     bwd_rows: int = 0
+    # intra_bwd_channels' grid (K slice, B*HV, N) instead of (B*HV, N, K slice)
+    # (KernelTuning.slice_first)
+    slice_first: int = 0
 
     @property
     def N(self) -> int:

@@ -177,6 +177,13 @@ def _chunk_specs(cfg: KdaConfig):
     )
 
 
+def _regrid(spec: pl.BlockSpec, order) -> pl.BlockSpec:
+    """``spec`` on a grid with permuted axes: its index map gets, as its j-th grid index, the
+    new grid's axis ``order[j]``."""
+    index_map = spec.index_map
+    return dataclasses.replace(spec, index_map=lambda *g: index_map(*(g[i] for i in order)))
+
+
 def _writer(ks, vs, by_k: dict, by_v: dict, whole: dict):
     """put(name, i, x): store x into the named output ref, at K slice i (refs in by_k), V slice i
     (by_v) or whole (whole), in the ref's dtype. Kernel bodies write through it."""
@@ -671,7 +678,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
         out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32)] * 2
     ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
 
-    def channels_kernel(q_r, k_r, G_r, *refs):
+    def channels_kernel(q_r, k_r, G_r, *refs, n_axis):
         seg, rest = _take_seg(cfg, refs)
         *dA_r, h_r, dh_r, Vp_r, dO_r, dv_r = rest[:len(DA_NAMES) + 5]
         rest = rest[len(DA_NAMES) + 5:]
@@ -694,12 +701,18 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
             rows=lambda name, ib: dA[name][pl.ds(ib * cfg.sub, cfg.sub), :],
             cc=lambda name: dA[name][...], vt=lambda name, t: by_v[name][:, vs(t)],
             st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
-        body.bwd_intra_channels(io, pl.program_id(1), 0, ch_cfg)
+        body.bwd_intra_channels(io, pl.program_id(n_axis), 0, ch_cfg)
 
+    grid, n_axis = (BHV, N, nk), 1
+    if cfg.slice_first:  # (s, bh, n): the specs above take (bh, n, s)
+        grid, n_axis = (nk, BHV, N), 2
+        in_specs, out_specs = ([_regrid(spec, (1, 2, 0)) for spec in specs]
+                               for specs in (in_specs, out_specs))
     return _call(
-        channels_kernel, cfg, grid=(BHV, N, nk), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, name="kda_intra_bwd_channels", warps=cfg.warps_chan,
-        stages=cfg.stages_intra)(q, k, G, *segs, *dA, h, dh, Vp, dO, dv, *gate_args)
+        functools.partial(channels_kernel, n_axis=n_axis), cfg, grid=grid, in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, name="kda_intra_bwd_channels",
+        warps=cfg.warps_chan, stages=cfg.stages_intra,
+    )(q, k, G, *segs, *dA, h, dh, Vp, dO, dv, *gate_args)
 
 
 @functools.cache

@@ -638,6 +638,58 @@ def test_tuning_reaches_the_kernels():
         run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
 
 
+def kernel_grids(fn, *args) -> dict:
+    """{Pallas kernel name: its grid} of the kernels ``fn(*args)`` traces."""
+    from jax.extend.core import jaxprs_in_params
+
+    grids = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
+                grids[str(getattr(name, "name", name))] = eqn.params["grid_mapping"].grid
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+@pytest.mark.parametrize("backend", ["interpret", "tpu_interpret"])
+def test_channels_grid_walks_the_k_slices_first(backend):
+    """KernelTuning.slice_first: intra_bwd_channels' grid is (K slice, B*HV, N), the order
+    Pallas-Triton launches with the first axis fastest, so a chunk's K slices run together;
+    slice_first=0 gives (B*HV, N, K slice), which the TPU modes keep. Both orders give the
+    same gradients (two K slices in interpret mode, packed documents: every index map is
+    permuted)."""
+    B, T, H, HV, K, V, C = 2, 70, 1, 2, 32, 16, 32
+    q, k, v, g, beta, h0 = make_inputs(int(np.random.default_rng().integers(1 << 30)), B, T, H,
+                                       HV, K, V)
+    seg = segments(B, T, seed=int(np.random.default_rng().integers(1 << 30)))
+    o_w = jnp.asarray(np.random.default_rng().standard_normal((B, T, HV, V)), jnp.float32)
+
+    def grads(slice_first):
+        def loss(q, k, v, g, beta, h0):
+            o, S = kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
+                              segment_ids=seg, chunk_size=C, lower_bound=-5.0,
+                              backend=backend, poison=True,
+                              tuning=KernelTuning(bk=16, slice_first=slice_first))
+            return jnp.sum(o * o_w) + jnp.sum(S)
+        fn = jax.grad(loss, argnums=range(6))
+        return kernel_grids(fn, q, k, v, g, beta, h0), fast_jit(fn)(q, k, v, g, beta, h0)
+
+    (grid1, got), (grid0, want) = grads(1), grads(0)
+    # K slices: bk = 16 here; the TPU modes take K whole (lanes of 128 or the whole dim)
+    nk, BHV, N = K // 16 if backend == "interpret" else 1, B * HV, -(-T // C)
+    assert grid0["kda_intra_bwd_channels"] == (BHV, N, nk)
+    first = (nk, BHV, N) if backend == "interpret" else (BHV, N, nk)
+    assert grid1["kda_intra_bwd_channels"] == first
+    for name, a, b in zip(GRAD_NAMES, got, want, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
+        assert rel(a, b) < 1e-6, (name, rel(a, b))
+
+
 @pytest.mark.parametrize(("backend", "gate"), [
     *[pytest.param(b, "given", id=f"{b}-given-gate") for b in ALL],
     *[pytest.param(b, g, id=f"{b}-{g}-gate-in-kernel") for b in NO_TPU
