@@ -148,7 +148,7 @@ class KernelTuning:
     anchor_mid_bwd: int = 0
     # 1: intra_bwd_channels' grid puts the K slice first, which Pallas-Triton launches as CUDA's
     # x, the index the GPU walks fastest: the K/bk programs of one chunk then run side by side
-    # and share the chunk's score gradients, dO, V' and dv through L2 (88 KB a chunk). 0: the
+    # and share the chunk's score gradients, dO, V' and dv through L2 (80 KB a chunk). 0: the
     # slice last (launched slowest): the programs of one chunk ran B*HV*N launches apart, and
     # each read those from DRAM again (at 8 x 4096 that repeat was ~2.2 GB, half of the
     # 4.5 GB Nsight Compute measured the kernel moving in session w). Not yet timed. GPU and

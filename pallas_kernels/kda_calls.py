@@ -638,7 +638,8 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
 
 def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=None,
                        gate_params=(), *, dqk_dtype, dg_dtype):
-    """Backward part 2, grid (B*HV, N, K/BK): dq, dk (per value head) and dg in the user layout.
+    """Backward part 2, grid (K/BK, B*HV, N) (``cfg.slice_first``; else (B*HV, N, K/BK)): dq, dk
+    (per value head) and dg in the user layout.
     dA = (dAqk, dAkk, dAqk^T, dAkk^T) and dv from ``intra_bwd_scores``. With the gate in the
     kernel (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums. dv
     stands in for beta, Tinv and dV' (``kda_body.bwd_intra_channels`` says why).

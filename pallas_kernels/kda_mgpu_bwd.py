@@ -51,9 +51,8 @@ and dg [B, Tp, HV, K] (dg_dtype), bf16 or float32.
 
 SMEM: q, k, G, the four dA and four [C, BK] / [C, C] staging buffers live throughout
 (~96 KB); the state operands St, dSt, V', dv, dO (80 KB) are scoped to the state part, the
-output staging (<= 48 KB) to the end. All loads are
-issued at the start in the order of use and waited at first use; no overlap of one CTA's loads
-with another CTA's math yet (one CTA per SM).
+output staging (<= 48 KB) to the end. All loads are issued at the start in the order of use
+and waited at first use; no overlap of one CTA's loads with another CTA's math yet.
 """
 
 from __future__ import annotations
