@@ -839,7 +839,9 @@ def bwd_intra_scores(io, cfg: KdaConfig):
         dbeta = dbeta + _rowsum(dRv * io.vt("v", t).astype(f32))
         io.put("dv", t, beta * dRv)
     # With all of V in one tile, sweep (B) takes dR_k = T^T dW = -T^T dV' S^T = -dR_v S^T: one
-    # dot per K slice instead of two, from dR_v as the dot's operand (cast as mm would).
+    # dot per K slice instead of two, from dR_v as the dot's operand (cast as mm would). With
+    # narrower V tiles it keeps the two dots: holding every tile of dR_v through the sweep
+    # would undo what the narrower tile is for (fewer live registers).
     dRv_op = dRv.astype(cfg.dtype) if nv == 1 else None
 
     def dRk_slice(s):  # dR_k = T^T dW, dW = -dV' S^T: columns of slice s

@@ -678,8 +678,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
         out_specs += [pl.BlockSpec((None, None, 1, bk), lambda bh, n, s: (bh, n, 0, s))] * 2
         out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32)] * 2
     ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
+    grid, n_axis = ((nk, BHV, N), 2) if cfg.slice_first else ((BHV, N, nk), 1)
 
-    def channels_kernel(q_r, k_r, G_r, *refs, n_axis):
+    def channels_kernel(q_r, k_r, G_r, *refs):
         seg, rest = _take_seg(cfg, refs)
         *dA_r, h_r, dh_r, Vp_r, dO_r, dv_r = rest[:len(DA_NAMES) + 5]
         rest = rest[len(DA_NAMES) + 5:]
@@ -704,16 +705,13 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
             st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
         body.bwd_intra_channels(io, pl.program_id(n_axis), 0, ch_cfg)
 
-    grid, n_axis = (BHV, N, nk), 1
-    if cfg.slice_first:  # (s, bh, n): the specs above take (bh, n, s)
-        grid, n_axis = (nk, BHV, N), 2
+    if cfg.slice_first:  # grid (s, bh, n): the specs above take (bh, n, s)
         in_specs, out_specs = ([_regrid(spec, (1, 2, 0)) for spec in specs]
                                for specs in (in_specs, out_specs))
     return _call(
-        functools.partial(channels_kernel, n_axis=n_axis), cfg, grid=grid, in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, name="kda_intra_bwd_channels",
-        warps=cfg.warps_chan, stages=cfg.stages_intra,
-    )(q, k, G, *segs, *dA, h, dh, Vp, dO, dv, *gate_args)
+        channels_kernel, cfg, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, name="kda_intra_bwd_channels", warps=cfg.warps_chan,
+        stages=cfg.stages_intra)(q, k, G, *segs, *dA, h, dh, Vp, dO, dv, *gate_args)
 
 
 @functools.cache

@@ -664,19 +664,16 @@ def test_channels_grid_walks_the_k_slices_first(backend):
     same gradients (two K slices in interpret mode, packed documents: every index map is
     permuted)."""
     B, T, H, HV, K, V, C = 2, 70, 1, 2, 32, 16, 32
-    q, k, v, g, beta, h0 = make_inputs(int(np.random.default_rng().integers(1 << 30)), B, T, H,
-                                       HV, K, V)
-    seg = segments(B, T, seed=int(np.random.default_rng().integers(1 << 30)))
-    o_w = jnp.asarray(np.random.default_rng().standard_normal((B, T, HV, V)), jnp.float32)
+    rng = np.random.default_rng()
+    q, k, v, g, beta, h0 = make_inputs(int(rng.integers(1 << 30)), B, T, H, HV, K, V)
+    seg = segments(B, T, seed=int(rng.integers(1 << 30)))
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
+    S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
 
     def grads(slice_first):
-        def loss(q, k, v, g, beta, h0):
-            o, S = kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
-                              segment_ids=seg, chunk_size=C, lower_bound=-5.0,
-                              backend=backend, poison=True,
-                              tuning=KernelTuning(bk=16, slice_first=slice_first))
-            return jnp.sum(o * o_w) + jnp.sum(S)
-        fn = jax.grad(loss, argnums=range(6))
+        run = functools.partial(run_pallas, backend, seg=seg, chunk_size=C,
+                                tuning=KernelTuning(bk=16, slice_first=slice_first))
+        fn = jax.grad(loss_fn(run, o_w, S_w), argnums=range(6))
         return kernel_grids(fn, q, k, v, g, beta, h0), fast_jit(fn)(q, k, v, g, beta, h0)
 
     (grid1, got), (grid0, want) = grads(1), grads(0)
