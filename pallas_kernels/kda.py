@@ -154,6 +154,18 @@ class KernelTuning:
     # 4.5 GB Nsight Compute measured the kernel moving in session w). Not yet timed. GPU and
     # interpret modes; the TPU walks the grid last axis innermost, where the slice already is.
     slice_first: int = 1
+    # The form of the Mosaic GPU state passes (HOPPER_STATE; kda_mgpu_state). 0: one
+    # warpgroup per CTA of 64 V columns, two CTAs per SM, each step of the chain issuing all of
+    # the chunk's products. The others take one CTA per SM with every input double-buffered.
+    # 1: two warpgroups per 64 columns, the products that do not depend on the state (the
+    # forward's output; the backward's Aqk^T dO and dO^T QG) on the second, so each step of the
+    # chain is shorter. That is the time with few chains: at 1 x 65536 x 16 heads (32 CTAs)
+    # the forward took 4.03 ms, against 1.30 for half the tokens at 8 x 4096 (session x).
+    # 2: all 128 columns in one CTA (forward: two warpgroups as in 1; backward: one), each
+    # chunk's W, QG, Kg and Aqk read once per value head instead of twice, ~30% less traffic.
+    # That counts with many chains: at B*HV = 128 each pass moves ~1.5 GB, most of its
+    # 0.38-0.39 ms at the card's bandwidth (session w). Neither is timed yet.
+    mgpu_state: int = 0
     # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
     # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:
     # forward + backward 17.2 against 7.27 ms, the forward 3.8 against 2.2 ms.)
@@ -209,6 +221,7 @@ _TUNING_RULES = {
     "anchor_mid": ("0 or 1", lambda x: x in (0, 1)),
     "anchor_mid_bwd": ("0 or 1", lambda x: x in (0, 1)),
     "slice_first": ("0 or 1", lambda x: x in (0, 1)),
+    "mgpu_state": ("0, 1 or 2", lambda x: x in (0, 1, 2)),
 }
 
 
@@ -325,6 +338,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         w_in_place=tuning.w_in_place if mode in ("gpu", "interpret") else 0,
         fwd_rows=fwd_rows, fwd_mid=fwd_mid, bwd_rows=bwd_rows,
         slice_first=tuning.slice_first if mode in ("gpu", "interpret") else 0,
+        mgpu_state=tuning.mgpu_state,
     )
 
 

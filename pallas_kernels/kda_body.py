@@ -108,6 +108,8 @@ class KdaConfig:
     # intra_bwd_channels' grid (K slice, B*HV, N) instead of (B*HV, N, K slice)
     # (KernelTuning.slice_first)
     slice_first: int = 0
+    # the form of the Mosaic GPU state passes (KernelTuning.mgpu_state)
+    mgpu_state: int = 0
 
     @property
     def N(self) -> int:

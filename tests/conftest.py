@@ -2,6 +2,12 @@ import os
 
 # Tests run on the CPU in float32; keep XLA from grabbing every core per process under xdist.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+# The Mosaic GPU interpreter runs each warpgroup of a CTA as its own CPU computation, blocked
+# at barriers while the other proceeds, inside the kernel's own computation: a kernel of two
+# warpgroups holds three of XLA:CPU's executor threads at once. Their pool has as many threads
+# as cores (NPROC overrides it), so on a 2-core machine the second warpgroup sometimes found no
+# thread while the first waited for it: a hang (always, with NPROC=1).
+os.environ.setdefault("NPROC", "8")
 
 import numpy as np
 import pytest

@@ -332,15 +332,18 @@ def test_intra_bwd_scores_matches_triton(rng, packed):
 
 
 @pytest.mark.parametrize("residuals", [False, True], ids=["o-only", "residuals"])
-def test_state_fwd_matches_triton(rng, residuals):
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["one-wg", "two-wg", "wide"])
+def test_state_fwd_matches_triton(rng, residuals, form):
     """O, the final state and (with residuals) h and V' of the Mosaic GPU forward state pass
-    against the Triton kernel's (interpret mode; compiled on a Hopper card): four chunks, two
-    value heads, both V tiles, random intermediates, decays from 1e-3 to 1 and a random initial
-    state."""
-    B, T, H, HV = 1, 250, 1, 2
+    against the Triton kernel's (interpret mode; compiled on a Hopper card): two rows of four
+    chunks, two value heads, random intermediates, decays from 1e-3 to 1 and a random initial
+    state. Every form (``KernelTuning.mgpu_state``): two V tiles of 64 columns of one or two
+    warpgroups (the chain and the output in parallel), and all 128 columns in one CTA of two."""
+    B, T, H, HV = 2, 250, 1, 2
     cfg = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
                  jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16),
                  mode="gpu" if HOPPER else "interpret")
+    cfg = dataclasses.replace(cfg, mgpu_state=form)
     BHV, N, C = B * HV, cfg.N, cfg.C
     assert N == 4 and kda_mgpu_state.unsupported_reason(cfg, jnp.bfloat16) is None
 
@@ -367,15 +370,58 @@ def test_state_fwd_matches_triton(rng, residuals):
         assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
 
 
-def test_state_bwd_matches_triton(rng):
+@pytest.mark.parametrize("form", [1, 2], ids=["two-wg", "wide"])
+def test_state_pass_forms_give_the_same_gradients(rng, monkeypatch, form):
+    """kda_pallas with ``mgpu_state`` 1 or 2 runs that form of both state passes, and the
+    output, final state and every gradient (the backward reads the forward's h and V') are
+    those of the one-warpgroup passes: T = 150 (a partial last chunk), two value heads per q/k
+    head, a random initial state."""
+    B, T, H, HV = 1, 150, 1, 2
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    h0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, 128, 128)), jnp.float32)
+    o_w = jnp.asarray(rng.standard_normal((B, T, HV, 128)), jnp.float32)
+    backend = "gpu" if HOPPER else "interpret"
+    taken = []
+    for name in ("_state_fwd_two_wg", "_state_bwd_two_wg", "_state_bwd_wide"):
+        real = getattr(kda_mgpu_state, name)
+        monkeypatch.setattr(kda_mgpu_state, name, lambda *a, name=name, real=real, **kw:
+                            taken.append((name, kw.get("bv"))) or real(*a, **kw))
+
+    def run(form):
+        def fn(q, k, v, g, beta, h0):
+            o, S = kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
+                              segment_ids=None, chunk_size=64, lower_bound=-5.0,
+                              backend=backend, poison=True,
+                              tuning=KernelTuning(hopper=HOPPER_STATE, mgpu_state=form))
+            return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S), (o, S)
+        return fast_jit(jax.grad(fn, argnums=range(6), has_aux=True))(q, k, v, g, beta, h0)
+
+    got, (o, S) = run(form)
+    assert sorted(taken) == ([("_state_bwd_two_wg", None), ("_state_fwd_two_wg", 64)] if form == 1
+                             else [("_state_bwd_wide", None), ("_state_fwd_two_wg", 128)]), taken
+    taken.clear()
+    want, (o0, S0) = run(0)
+    assert not taken, f"mgpu_state=0 took {taken}"
+    # the same bf16 products summed in another order: a rounded V' may differ in its last bit
+    tol = 1e-2 if ON_GPU else 1e-3
+    names = ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for name, a, b in zip(names, (o, S, *got), (o0, S0, *want), strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+
+
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["one-wg", "two-wg", "wide"])
+def test_state_bwd_matches_triton(rng, form):
     """dh, dV' and dS0 of the Mosaic GPU reverse state pass against the Triton kernel's
-    (interpret mode; compiled on a Hopper card): four chunks walked last to first, two value
-    heads, both V tiles, random intermediates and dO, decays from 1e-3 to 1, a random gradient
-    of the final state."""
-    B, T, H, HV = 1, 250, 1, 2
+    (interpret mode; compiled on a Hopper card): two rows of four chunks walked last to first,
+    two value heads, random intermediates and dO, decays from 1e-3 to 1, a random gradient of
+    the final state. Every form (``KernelTuning.mgpu_state``): two V tiles of 64 columns of one
+    or two warpgroups (the products off the chain on the second), and all 128 in one CTA."""
+    B, T, H, HV = 2, 250, 1, 2
     cfg = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
                  jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16),
                  mode="gpu" if HOPPER else "interpret")
+    cfg = dataclasses.replace(cfg, mgpu_state=form)
     BHV, N, C = B * HV, cfg.N, cfg.C
 
     def rand(*shape):
@@ -482,6 +528,33 @@ def test_cuda_lowering_of_state_passes(residuals, smem):
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     if smem:
         assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
+
+
+@pytest.mark.parametrize("residuals", [False, True])
+@pytest.mark.parametrize("form", [1, 2], ids=["two-wg", "wide"])
+def test_cuda_lowering_of_the_state_pass_forms(residuals, form, smem):
+    """The state passes of ``mgpu_state`` 1 and 2 lower for CUDA without a GPU, and their
+    double-buffered inputs fit one CTA's shared memory (Pallas' estimate; each needs more than
+    two CTAs per SM could have)."""
+    bf = jnp.bfloat16
+    cfg = config(jax.ShapeDtypeStruct((2, 256, 2, 128), bf),
+                 jax.ShapeDtypeStruct((2, 256, 4, 128), bf), mode="gpu")
+    cfg = dataclasses.replace(cfg, mgpu_state=form)
+    BHV, N, C = 8, cfg.N, cfg.C
+    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        *[((BHV, N, C, 128), bf)] * 4, ((BHV, N, C, C), bf), ((BHV, N, 1, 128), jnp.float32),
+        ((BHV, 128, 128), jnp.float32))]
+    fn = jax.jit(lambda *a: kda_mgpu_state.state_fwd(cfg, *a, out_dtype=bf, residuals=residuals))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    if smem:
+        assert SMEM_TWO_BLOCKS < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B"
+    smem.clear()  # and the reverse pass (dO [B, Tp, HV, V] first)
+    args[0] = jax.ShapeDtypeStruct((2, N * C, 4, 128), bf)
+    fn = jax.jit(lambda *a: kda_mgpu_state.state_bwd(cfg, *a))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    if smem:
+        assert SMEM_TWO_BLOCKS < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B"
 
 
 @pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [

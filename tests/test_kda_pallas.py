@@ -616,6 +616,9 @@ def test_bad_tuning_is_named():
         KernelTuning(warps_seq=3)
     with pytest.raises(ValueError, match=r"KernelTuning.inverse_x3 must be 0 or 1, got True"):
         KernelTuning(inverse_x3=True)
+    with pytest.raises(ValueError, match=r"--tune: KernelTuning.mgpu_state must be 0, 1 or 2, "
+                                         r"got 3"):
+        KernelTuning.parse("mgpu_state=3")
     assert KernelTuning.parse("") == pk.default_tuning()
     base = KernelTuning(warps_grad=8)
     assert KernelTuning.parse("bk=16", base=base) == dataclasses.replace(base, bk=16)
