@@ -129,6 +129,44 @@ class _Copies:
             plgpu.barrier_wait(self.bars.at[self.index[name]])
 
 
+def _fwd_out_shape(cfg: KdaConfig, residuals: bool):
+    """O, final St and, with ``residuals``, h and V' (the module docstring's shapes)."""
+    B, HV, C, K, V, N = cfg.B, cfg.HV, cfg.C, cfg.K, cfg.V, cfg.N
+    out = [jax.ShapeDtypeStruct((B, N * C, HV, V), bf16),
+           jax.ShapeDtypeStruct((B * HV, V, K), f32)]
+    if residuals:
+        out += [jax.ShapeDtypeStruct((B * HV, N, V, K), bf16),
+                jax.ShapeDtypeStruct((B * HV, N, C, V), bf16)]
+    return out
+
+
+def _bwd_out_shape(cfg: KdaConfig):
+    """dh, dV' and dS0t (the module docstring's shapes)."""
+    BHV, C, K, V, N = cfg.B * cfg.HV, cfg.C, cfg.K, cfg.V, cfg.N
+    return [jax.ShapeDtypeStruct((BHV, N, V, K), bf16), jax.ShapeDtypeStruct((BHV, N, C, V), bf16),
+            jax.ShapeDtypeStruct((BHV, V, K), f32)]
+
+
+def _prefetch(ok, fetch):
+    """The double-buffered passes' step prologue: ``fetch()`` starts the next chunk's copies
+    into the other slot when ``ok``. That slot was the previous chunk's: every product reading
+    it has been waited, and the fence orders this warpgroup's accesses before the copies'
+    writes."""
+    plgpu.commit_smem()
+    pl.when(ok)(fetch)
+
+
+def _stage(x, x_s, dst=None):
+    """x into the bf16 buffer x_s, fenced for the products that read it, and on to ``dst`` in
+    memory by TMA if given (a residual), once the previous chunk's store has read x_s."""
+    if dst is not None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    x_s[...] = x.astype(bf16)
+    plgpu.commit_smem()
+    if dst is not None:
+        plgpu.copy_smem_to_gmem(x_s, dst)
+
+
 def _call(kernel, cfg: KdaConfig, out_shape, scratch, interpret):
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=tuple(out_shape), grid=(cfg.B * cfg.HV, cfg.V // BV),
@@ -145,15 +183,10 @@ def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residua
     if cfg.mgpu_state in (SPLIT, WIDE):
         return _state_fwd_two_wg(cfg, W, U, QG, Kg, Aqk, gam, h0t, residuals=residuals,
                                  bv=BV if cfg.mgpu_state == SPLIT else cfg.V, interpret=interpret)
-    B, HV, C, K, N = cfg.B, cfg.HV, cfg.C, cfg.K, cfg.N
-    BHV, Tp = B * HV, N * C
+    HV, C, K, N = cfg.HV, cfg.C, cfg.K, cfg.N
     ops = _Ops(compiled=interpret is None)
     WG = plgpu.Layout.WGMMA
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, cfg.V), bf16),
-                 jax.ShapeDtypeStruct((BHV, cfg.V, K), f32)]
-    if residuals:
-        out_shape += [jax.ShapeDtypeStruct((BHV, N, cfg.V, K), bf16),
-                      jax.ShapeDtypeStruct((BHV, N, C, cfg.V), bf16)]
+    out_shape = _fwd_out_shape(cfg, residuals)
 
     def kernel(W_g, U_g, QG_g, Kg_g, A_g, gam_g, h0_g, o_g, ST_g, *refs):
         res_g, refs = refs[:2 * residuals], refs[2 * residuals:]
@@ -238,13 +271,10 @@ def _state_fwd_two_wg(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, residuals:
     bound by memory.
     """
     B, HV, C, K, V, N = cfg.B, cfg.HV, cfg.C, cfg.K, cfg.V, cfg.N
-    BHV, Tp = B * HV, N * C
+    BHV = B * HV
     ops = _Ops(compiled=interpret is None)
     WG = plgpu.Layout.WGMMA
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, V), bf16), jax.ShapeDtypeStruct((BHV, V, K), f32)]
-    if residuals:
-        out_shape += [jax.ShapeDtypeStruct((BHV, N, V, K), bf16),
-                      jax.ShapeDtypeStruct((BHV, N, C, V), bf16)]
+    out_shape = _fwd_out_shape(cfg, residuals)
 
     def kernel(W_g, U_g, QG_g, Kg_g, A_g, gam_g, h0_g, o_g, ST_g, *refs):
         res_g, refs = refs[:2 * residuals], refs[2 * residuals:]
@@ -266,25 +296,16 @@ def _state_fwd_two_wg(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, residuals:
 
             def step(n, St):
                 slot = lax.rem(n, 2)
-                # slot 1 - slot was chunk n-1's: its products are waited, its copies may start
-                plgpu.commit_smem()
-
-                @pl.when(n + 1 < N)
-                def _():
-                    fetch(n + 1, 1 - slot)
+                _prefetch(n + 1 < N, lambda: fetch(n + 1, 1 - slot))
 
                 @pl.when(n > 0)
                 def _():
                     plgpu.barrier_wait(free)  # warpgroup 1 has waited its products of chunk n-1
 
-                if residuals:  # the previous chunk's stores have read St_s and V'_s
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                St_s[...] = St.astype(bf16)
-                plgpu.commit_smem()
-                if residuals:
-                    plgpu.copy_smem_to_gmem(St_s, res_g[0].at[bh, n, vcols])
+                _stage(St, St_s, res_g[0].at[bh, n, vcols] if residuals else None)
                 plgpu.barrier_wait(chain_in.at[slot])
                 (WSt,) = ops.dots(((C, bv), [(W_s.at[slot], ops.tview(St_s, StT_0))]))
+                # _stage's wait covered the previous chunk's V' store too
                 Vp_s[...] = (U_s.at[slot][...].astype(f32) - WSt).astype(bf16)
                 plgpu.commit_smem()
                 if residuals:
@@ -365,13 +386,10 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpret=None):
         return _state_bwd_two_wg(cfg, dO, W, QG, Kg, Aqk, gam, dSTt, interpret=interpret)
     if cfg.mgpu_state == WIDE:
         return _state_bwd_wide(cfg, dO, W, QG, Kg, Aqk, gam, dSTt, interpret=interpret)
-    B, HV, C, K, N = cfg.B, cfg.HV, cfg.C, cfg.K, cfg.N
-    BHV = B * HV
+    HV, C, K, N = cfg.HV, cfg.C, cfg.K, cfg.N
     ops = _Ops(compiled=interpret is None)
     WG = plgpu.Layout.WGMMA
-    out_shape = [jax.ShapeDtypeStruct((BHV, N, cfg.V, K), bf16),
-                 jax.ShapeDtypeStruct((BHV, N, C, cfg.V), bf16),
-                 jax.ShapeDtypeStruct((BHV, cfg.V, K), f32)]
+    out_shape = _bwd_out_shape(cfg)
 
     def kernel(dO_g, W_g, QG_g, Kg_g, A_g, gam_g, dST_g, dh_g, dVp_g, dS0_g, *refs):
         dO_s, W_s, QG_s, Kg_s, A_s, gam_s, dSt_s, dVp_s, bars, *tbufs = refs
@@ -443,9 +461,7 @@ def _state_bwd_wide(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpret=
     BHV = B * HV
     ops = _Ops(compiled=interpret is None)
     WG = plgpu.Layout.WGMMA
-    out_shape = [jax.ShapeDtypeStruct((BHV, N, V, K), bf16),
-                 jax.ShapeDtypeStruct((BHV, N, C, V), bf16),
-                 jax.ShapeDtypeStruct((BHV, V, K), f32)]
+    out_shape = _bwd_out_shape(cfg)
 
     def kernel(dO_g, W_g, QG_g, Kg_g, A_g, gam_g, dST_g, dh_g, dVp_g, dS0_g, *refs):
         dO_s, W_s, QG_s, Kg_s, A_s, gam_s, dSt_s, dVp_s, ndVp_s, bars, *tbufs = refs
@@ -464,18 +480,8 @@ def _state_bwd_wide(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpret=
 
         def step(i, dSt):
             n, slot = N - 1 - i, lax.rem(i, 2)
-            # slot 1 - slot was chunk n+1's: its products are waited, its copies may start
-            plgpu.commit_smem()
-
-            @pl.when(n > 0)
-            def _():
-                fetch(n - 1, 1 - slot)
-
-            # the previous chunk's stores have read dSt_s and dV'_s
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dSt_s[...] = dSt.astype(bf16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dSt_s, dh_g.at[bh, n])
+            _prefetch(n > 0, lambda: fetch(n - 1, 1 - slot))
+            _stage(dSt, dSt_s, dh_g.at[bh, n])  # and the previous chunk's dV' store is done
             plgpu.barrier_wait(bars.at[slot])
             (dVp,) = ops.dots(((C, V), [(ops.tview(A_s.at[slot], AT_s), dO_s.at[slot]),
                                         (Kg_s.at[slot], ops.tview(dSt_s, dStT_s))]))
@@ -530,9 +536,7 @@ def _state_bwd_two_wg(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpre
     BHV = B * HV
     ops = _Ops(compiled=interpret is None)
     WG = plgpu.Layout.WGMMA
-    out_shape = [jax.ShapeDtypeStruct((BHV, N, V, K), bf16),
-                 jax.ShapeDtypeStruct((BHV, N, C, V), bf16),
-                 jax.ShapeDtypeStruct((BHV, V, K), f32)]
+    out_shape = _bwd_out_shape(cfg)
 
     def kernel(dO_g, W_g, QG_g, Kg_g, A_g, gam_g, dST_g, dh_g, dVp_g, dS0_g, *refs):
         (W_s, Kg_s, gam_s, dO_s, A_s, QG_s, X_s, Y_s, dSt_s, dVp_s, ndVp_s, chain_in, xy_in,
@@ -552,17 +556,8 @@ def _state_bwd_two_wg(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpre
 
             def step(i, dSt):
                 n, slot = N - 1 - i, lax.rem(i, 2)
-                plgpu.commit_smem()  # slot 1 - slot was chunk n+1's, its products waited
-
-                @pl.when(n > 0)
-                def _():
-                    fetch(n - 1, 1 - slot)
-
-                # the previous chunk's stores have read dSt_s and dV'_s
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dSt_s[...] = dSt.astype(bf16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dSt_s, dh_g.at[bh, n, vcols])
+                _prefetch(n > 0, lambda: fetch(n - 1, 1 - slot))
+                _stage(dSt, dSt_s, dh_g.at[bh, n, vcols])  # and the last dV' store is done
                 plgpu.barrier_wait(chain_in.at[slot])
                 plgpu.barrier_wait(xy_ready)
                 dVp = ops.dots_onto(ops.load(X_s, WG),
