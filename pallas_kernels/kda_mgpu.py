@@ -392,7 +392,8 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs=(), gate_params=(), *,
         plgpu.Barrier(num_barriers=5),
     )
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N), grid_names=("bh", "n"),
+    fn = plgpu.kernel(kernel, out_type=out_shape, kernel_name="kda_intra_fwd_mgpu",
+                      grid=(BHV, N), grid_names=("bh", "n"),
                       scratch_types=scratch, compiler_params=params, interpret=interpret)
     return fn(q, k, v, g, beta_BHVxTp)
 

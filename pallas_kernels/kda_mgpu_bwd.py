@@ -279,7 +279,8 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
         plgpu.Barrier(num_barriers=12),  # one a load
     )
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N, nk), grid_names=("bh", "n", "s"),
+    fn = plgpu.kernel(kernel, out_type=out_shape, kernel_name="kda_intra_bwd_channels_mgpu",
+                      grid=(BHV, N, nk), grid_names=("bh", "n", "s"),
                       scratch_types=scratch, compiler_params=params, interpret=interpret)
     return tuple(fn(q, k, G, *dA, h, dh, Vp, dO, dv))
 
@@ -471,7 +472,8 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     if not compiled:  # explicit transposes for the interpreter: V'^T, U^T, W^T
         scratch += [_swizzled((V, C), bf16), _swizzled((V, C), bf16), _swizzled((K, C), bf16)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    fn = plgpu.kernel(kernel, out_type=out_shape, grid=(BHV, N), grid_names=("bh", "n"),
+    fn = plgpu.kernel(kernel, out_type=out_shape, kernel_name="kda_intra_bwd_scores_mgpu",
+                      grid=(BHV, N), grid_names=("bh", "n"),
                       scratch_types=tuple(scratch), compiler_params=params, interpret=interpret)
     dv, db_BHVxTp, *dA = fn(*seg_in, k, v, G, beta_BHVxTp, W, U, Akk, Tinv, h, Vp, dVp, dO)
     db = jnp.transpose(db_BHVxTp.reshape(B, HV, Tp), (0, 2, 1))[..., None]

@@ -167,9 +167,10 @@ def _stage(x, x_s, dst=None):
         plgpu.copy_smem_to_gmem(x_s, dst)
 
 
-def _call(kernel, cfg: KdaConfig, out_shape, scratch, interpret):
+def _call(kernel, cfg: KdaConfig, out_shape, scratch, interpret, name: str):
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=tuple(out_shape), grid=(cfg.B * cfg.HV, cfg.V // BV),
+                        kernel_name=name,
                         grid_names=("bh", "vt"), scratch_types=tuple(scratch),
                         compiler_params=params, interpret=interpret)
 
@@ -246,7 +247,8 @@ def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residua
     ]
     if interpret is not None:  # explicit transposes for the interpreter: St^T, V'^T
         scratch += [_swizzled((K, BV), bf16), _swizzled((BV, C), bf16)]
-    return _call(kernel, cfg, out_shape, scratch, interpret)(W, U, QG, Kg, Aqk, gam, h0t)
+    return _call(kernel, cfg, out_shape, scratch, interpret, "kda_state_fwd")(
+        W, U, QG, Kg, Aqk, gam, h0t)
 
 
 def _state_fwd_two_wg(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, residuals: bool, bv: int,
@@ -372,6 +374,7 @@ def _state_fwd_two_wg(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, residuals:
         scratch += [_swizzled((K, bv), bf16), _swizzled((bv, C), bf16), _swizzled((K, bv), bf16)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=tuple(out_shape), grid=(BHV, V // bv),
+                        kernel_name=f"kda_state_fwd_two_wg_{bv}",
                         grid_names=("bh", "vt"), num_threads=2, thread_name="wg",
                         scratch_types=tuple(scratch), compiler_params=params,
                         interpret=interpret)(W, U, QG, Kg, Aqk, gam, h0t)
@@ -443,7 +446,8 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpret=None):
     if interpret is not None:  # explicit transposes for the interpreter: Aqk^T, dSt^T, dO^T, dV'^T
         scratch += [_swizzled((C, C), bf16), _swizzled((K, BV), bf16),
                     _swizzled((BV, C), bf16), _swizzled((BV, C), bf16)]
-    return _call(kernel, cfg, out_shape, scratch, interpret)(dO, W, QG, Kg, Aqk, gam, dSTt)
+    return _call(kernel, cfg, out_shape, scratch, interpret, "kda_state_bwd")(
+        dO, W, QG, Kg, Aqk, gam, dSTt)
 
 
 def _state_bwd_wide(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpret=None):
@@ -514,6 +518,7 @@ def _state_bwd_wide(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpret=
                     _swizzled((V, C), bf16), _swizzled((V, C), bf16)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=tuple(out_shape), grid=(BHV,), grid_names=("bh",),
+                        kernel_name="kda_state_bwd_wide",
                         scratch_types=tuple(scratch), compiler_params=params,
                         interpret=interpret)(dO, W, QG, Kg, Aqk, gam, dSTt)
 
@@ -635,6 +640,7 @@ def _state_bwd_two_wg(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpre
                     _swizzled((C, C), bf16), _swizzled((BV, C), bf16)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=tuple(out_shape), grid=(BHV, V // BV),
+                        kernel_name="kda_state_bwd_two_wg",
                         grid_names=("bh", "vt"), num_threads=2, thread_name="wg",
                         scratch_types=tuple(scratch), compiler_params=params,
                         interpret=interpret)(dO, W, QG, Kg, Aqk, gam, dSTt)
