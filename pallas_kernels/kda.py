@@ -536,7 +536,7 @@ def pallas_supported(backend: str) -> bool:
             platform = jax.devices("gpu")[0].client.platform  # "cuda" or "rocm"
         fn = pl.pallas_call(_probe_kernel, out_shape=jax.ShapeDtypeStruct((16, 16), f32),
                             grid=(1,), compiler_params=params)
-        jax.jit(fn).trace(jnp.zeros((16, 16), f32)).lower(lowering_platforms=(platform,))
+        jax.jit(fn).trace(jax.ShapeDtypeStruct((16, 16), f32)).lower(lowering_platforms=(platform,))
     except Exception as err:  # any failure means "not supported"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         warnings.warn(f"kda: Pallas lowering for {backend!r} unavailable ({first}); "

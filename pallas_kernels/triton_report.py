@@ -39,6 +39,19 @@ from pallas_kernels import kda as pk
 DEVICE_KIND = "NVIDIA H200"
 
 
+def as_if_on_h200():
+    """A context in which ``.lower(lowering_platforms=("cuda",))`` of Pallas' Triton kernels
+    targets an H200 (sm_90) on a machine without a GPU. JAX 0.11 asks the abstract mesh's
+    device which card to lower a Triton kernel for and, without one, the local device, which on
+    a CPU machine fails ("No supported GPU devices found"); JAX 0.10 lowers for a generic card
+    and ignores the device. Only the lowering belongs inside: under an abstract mesh, newer JAX
+    refuses to run computations."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                         platform="gpu")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("card",), abstract_device=device))
+
+
 def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, lower_bound=-5.0,
               segments=False, gate_in_kernel=False):
     """Lower forward+backward for the GPU with ``tuning`` and write each kernel's Triton IR to
@@ -60,8 +73,9 @@ def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, 
                                  backend="gpu", tuning=tuning, **gate)
             return jnp.sum(o.astype(jnp.float32))
 
-        jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(
-            lowering_platforms=("cuda",))
+        with as_if_on_h200():
+            jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(
+                lowering_platforms=("cuda",))
     finally:
         undo()
     return found

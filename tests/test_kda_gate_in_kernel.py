@@ -23,6 +23,7 @@ from kimi_k3.ops.kda import kda
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_body as body
 from pallas_kernels import kda_calls as calls
+from pallas_kernels.triton_report import as_if_on_h200
 
 ON_GPU = jax.default_backend() == "gpu"
 GRAD_NAMES = ("q", "k", "v", "f", "beta", "A_log", "dt_bias")
@@ -291,6 +292,7 @@ def test_gated_kernels_lower_for_gpu_and_tpu():
                 return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
             grad = jax.jit(jax.grad(loss, argnums=range(7)))
-            text = grad.trace(q, k, v, f, beta, A_log, dt_bias).lower(
-                lowering_platforms=(platform,)).as_text()
+            with as_if_on_h200():  # newer JAX: the card Triton kernels are for
+                text = grad.trace(q, k, v, f, beta, A_log, dt_bias).lower(
+                    lowering_platforms=(platform,)).as_text()
             assert text.count("custom_call") >= 4, (backend, lb)

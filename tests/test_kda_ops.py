@@ -10,6 +10,7 @@ import pytest
 
 from kimi_k3.dispatch import choose_kda_impl as resolve_impl
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
+from pallas_kernels.triton_report import as_if_on_h200
 from tests.compile_options import fast_jit
 from tests.kda_numpy import kda_numpy, rel_err
 
@@ -218,12 +219,17 @@ def test_auto_is_pallas_on_accelerators(backend, monkeypatch):
 
     import pallas_kernels.kda as pk
 
-    assert pk.pallas_supported(backend)  # before the patch below: the probe asks the backend
-    monkeypatch.setattr(importlib.import_module("kimi_k3.dispatch").jax, "default_backend",
-                        lambda: backend)
+    # The probe itself (before default_backend is patched below: it asks the backend), not an
+    # answer cached earlier: newer JAX lowers Triton kernels on a CPU machine only for a card
+    # named by the abstract mesh, and a False cached without one would stay.
+    with as_if_on_h200():
+        supported = pk.pallas_supported.__wrapped__(backend)
+    assert supported
+    dispatch = importlib.import_module("kimi_k3.dispatch")
+    monkeypatch.setattr(dispatch, "pallas_supported", lambda b: b == backend and supported)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
     assert resolve_impl("auto") == "pallas"
-    monkeypatch.setattr(importlib.import_module("kimi_k3.dispatch"), "pallas_supported",
-                        lambda b: False)
+    monkeypatch.setattr(dispatch, "pallas_supported", lambda b: False)
     assert resolve_impl("auto") == "xla"
 
 

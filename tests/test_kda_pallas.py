@@ -398,8 +398,9 @@ def test_lowers_for_gpu_and_tpu():
                 return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
-            text = grad.trace(q, k, v, g, beta, h0).lower(
-                lowering_platforms=(platform,)).as_text()
+            with triton_report.as_if_on_h200():  # newer JAX: the card Triton kernels are for
+                text = grad.trace(q, k, v, g, beta, h0).lower(
+                    lowering_platforms=(platform,)).as_text()
             assert text.count("custom_call") >= 4 + (tuning is split), (backend, lb, tuning)
 
 

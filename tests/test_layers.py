@@ -36,6 +36,7 @@ from pallas_kernels import depth_read as depth_read_kernel
 from pallas_kernels import kda as pk
 from pallas_kernels import short_conv as short_conv_kernel
 from pallas_kernels import swiglu as swiglu_kernel
+from pallas_kernels.triton_report import as_if_on_h200
 from tests.compile_options import fast_jit
 
 D = 32
@@ -738,7 +739,8 @@ def test_conv_kernels_lower_for_the_gpu_and_name_bad_shapes():
         bwd = jax.jit(functools.partial(short_conv_kernel.conv_backward, interpret=False,
                                         **tiles))
         for fn, args in ((fwd, (x, tail, w, seg)), (bwd, (x, tail, w, seg, x))):
-            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            with as_if_on_h200():  # newer JAX: the card Triton kernels are for
+                text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
     with pytest.raises(ValueError, match=r"ConvTiles.form must be 'windows' or 'rows', got 'row'"):
         short_conv_kernel.ConvTiles(form="row")
@@ -804,7 +806,8 @@ def test_swiglu_kernel_lowers_for_the_gpu_and_names_bad_shapes():
     h = jax.ShapeDtypeStruct((4 * 4096, 2, 5632), jnp.bfloat16)
     dy = jax.ShapeDtypeStruct((4 * 4096, 5632), jnp.bfloat16)
     fn = jax.jit(lambda h, dy: swiglu_kernel.swiglu_backward(h, dy, interpret=False))
-    text = fn.trace(h, dy).lower(lowering_platforms=("cuda",)).as_text()
+    with as_if_on_h200():  # newer JAX: the card Triton kernels are for
+        text = fn.trace(h, dy).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
     assert swiglu_kernel.columns_for(5632) == 256 and swiglu_kernel.columns_for(40) is None
     with pytest.raises(ValueError, match=r"h must have shape \[N, 2, F\], got \(4, 3, 16\)"):
