@@ -144,15 +144,18 @@ class KernelTuning:
     # sum over the whole chunk, with the rows of dA scaled to O(1) by powers of two (the outer
     # factor up to e^77.5 would otherwise bring back flushed products of small gradients); the
     # blocks before each block through its first row. 0: 16-row sub-chunks. Bounded gates,
-    # all modes but the Mosaic GPU intra_bwd_channels (its own sub-chunks). Not yet timed.
-    anchor_mid_bwd: int = 0
+    # all modes but the Mosaic GPU intra_bwd_channels (its own sub-chunks). The more accurate
+    # of the two at the bound, and faster on the H200: forward+backward 4.61 against 4.91 ms
+    # at 8 x 4096, 12.13 against 12.78 at 1 x 65536 (BENCHMARKS.md, session z).
+    anchor_mid_bwd: int = 1
     # 1: intra_bwd_channels' grid puts the K slice first, which Pallas-Triton launches as CUDA's
     # x, the index the GPU walks fastest: the K/bk programs of one chunk then run side by side
     # and share the chunk's score gradients, dO, V' and dv through L2 (80 KB a chunk). 0: the
     # slice last (launched slowest): the programs of one chunk ran B*HV*N launches apart, and
     # each read those from DRAM again (at 8 x 4096 that repeat was ~2.2 GB, half of the
-    # 4.5 GB Nsight Compute measured the kernel moving in session w). Not yet timed. GPU and
-    # interpret modes; the TPU walks the grid last axis innermost, where the slice already is.
+    # 4.5 GB Nsight Compute measured the kernel moving in session w). On the H200 at 8 x 4096
+    # forward+backward took 4.91 against 5.26-5.27 ms (session z). GPU and interpret modes;
+    # the TPU walks the grid last axis innermost, where the slice already is.
     slice_first: int = 1
     # The form of the Mosaic GPU state passes (HOPPER_STATE; kda_mgpu_state). 0: one
     # warpgroup per CTA of 64 V columns, two CTAs per SM, each step of the chain issuing all of
@@ -164,8 +167,13 @@ class KernelTuning:
     # 2: all 128 columns in one CTA (forward: two warpgroups as in 1; backward: one), each
     # chunk's W, QG, Kg and Aqk read once per value head instead of twice, ~30% less traffic.
     # That counts with many chains: at B*HV = 128 each pass moves ~1.5 GB, most of its
-    # 0.38-0.39 ms at the card's bandwidth (session w). Neither is timed yet.
-    mgpu_state: int = 0
+    # 0.38-0.39 ms at the card's bandwidth (session w). 3: chosen by the number of chains
+    # (kda_mgpu_state.forms). On the H200 (session z): at 8 x 4096 form 2 took 1.20-1.21 /
+    # 4.69-4.73 ms forward / forward+backward against form 0's 1.29 / 4.91; at 1 x 65536
+    # form 1's forward 3.47 against 4.03 ms, but its backward ~1 ms longer than form 0's,
+    # and form 2's forward 4.63. So 3 takes form 2 for many chains, and form 1's forward with
+    # form 0's backward for few.
+    mgpu_state: int = 3
     # (One dot over several sub-chunks at once, for intra_bwd_channels' pairwise-decay sums or
     # the forward's decayed scores, was much slower on the H200 at 8 x 4096 and is gone:
     # forward + backward 17.2 against 7.27 ms, the forward 3.8 against 2.2 ms.)
@@ -221,7 +229,7 @@ _TUNING_RULES = {
     "anchor_mid": ("0 or 1", lambda x: x in (0, 1)),
     "anchor_mid_bwd": ("0 or 1", lambda x: x in (0, 1)),
     "slice_first": ("0 or 1", lambda x: x in (0, 1)),
-    "mgpu_state": ("0, 1 or 2", lambda x: x in (0, 1, 2)),
+    "mgpu_state": ("0, 1, 2 or 3 (automatic)", lambda x: x in (0, 1, 2, 3)),
 }
 
 

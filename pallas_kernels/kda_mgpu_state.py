@@ -41,8 +41,25 @@ from pallas_kernels.kda_mgpu import CHUNK, DIM, _swizzled, plgpu
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 BV = 64  # V columns per CTA (see the module docstring)
-# KernelTuning.mgpu_state: the forms of the passes (see the module docstring)
-ONE_WG, SPLIT, WIDE = 0, 1, 2
+# KernelTuning.mgpu_state: the forms of the passes (see the module docstring); AUTO picks them
+ONE_WG, SPLIT, WIDE, AUTO = 0, 1, 2, 3
+HOPPER_SMS = 132  # H100 and H200 SXM
+
+
+def forms(cfg: KdaConfig) -> tuple[int, int]:
+    """(forward form, backward form) of the passes for ``cfg.mgpu_state``.
+
+    AUTO, as measured on the H200 (BENCHMARKS.md, session z): when 64-column CTAs of one per
+    SM would take more than one wave (2 B*HV > HOPPER_SMS), the passes are bound by memory and
+    the wide forms read less (8 x 4096 x 16 heads: forward 1.21 against 1.29 ms); otherwise
+    the chain's latency is the time, and the forward takes the two-warpgroup form
+    (1 x 65536 x 16 heads: 3.47 against 4.03 ms) while the backward keeps one warpgroup (its
+    two-warpgroup form was ~1 ms slower there)."""
+    if cfg.mgpu_state != AUTO:
+        return cfg.mgpu_state, cfg.mgpu_state
+    if 2 * cfg.B * cfg.HV > HOPPER_SMS:
+        return WIDE, WIDE
+    return SPLIT, ONE_WG
 
 
 def unsupported_reason(cfg: KdaConfig, out_dtype=bf16) -> str | None:
@@ -181,9 +198,10 @@ def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residua
     must be None). ``interpret``: Mosaic GPU interpret params (CPU), None compiles for sm_90.
     ``cfg.mgpu_state`` (KernelTuning) 1 and 2: ``_state_fwd_two_wg`` with 64 and 128 columns."""
     assert unsupported_reason(cfg, out_dtype) is None
-    if cfg.mgpu_state in (SPLIT, WIDE):
+    form = forms(cfg)[0]
+    if form in (SPLIT, WIDE):
         return _state_fwd_two_wg(cfg, W, U, QG, Kg, Aqk, gam, h0t, residuals=residuals,
-                                 bv=BV if cfg.mgpu_state == SPLIT else cfg.V, interpret=interpret)
+                                 bv=BV if form == SPLIT else cfg.V, interpret=interpret)
     HV, C, K, N = cfg.HV, cfg.C, cfg.K, cfg.N
     ops = _Ops(compiled=interpret is None)
     WG = plgpu.Layout.WGMMA
@@ -385,9 +403,10 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpret=None):
     must be None; dO bf16). The chunks are walked last to first. ``cfg.mgpu_state``
     (KernelTuning) 1: ``_state_bwd_two_wg``, 2: ``_state_bwd_wide``."""
     assert unsupported_reason(cfg) is None and dO.dtype == bf16
-    if cfg.mgpu_state == SPLIT:
+    form = forms(cfg)[1]
+    if form == SPLIT:
         return _state_bwd_two_wg(cfg, dO, W, QG, Kg, Aqk, gam, dSTt, interpret=interpret)
-    if cfg.mgpu_state == WIDE:
+    if form == WIDE:
         return _state_bwd_wide(cfg, dO, W, QG, Kg, Aqk, gam, dSTt, interpret=interpret)
     HV, C, K, N = cfg.HV, cfg.C, cfg.K, cfg.N
     ops = _Ops(compiled=interpret is None)

@@ -370,9 +370,10 @@ def test_state_fwd_matches_triton(rng, residuals, form):
         assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
 
 
-@pytest.mark.parametrize("form", [1, 2], ids=["two-wg", "wide"])
+@pytest.mark.parametrize("form", [1, 2, 3], ids=["two-wg", "wide", "auto"])
 def test_state_pass_forms_give_the_same_gradients(rng, monkeypatch, form):
-    """kda_pallas with ``mgpu_state`` 1 or 2 runs that form of both state passes, and the
+    """kda_pallas with ``mgpu_state`` 1 or 2 runs that form of both state passes (3, the
+    automatic choice, here the two-warpgroup forward and the one-warpgroup backward), and the
     output, final state and every gradient (the backward reads the forward's h and V') are
     those of the one-warpgroup passes: T = 150 (a partial last chunk), two value heads per q/k
     head, a random initial state."""
@@ -397,8 +398,9 @@ def test_state_pass_forms_give_the_same_gradients(rng, monkeypatch, form):
         return fast_jit(jax.grad(fn, argnums=range(6), has_aux=True))(q, k, v, g, beta, h0)
 
     got, (o, S) = run(form)
-    assert sorted(taken) == ([("_state_bwd_two_wg", None), ("_state_fwd_two_wg", 64)] if form == 1
-                             else [("_state_bwd_wide", None), ("_state_fwd_two_wg", 128)]), taken
+    assert sorted(taken) == {1: [("_state_bwd_two_wg", None), ("_state_fwd_two_wg", 64)],
+                             2: [("_state_bwd_wide", None), ("_state_fwd_two_wg", 128)],
+                             3: [("_state_fwd_two_wg", 64)]}[form], taken
     taken.clear()
     want, (o0, S0) = run(0)
     assert not taken, f"mgpu_state=0 took {taken}"
@@ -408,6 +410,27 @@ def test_state_pass_forms_give_the_same_gradients(rng, monkeypatch, form):
     for name, a, b in zip(names, (o, S, *got), (o0, S0, *want), strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
         assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+
+
+def test_automatic_state_pass_forms():
+    """mgpu_state=3 picks the forms by the number of chains: the wide forms when 64-column CTAs,
+    one per SM, would take more than one wave; else the two-warpgroup forward and the
+    one-warpgroup backward. The default tuning takes it."""
+    assert KernelTuning().mgpu_state == kda_mgpu_state.AUTO
+    bf = jnp.bfloat16
+
+    def chosen(B, HV, form=kda_mgpu_state.AUTO):
+        cfg = config(jax.ShapeDtypeStruct((B, 128, 1, 128), bf),
+                     jax.ShapeDtypeStruct((B, 128, HV, 128), bf), mode="interpret")
+        return kda_mgpu_state.forms(dataclasses.replace(cfg, mgpu_state=form))
+
+    wide, split, one = kda_mgpu_state.WIDE, kda_mgpu_state.SPLIT, kda_mgpu_state.ONE_WG
+    assert chosen(8, 16) == (wide, wide)  # configs/1b.py's shape: 256 CTAs of 64 columns
+    assert chosen(1, 16) == (split, one)  # one long row: 32 CTAs
+    assert chosen(1, 66) == (split, one)  # 132 CTAs: one wave
+    assert chosen(1, 67) == (wide, wide)
+    for form in (0, 1, 2):
+        assert chosen(8, 16, form) == (form, form)
 
 
 @pytest.mark.parametrize("form", [0, 1, 2], ids=["one-wg", "two-wg", "wide"])

@@ -521,7 +521,7 @@ def test_gradients_of_a_small_cotangent_are_scaled_exactly(backend, mid_bwd):
 @pytest.mark.parametrize("backend", ALL)
 def test_score_gradients_at_the_bound_match_the_float64_recurrence(backend):
     """The backward's pairwise-decay sums at their extreme, both forms: the 16-row sub-chunks
-    (the default) and KernelTuning.anchor_mid_bwd's 32-row blocks (diagonal blocks around
+    and KernelTuning.anchor_mid_bwd's 32-row blocks (the default; diagonal blocks around
     their midpoints, dA's rows scaled by powers of two), against the float64 recurrence's
     gradients, with every third key channel at the bound, packed documents and T not a
     multiple of the chunk; at lower_bound = -2.5 the block is the whole chunk.
@@ -537,7 +537,8 @@ def test_score_gradients_at_the_bound_match_the_float64_recurrence(backend):
     config = functools.partial(interpret_config, q, v, seg, C)
     assert config(-5.0, mid).bwd_rows == 32 and config(-2.5, mid).bwd_rows == 64
     assert config(-1.0, mid).bwd_rows == 0 and config(None, mid).bwd_rows == 0
-    assert config(-5.0, KernelTuning()).bwd_rows == 0
+    assert config(-5.0, KernelTuning()).bwd_rows == 32  # the default since session z
+    assert config(-5.0, KernelTuning(anchor_mid_bwd=0)).bwd_rows == 0
     rng = np.random.default_rng(seed)
     o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
     S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
@@ -617,9 +618,9 @@ def test_bad_tuning_is_named():
         KernelTuning(warps_seq=3)
     with pytest.raises(ValueError, match=r"KernelTuning.inverse_x3 must be 0 or 1, got True"):
         KernelTuning(inverse_x3=True)
-    with pytest.raises(ValueError, match=r"--tune: KernelTuning.mgpu_state must be 0, 1 or 2, "
-                                         r"got 3"):
-        KernelTuning.parse("mgpu_state=3")
+    with pytest.raises(ValueError, match=r"--tune: KernelTuning.mgpu_state must be 0, 1, 2 or 3 "
+                                         r"\(automatic\), got 4"):
+        KernelTuning.parse("mgpu_state=4")
     assert KernelTuning.parse("") == pk.default_tuning()
     base = KernelTuning(warps_grad=8)
     assert KernelTuning.parse("bk=16", base=base) == dataclasses.replace(base, bk=16)
@@ -745,9 +746,12 @@ def test_kernel_variants_equal_the_defaults(backend, gate):
         variants.append({"bv_intra": 16})
     for changes in variants:
         varied = run(**changes)
+        # bv_intra=16 sums in another order (dR_k from dW; -dv S^T over two tiles): on the GPU
+        # that moved dbeta by 1.2e-6 (H200, session z); the others do the same arithmetic
+        tol = 1e-5 if "bv_intra" in changes else 1e-6
         for name, a, b in zip(names, varied, default, strict=True):
             assert bool(jnp.all(jnp.isfinite(a))), f"{backend} {changes}: {name} not finite"
-            assert rel(a, b) < 1e-6, (backend, changes, name, rel(a, b))
+            assert rel(a, b) < tol, (backend, changes, name, rel(a, b))
     # and the definition (the gate applied outside, the token-by-token recurrence)
     if gate == "softplus":
         g_def = -jnp.exp(A_log)[:, None] * jax.nn.softplus(g + dt_bias)
