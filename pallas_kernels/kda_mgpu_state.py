@@ -184,6 +184,20 @@ def _stage(x, x_s, dst=None):
         plgpu.copy_smem_to_gmem(x_s, dst)
 
 
+def _two_wg_indices(HV: int, bv: int):
+    """(bh, b, hv, the V tile's columns, warpgroup) of a two-warpgroup pass's CTA, grid
+    (B*HV, V / bv) with a warpgroup axis "wg"."""
+    bh, vt, wg = lax.axis_index("bh"), lax.axis_index("vt"), lax.axis_index("wg")
+    return bh, lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV)), pl.ds(vt * bv, bv), wg
+
+
+def _finish_together(done):
+    """Both warpgroups arrive at ``done`` and wait for each other: neither leaves while the
+    other may still issue products into shared memory."""
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+
+
 def _call(kernel, cfg: KdaConfig, out_shape, scratch, interpret, name: str):
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=tuple(out_shape), grid=(cfg.B * cfg.HV, cfg.V // BV),
@@ -301,9 +315,7 @@ def _state_fwd_two_wg(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, residuals:
         (W_s, U_s, Kg_s, gam_s, QG_s, A_s, St_s, Vp_s, o_s, chain_in, out_in, ready, free,
          done, *tbufs) = refs
         StT_0, VpT_s, StT_1 = tbufs if tbufs else (None,) * 3
-        bh, vt, wg = lax.axis_index("bh"), lax.axis_index("vt"), lax.axis_index("wg")
-        b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
-        vcols = pl.ds(vt * bv, bv)
+        bh, b, hv, vcols, wg = _two_wg_indices(HV, bv)
 
         @pl.when(wg == 0)
         def _chain():
@@ -368,9 +380,7 @@ def _state_fwd_two_wg(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, residuals:
             lax.fori_loop(0, N, step, 0)
             plgpu.wait_smem_to_gmem(0)
 
-        # Neither warpgroup leaves while the other may still issue products into shared memory.
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
+        _finish_together(done)
 
     scratch = [
         _swizzled((2, C, K), bf16),  # W, two chunks
@@ -566,9 +576,7 @@ def _state_bwd_two_wg(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpre
         (W_s, Kg_s, gam_s, dO_s, A_s, QG_s, X_s, Y_s, dSt_s, dVp_s, ndVp_s, chain_in, xy_in,
          xy_ready, xy_free, done, *tbufs) = refs
         dStT_s, ndVpT_s, AT_s, dOT_s = tbufs if tbufs else (None,) * 4
-        bh, vt, wg = lax.axis_index("bh"), lax.axis_index("vt"), lax.axis_index("wg")
-        b, hv = lax.div(bh, jnp.int32(HV)), lax.rem(bh, jnp.int32(HV))
-        vcols = pl.ds(vt * BV, BV)
+        bh, b, hv, vcols, wg = _two_wg_indices(HV, BV)
 
         @pl.when(wg == 0)
         def _chain():
@@ -632,9 +640,7 @@ def _state_bwd_two_wg(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt, *, interpre
             lax.fori_loop(0, N, step, 0)
             plgpu.barrier_wait(xy_free)  # warpgroup 0's last reading
 
-        # Neither warpgroup leaves while the other may still issue products into shared memory.
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
+        _finish_together(done)
 
     scratch = [
         _swizzled((2, C, K), bf16),  # W, two chunks
