@@ -254,17 +254,42 @@ def test_kda_kernel_packs_rows_with_documents_of_about_the_given_length():
     assert f"packed documents of ~{L} tokens" in table
 
 
-def test_micro_batch_order_bench_counts_one_document_micro_batches_on_cpu(capsys):
-    """benchmarks/micro_batch_order.py on the stdlib rows: the step's order holds more
-    micro-batches of one document per row than the rows' own order, over the same rows."""
-    load("micro_batch_order").main(["--config=configs/tiny.py", "--microbatch_size=2",
-                                    "--seq=512", "--steps=2", "--heads=1", "--impl=xla",
-                                    "--reps=1"])
+def test_micro_batch_order_bench_counts_one_document_micro_batches_on_cpu(tmp_path, capsys):
+    """benchmarks/micro_batch_order.py over text files laid out so that half the rows of 512
+    bytes are one document (a 512-byte file) and half are eight (eight 64-byte files): the
+    step's order reaches the most micro-batches of two one-document rows that each global
+    batch allows, the rows' own order fewer, and the printed shares say so."""
+    rng = np.random.default_rng()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(24):  # files sorted by name: block i is one row of one document, then a
+        (docs / f"{i:03d}_0.txt").write_bytes(rng.integers(97, 123, 512, np.uint8).tobytes())
+        for j in range(1, 9):  # row of eight
+            (docs / f"{i:03d}_{j}.txt").write_bytes(rng.integers(97, 123, 64, np.uint8).tobytes())
+    (tmp_path / "eval.txt").write_bytes(b"held out " * 100)
+    cfg = tmp_path / "rows.py"
+    cfg.write_text(
+        "from configs import load_config\n\n\n"
+        "def get_config(arg=None):\n"
+        "    config = load_config('tiny.py')\n"
+        "    config.data.source = 'text'\n"
+        f"    config.data.paths = {str(docs / '*.txt')!r}\n"
+        f"    config.data.eval_paths = {str(tmp_path / 'eval.txt')!r}\n"
+        "    return config\n")
+    mob = load("micro_batch_order")
+    config = load_config(str(cfg))
+    batches = mob.global_batches(config, 2, 512)
+    one_doc_rows = [int(np.sum(np.max(segs, axis=1) == 1)) for segs in batches]
+    # 8 rows a batch in micro-batches of 2: at most n // 2 of the 4 pair one-document rows
+    best = sum(n // 2 for n in one_doc_rows) / 8
+    mob.main([f"--config={cfg}", "--microbatch_size=2", "--seq=512", "--steps=2", "--heads=1",
+              "--impl=xla", "--reps=1"])
     out = capsys.readouterr().out
     share = {line.split("|")[1].strip(): float(line.split("|")[2].strip().rstrip("%"))
              for line in out.splitlines() if line.startswith("| given") or line.startswith("| step")}
-    assert set(share) == {"given", "step"} and share["step"] > share["given"]
-    assert 0 < share["step"] < 100  # rows of 512 bytes: some of one document, some not
+    assert set(share) == {"given", "step"}
+    assert 0 < best < 1 and share["step"] == pytest.approx(100 * best, abs=0.05)
+    assert share["given"] < share["step"]
 
 
 def test_kda_profile_opens_a_window_per_tuning_and_names_bad_arguments(capsys):
