@@ -88,9 +88,17 @@ class KernelTuning:
     bv_seq: int = 0
     # V tile of the loops inside the intra-chunk kernels (the launch sweep's winner).
     bv_intra: int = 128
-    # K slice of the intra-chunk kernels, and the third grid axis of intra_bwd_channels. Wider
-    # slices spill registers in that kernel (python -m pallas_kernels.triton_report --tune bk=64).
+    # K slice of the backward's intra-chunk kernels, and the third grid axis of
+    # intra_bwd_channels. Wider slices spill registers in that kernel (python -m
+    # pallas_kernels.triton_report --tune bk=64): on the H200 bk=64 took forward+backward from
+    # 4.41 to 8.02 ms at 8 x 4096 (session aa).
     bk: int = 32
+    # K slice of the forward's intra-chunk kernel (intra_fwd; both kernels with split_intra),
+    # cut to the padded K. Its loop over slices runs the decayed scores' chain of dots once per
+    # slice; at 64 it runs half as often. On the H200 (session aa) the forward took 1.08
+    # against 1.21 ms at 8 x 4096 x 16 x 128, and 1.00 against 1.17-1.18 ms at
+    # configs/small.py's 32 x 2048 x 12 x 64, where K = 64 is then one slice.
+    bk_fwd: int = 64
     warps_intra: int = 4  # Triton warps of intra_fwd
     warps_seq: int = 4  # Triton warps of state_fwd and state_bwd
     warps_grad: int = 4  # Triton warps of intra_bwd_scores
@@ -219,7 +227,7 @@ _WARPS = ("a power of two >= 1", lambda x: _power_of_two(x, 1))
 _STAGES = ("an int >= 1", lambda x: x >= 1)
 _TUNING_RULES = {
     "bv_seq": ("0 (automatic) or a power of two >= 16", lambda x: x == 0 or _power_of_two(x, 16)),
-    "bv_intra": _TILE, "bk": _TILE,
+    "bv_intra": _TILE, "bk": _TILE, "bk_fwd": _TILE,
     "warps_intra": _WARPS, "warps_seq": _WARPS, "warps_grad": _WARPS, "warps_chan": _WARPS,
     "stages_seq": _STAGES, "stages_intra": _STAGES,
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
@@ -327,17 +335,18 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
     if mode in ("tpu", "tpu_interpret"):
         # Mosaic: lane-dim tiles of 128 (or the whole dim)
         bv_seq = bv_intra = Vp if Vp <= 128 else 128
-        bk = Kp if Kp <= 128 else 128
+        bk = bk_fwd = Kp if Kp <= 128 else 128
     else:
         bv_seq = tuning.bv_seq or Vp
         while not tuning.bv_seq and bv_seq > 16 and B * HV * (Vp // bv_seq) < TARGET_PROGRAMS:
             bv_seq //= 2
         bv_seq, bv_intra = min(bv_seq, Vp), min(tuning.bv_intra, Vp)
-        bk = min(tuning.bk, Kp)
+        bk, bk_fwd = min(tuning.bk, Kp), min(tuning.bk_fwd, Kp)
     return KdaConfig(
         B=B, T=T, H=H, HV=HV, K=Kp, V=Vp, k_dim=K, v_dim=V, C=C, sub=sub, scale=float(scale), bounded=bounded,
         has_seg=segment_ids is not None, cd=cd, platform=platform, mode=mode, bv_seq=bv_seq,
-        bv_intra=bv_intra, bk=bk, inverse_x3=bool(tuning.inverse_x3), warps_intra=tuning.warps_intra,
+        bv_intra=bv_intra, bk=bk, bk_fwd=bk_fwd, inverse_x3=bool(tuning.inverse_x3),
+        warps_intra=tuning.warps_intra,
         warps_seq=tuning.warps_seq, warps_grad=tuning.warps_grad, warps_chan=tuning.warps_chan,
         stages_seq=tuning.stages_seq, stages_intra=tuning.stages_intra, poison=bool(poison),
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",

@@ -76,7 +76,8 @@ class KdaConfig:
     # Launch parameters, from pallas_kernels.kda.KernelTuning (whose comments say why).
     bv_seq: int  # V tile of the sequential (state-carrying) kernels
     bv_intra: int  # V tile of the loops inside the intra-chunk kernels
-    bk: int  # K slice of the intra-chunk kernels
+    bk: int  # K slice of the backward's intra-chunk kernels
+    bk_fwd: int  # of the forward's (kda_calls.intra_fwd runs the body with it as bk)
     inverse_x3: bool  # GPU: tf32x3 (else plain tf32) for the triangular inverse
     warps_intra: int  # Triton warps of intra_fwd
     warps_seq: int  # of state_fwd and state_bwd

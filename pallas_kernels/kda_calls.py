@@ -228,8 +228,11 @@ def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta,
     # Of the three, intra_bwd_scores alone takes packed segments (the training step's rows),
     # and the gate in the kernel: it reads the forward's G, never the gate's logits.
     scores = kernel == body.HOPPER_BWD_SCORES
+    # intra_bwd_scores also takes K, V = 64 (configs/small.py's heads): its tiles are whole
+    # [C, K] / [C, V] operands, one 128-byte swizzle row wide at 64
+    dims = (64, kda_mgpu.DIM) if scores else (kda_mgpu.DIM,)
     if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta, segments=scores,
-                                   computes_gate=not scores) is not None:
+                                   computes_gate=not scores, dims=dims) is not None:
         return None
     if cfg.mode == "gpu":
         return "compiled" if kda_mgpu.is_hopper() else None
@@ -260,6 +263,8 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
         interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
         return kda_mgpu.intra_fwd(cfg, q, k, v, g, beta, segs, gate_params,
                                   residuals=residuals, interpret=interpret)
+    # The forward's K slices (KernelTuning.bk_fwd): the body reads them as cfg.bk.
+    cfg = dataclasses.replace(cfg, bk=cfg.bk_fwd)
     if cfg.split_intra:
         return _intra_fwd_split(cfg, q, k, v, g, beta, segs, gate_params, residuals=residuals)
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V

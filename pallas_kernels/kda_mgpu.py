@@ -100,12 +100,13 @@ def interpret_params():
 
 
 def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta, *, segments: bool = False,
-                       computes_gate: bool = True) -> str | None:
+                       computes_gate: bool = True, dims: tuple[int, ...] = (DIM,)) -> str | None:
     """None when ``intra_fwd`` here (and the backward kernels of kda_mgpu_bwd) computes this call,
     else why not (the caller falls back to the Triton kernel). Supported: no packed segments
     (``segments=True``: a kernel that takes them), the log-decay given (no gate in the kernel;
     ``computes_gate=False``: a kernel that reads only the forward's G, which any gate gives),
-    a bounded gate, C = 64, K = V = 128 (after padding), bf16 q, k, v and bf16 or float32 g
+    a bounded gate, C = 64, K = V = 128 (after padding; ``dims``: the K and V a kernel takes,
+    e.g. (64, 128) for kda_mgpu_bwd.intra_bwd_scores), bf16 q, k, v and bf16 or float32 g
     and beta."""
     if not available():
         return "no Mosaic GPU Pallas in this JAX"
@@ -114,7 +115,7 @@ def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta, *, segments: bool = Fal
         (cfg.gate != "given" and computes_gate, f"gate in the kernel ({cfg.gate})"),
         (not cfg.bounded, "unbounded gate (exact diagonal blocks)"),
         (cfg.C != CHUNK, f"chunk {cfg.C} != {CHUNK}"),
-        (cfg.K != DIM or cfg.V != DIM, f"K, V = {cfg.K}, {cfg.V} (want {DIM})"),
+        (cfg.K not in dims or cfg.V not in dims, f"K, V = {cfg.K}, {cfg.V} (want {dims})"),
         (CHUNK % cfg.sub != 0 or cfg.sub < 16, f"sub-chunk {cfg.sub}"),
         (cfg.cd != "bfloat16", f"compute dtype {cfg.cd}"),
         (any(x.dtype != bf16 for x in (q, k, v)), "q, k, v not all bfloat16"),

@@ -3,7 +3,7 @@ for ``kda_calls.intra_bwd_channels`` (``intra_bwd_channels``, described here) an
 ``kda_calls.intra_bwd_scores`` (``intra_bwd_scores``, described in its docstring) in the case
 kda_mgpu.intra_fwd supports (given bounded gate, C = 64, K = V = 128, bf16;
 ``kda_mgpu.unsupported_reason``), and no packed segments for intra_bwd_channels
-(intra_bwd_scores takes them). kda_calls dispatches to them with KernelTuning.hopper.
+(intra_bwd_scores takes them, and K, V of 64 too). kda_calls dispatches to them with KernelTuning.hopper.
 
 intra_bwd_channels: one CTA of one warpgroup per (value head row bh, chunk n, K slice s of
 BK = 64 channels): grid (B*HV, N, K/BK). A slice of 64 bf16 channels is one 128-byte swizzle
@@ -288,7 +288,8 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
 def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
                      dv_dtype, interpret=None):
     """``kda_calls.intra_bwd_scores`` on Mosaic GPU: one CTA of one warpgroup per (bh, chunk n),
-    grid (B*HV, N), all of K = V = 128 at once. With ``kda_body.bwd_intra_scores``' notation:
+    grid (B*HV, N), all of K and V at once (each 64 or 128: whole swizzled operands). With
+    ``kda_body.bwd_intra_scores``' notation:
 
         dAqk = tril(dO V'^T)                             [C, V] x [V, C]
         dRv  = Tinv^T dV',   dv = Diag(beta) dRv,   dbeta = rowsum(dRv * v)

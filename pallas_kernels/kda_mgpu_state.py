@@ -1,5 +1,6 @@
 """KDA's state passes on Hopper (sm_90) in Pallas' Mosaic GPU backend: drop-ins for
-``kda_calls.state_fwd`` and ``kda_calls.state_bwd`` (K = V = 128, C = 64, bf16 intermediates).
+``kda_calls.state_fwd`` and ``kda_calls.state_bwd`` (K, V = 128 or 64, C = 64, bf16
+intermediates).
 
 One CTA of one warpgroup per (value head row bh, V tile of BV = 64 columns): grid
 (B*HV, V / BV), each walking all N chunks with a transposed [BV, K] state in float32 registers
@@ -41,6 +42,9 @@ from pallas_kernels.kda_mgpu import CHUNK, DIM, _swizzled, plgpu
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 BV = 64  # V columns per CTA (see the module docstring)
+# K and V the passes take: 128 (DIM), and 64 (configs/small.py's heads: one V tile, and a
+# [64, 64] state; the wide forms then take the same 64 columns)
+DIMS = (64, DIM)
 # KernelTuning.mgpu_state: the forms of the passes (see the module docstring); AUTO picks them
 ONE_WG, SPLIT, WIDE, AUTO = 0, 1, 2, 3
 HOPPER_SMS = 132  # H100 and H200 SXM
@@ -50,14 +54,14 @@ def forms(cfg: KdaConfig) -> tuple[int, int]:
     """(forward form, backward form) of the passes for ``cfg.mgpu_state``.
 
     AUTO, as measured on the H200 (BENCHMARKS.md, session z): when 64-column CTAs of one per
-    SM would take more than one wave (2 B*HV > HOPPER_SMS), the passes are bound by memory and
+    SM would take more than one wave (B*HV*V/64 > HOPPER_SMS), the passes are bound by memory and
     the wide forms read less (8 x 4096 x 16 heads: forward 1.21 against 1.29 ms); otherwise
     the chain's latency is the time, and the forward takes the two-warpgroup form
     (1 x 65536 x 16 heads: 3.47 against 4.03 ms) while the backward keeps one warpgroup (its
     two-warpgroup form was ~1 ms slower there)."""
     if cfg.mgpu_state != AUTO:
         return cfg.mgpu_state, cfg.mgpu_state
-    if 2 * cfg.B * cfg.HV > HOPPER_SMS:
+    if cfg.B * cfg.HV * (cfg.V // BV) > HOPPER_SMS:  # 64-column CTAs
         return WIDE, WIDE
     return SPLIT, ONE_WG
 
@@ -68,7 +72,7 @@ def unsupported_reason(cfg: KdaConfig, out_dtype=bf16) -> str | None:
     checks = [
         (plgpu is None, "no Mosaic GPU Pallas in this JAX"),
         (cfg.C != CHUNK, f"chunk {cfg.C} != {CHUNK}"),
-        (cfg.K != DIM or cfg.V != DIM, f"K, V = {cfg.K}, {cfg.V} (want {DIM})"),
+        (cfg.K not in DIMS or cfg.V not in DIMS, f"K, V = {cfg.K}, {cfg.V} (want {DIMS})"),
         (cfg.cd != "bfloat16", f"compute dtype {cfg.cd}"),
         (jnp.dtype(out_dtype) != jnp.dtype(bf16), f"output dtype {out_dtype}"),
     ]

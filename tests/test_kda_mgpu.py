@@ -294,14 +294,16 @@ def test_intra_bwd_channels_matches_triton(rng):
         assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
-def test_intra_bwd_scores_matches_triton(rng, packed):
+@pytest.mark.parametrize(("packed", "D"), [(False, 128), (True, 128), (True, 64)],
+                         ids=["one-document", "packed", "packed-64"])
+def test_intra_bwd_scores_matches_triton(rng, packed, D):
     """dv, dbeta, dAqk, dAkk and their transposes from the Mosaic GPU intra_bwd_scores against
-    the Triton kernel's (interpret mode): T not a multiple of C, two chunks, HV > H, and packed
-    documents (one starting at a chunk's first row, one inside a chunk). Inputs: the forward's
-    G, Akk, Tinv, W, U (Triton, interpret), random h, V', dV', dO."""
+    the Triton kernel's (interpret mode): T not a multiple of C, two chunks, HV > H, packed
+    documents (one starting at a chunk's first row, one inside a chunk), and heads of 128 and
+    of 64 (configs/small.py's K = V). Inputs: the forward's G, Akk, Tinv, W, U (Triton,
+    interpret), random h, V', dV', dO."""
     B, T, H, HV = 1, 100, 1, 2
-    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, K=D, V=D)
     seg = packed_ids(rng, B, T) if packed else None
     cfg = config(q, v, mode="gpu" if HOPPER else "interpret", seg=seg)
     qp, kp, vp, gp, bp, segs = pk._prep(q, k, v, g, beta, seg, cfg)
@@ -313,8 +315,9 @@ def test_intra_bwd_scores_matches_triton(rng, packed):
     def rand(*shape):
         return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
-    args = (kp, vp, G, bp, segs, W, U, Akk, Tinv, rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
-            rand(BHV, N, C, 128), rand(B, N * C, HV, 128))
+    assert calls.hopper_intra_mode(cfg, kp, kp, vp, G, bp, pk.HOPPER_BWD_SCORES) is not None
+    args = (kp, vp, G, bp, segs, W, U, Akk, Tinv, rand(BHV, N, D, D), rand(BHV, N, C, D),
+            rand(BHV, N, C, D), rand(B, N * C, HV, D))
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = fast_jit(lambda *a: kda_mgpu_bwd.intra_bwd_scores(
         cfg, *a, dv_dtype=jnp.bfloat16, interpret=interpret))(*args)
@@ -331,17 +334,19 @@ def test_intra_bwd_scores_matches_triton(rng, packed):
         np.testing.assert_array_equal(np.asarray(x), np.swapaxes(np.asarray(xt), -1, -2))
 
 
-@pytest.mark.parametrize("residuals", [False, True], ids=["o-only", "residuals"])
+@pytest.mark.parametrize(("residuals", "D"), [(False, 128), (True, 128), (True, 64)],
+                         ids=["o-only", "residuals", "residuals-64"])
 @pytest.mark.parametrize("form", [0, 1, 2], ids=["one-wg", "two-wg", "wide"])
-def test_state_fwd_matches_triton(rng, residuals, form):
+def test_state_fwd_matches_triton(rng, residuals, D, form):
     """O, the final state and (with residuals) h and V' of the Mosaic GPU forward state pass
     against the Triton kernel's (interpret mode; compiled on a Hopper card): two rows of four
     chunks, two value heads, random intermediates, decays from 1e-3 to 1 and a random initial
     state. Every form (``KernelTuning.mgpu_state``): two V tiles of 64 columns of one or two
-    warpgroups (the chain and the output in parallel), and all 128 columns in one CTA of two."""
+    warpgroups (the chain and the output in parallel), and all 128 columns in one CTA of two;
+    and heads of 64 (configs/small.py's K = V: one V tile, a [64, 64] state)."""
     B, T, H, HV = 2, 250, 1, 2
-    cfg = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16),
+    cfg = config(jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((B, T, HV, D), jnp.bfloat16),
                  mode="gpu" if HOPPER else "interpret")
     cfg = dataclasses.replace(cfg, mgpu_state=form)
     BHV, N, C = B * HV, cfg.N, cfg.C
@@ -350,10 +355,10 @@ def test_state_fwd_matches_triton(rng, residuals, form):
     def rand(*shape):
         return jnp.asarray(0.3 * rng.standard_normal(shape), jnp.bfloat16)
 
-    args = (rand(BHV, N, C, 128), rand(BHV, N, C, 128), rand(BHV, N, C, 128),
-            rand(BHV, N, C, 128), rand(BHV, N, C, C),
-            jnp.asarray(np.exp(rng.uniform(-7.0, 0.0, (BHV, N, 1, 128))), jnp.float32),
-            jnp.asarray(rng.standard_normal((BHV, 128, 128)), jnp.float32))
+    args = (rand(BHV, N, C, D), rand(BHV, N, C, D), rand(BHV, N, C, D),
+            rand(BHV, N, C, D), rand(BHV, N, C, C),
+            jnp.asarray(np.exp(rng.uniform(-7.0, 0.0, (BHV, N, 1, D))), jnp.float32),
+            jnp.asarray(rng.standard_normal((BHV, D, D)), jnp.float32))
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = fast_jit(lambda *a: kda_mgpu_state.state_fwd(
         cfg, *a, out_dtype=jnp.bfloat16, residuals=residuals, interpret=interpret))(*args)
@@ -419,9 +424,9 @@ def test_automatic_state_pass_forms():
     assert KernelTuning().mgpu_state == kda_mgpu_state.AUTO
     bf = jnp.bfloat16
 
-    def chosen(B, HV, form=kda_mgpu_state.AUTO):
-        cfg = config(jax.ShapeDtypeStruct((B, 128, 1, 128), bf),
-                     jax.ShapeDtypeStruct((B, 128, HV, 128), bf), mode="interpret")
+    def chosen(B, HV, form=kda_mgpu_state.AUTO, D=128):
+        cfg = config(jax.ShapeDtypeStruct((B, 128, 1, D), bf),
+                     jax.ShapeDtypeStruct((B, 128, HV, D), bf), mode="interpret")
         return kda_mgpu_state.forms(dataclasses.replace(cfg, mgpu_state=form))
 
     wide, split, one = kda_mgpu_state.WIDE, kda_mgpu_state.SPLIT, kda_mgpu_state.ONE_WG
@@ -429,20 +434,25 @@ def test_automatic_state_pass_forms():
     assert chosen(1, 16) == (split, one)  # one long row: 32 CTAs
     assert chosen(1, 66) == (split, one)  # 132 CTAs: one wave
     assert chosen(1, 67) == (wide, wide)
+    # heads of 64: one 64-column CTA per chain
+    assert chosen(32, 12, D=64) == (wide, wide)  # configs/small.py: 384 chains
+    assert chosen(1, 132, D=64) == (split, one) and chosen(1, 133, D=64) == (wide, wide)
     for form in (0, 1, 2):
         assert chosen(8, 16, form) == (form, form)
 
 
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("form", [0, 1, 2], ids=["one-wg", "two-wg", "wide"])
-def test_state_bwd_matches_triton(rng, form):
+def test_state_bwd_matches_triton(rng, form, D):
     """dh, dV' and dS0 of the Mosaic GPU reverse state pass against the Triton kernel's
     (interpret mode; compiled on a Hopper card): two rows of four chunks walked last to first,
     two value heads, random intermediates and dO, decays from 1e-3 to 1, a random gradient of
     the final state. Every form (``KernelTuning.mgpu_state``): two V tiles of 64 columns of one
-    or two warpgroups (the products off the chain on the second), and all 128 in one CTA."""
+    or two warpgroups (the products off the chain on the second), and all 128 in one CTA; and
+    heads of 64 (one V tile, a [64, 64] state)."""
     B, T, H, HV = 2, 250, 1, 2
-    cfg = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16),
+    cfg = config(jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((B, T, HV, D), jnp.bfloat16),
                  mode="gpu" if HOPPER else "interpret")
     cfg = dataclasses.replace(cfg, mgpu_state=form)
     BHV, N, C = B * HV, cfg.N, cfg.C
@@ -450,10 +460,10 @@ def test_state_bwd_matches_triton(rng, form):
     def rand(*shape):
         return jnp.asarray(0.3 * rng.standard_normal(shape), jnp.bfloat16)
 
-    args = (rand(B, N * C, HV, 128), rand(BHV, N, C, 128), rand(BHV, N, C, 128),
-            rand(BHV, N, C, 128), rand(BHV, N, C, C),
-            jnp.asarray(np.exp(rng.uniform(-7.0, 0.0, (BHV, N, 1, 128))), jnp.float32),
-            jnp.asarray(rng.standard_normal((BHV, 128, 128)), jnp.float32))
+    args = (rand(B, N * C, HV, D), rand(BHV, N, C, D), rand(BHV, N, C, D),
+            rand(BHV, N, C, D), rand(BHV, N, C, C),
+            jnp.asarray(np.exp(rng.uniform(-7.0, 0.0, (BHV, N, 1, D))), jnp.float32),
+            jnp.asarray(rng.standard_normal((BHV, D, D)), jnp.float32))
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = fast_jit(lambda *a: kda_mgpu_state.state_bwd(cfg, *a, interpret=interpret))(*args)
     ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
@@ -467,8 +477,8 @@ def test_state_bwd_matches_triton(rng, form):
 
 def test_state_pass_dispatch():
     """The state passes take their Mosaic GPU form only with HOPPER_STATE and for what it
-    supports (bf16 intermediates, O and dO, K = V = 128, C = 64); interpret mode stands in for
-    the card."""
+    supports (bf16 intermediates, O and dO, K and V of 128 or 64, C = 64); interpret mode
+    stands in for the card."""
     bf = jnp.bfloat16
     cfg = config(jax.ShapeDtypeStruct((1, 128, 1, 128), bf),
                  jax.ShapeDtypeStruct((1, 128, 1, 128), bf), mode="interpret")
@@ -476,7 +486,10 @@ def test_state_pass_dispatch():
     assert calls._hopper_state_mode(cfg, jnp.float32) is None  # output dtype
     off = dataclasses.replace(cfg, hopper=HOPPER_ALL & ~pk.HOPPER_STATE)
     assert calls._hopper_state_mode(off, bf) is None
-    for changes in ({"K": 64, "k_dim": 64}, {"C": 32}, {"cd": "float32"}, {"mode": "tpu_interpret"}):
+    for changes in ({"K": 64, "k_dim": 64}, {"K": 64, "V": 64, "k_dim": 64, "v_dim": 64}):
+        assert calls._hopper_state_mode(dataclasses.replace(cfg, **changes), bf) == "interpret"
+    for changes in ({"K": 32, "k_dim": 32}, {"V": 256, "v_dim": 256}, {"C": 32},
+                    {"cd": "float32"}, {"mode": "tpu_interpret"}):
         assert calls._hopper_state_mode(dataclasses.replace(cfg, **changes), bf) is None, changes
 
 
@@ -563,6 +576,32 @@ def test_cuda_lowering_of_state_passes(residuals, form, smem):
         assert lo < max(smem) <= hi, f"backward: SMEM {max(smem)} B not in ({lo}, {hi}]"
 
 
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["one-wg", "two-wg", "wide"])
+def test_cuda_lowering_of_state_passes_at_64(form, smem):
+    """With heads of 64 (configs/small.py) both state passes of every form lower for CUDA and
+    fit: form 0 two blocks per SM, as at 128; the others one (at 64 the wide forms take the
+    64 columns there are)."""
+    bf, f = jnp.bfloat16, jnp.float32
+    cfg = config(jax.ShapeDtypeStruct((2, 256, 2, 64), bf),
+                 jax.ShapeDtypeStruct((2, 256, 4, 64), bf), mode="gpu")
+    cfg = dataclasses.replace(cfg, mgpu_state=form)
+    BHV, N, C = 8, cfg.N, cfg.C
+    hi = SMEM_TWO_BLOCKS if form == 0 else SMEM_PER_BLOCK
+    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        *[((BHV, N, C, 64), bf)] * 4, ((BHV, N, C, C), bf), ((BHV, N, 1, 64), f),
+        ((BHV, 64, 64), f))]
+    passes = (
+        (lambda *a: kda_mgpu_state.state_fwd(cfg, *a, out_dtype=bf, residuals=True), args),
+        (lambda *a: kda_mgpu_state.state_bwd(cfg, *a),
+         [jax.ShapeDtypeStruct((2, N * C, 4, 64), bf), *args[1:]]))
+    for fn, a in passes:
+        smem.clear()
+        text = jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        if smem:
+            assert 0 < max(smem) <= hi, (form, max(smem), hi)
+
+
 @pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [
     (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
 def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
@@ -603,6 +642,38 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
         assert "mosaic_gpu" in text
         if smem:
             assert 0 < max(smem) <= SMEM_PER_BLOCK, f"SMEM {max(smem)} B > {SMEM_PER_BLOCK} B"
+
+
+def test_cuda_lowering_of_intra_bwd_scores_at_64(smem):
+    """intra_bwd_scores with heads of 64 (configs/small.py: K = V = 64), packed segments or
+    not, lowers for CUDA without a GPU and fits one sm_90 block's SMEM, with less than at 128."""
+    bf, f = jnp.bfloat16, jnp.float32
+    B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
+
+    def peak(D, packed):
+        cfg = config(jax.ShapeDtypeStruct((B, Tp, H, D), bf),
+                     jax.ShapeDtypeStruct((B, Tp, HV, D), bf), mode="gpu")
+        cfg = dataclasses.replace(cfg, has_seg=packed)
+        segs = [jax.ShapeDtypeStruct(sh, f) for sh in [(B, N, C, 1)] * 3 + [(B, N, 1, C)]]
+        cc, st, cv = (B * HV, N, C, C), (B * HV, N, D, D), (B * HV, N, C, D)
+        args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+            ((B, Tp, H, D), bf), ((B, Tp, HV, D), bf), ((B * HV, N, C, D), f),
+            ((B, Tp, HV, 1), f), (cv, bf), (cv, bf), (cc, f), (cc, bf), (st, bf), (cv, bf),
+            (cv, bf), ((B, Tp, HV, D), bf))]
+
+        def scores(k, v, G, beta, segs, *rest):
+            return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, segs, *rest, dv_dtype=bf)
+
+        smem.clear()
+        text = jax.jit(scores).trace(*args[:4], segs if packed else (), *args[4:]).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "kda_intra_bwd_scores_mgpu" in text
+        return max(smem) if smem else None
+
+    for packed in (False, True):
+        at64, at128 = peak(64, packed), peak(128, packed)
+        if at64 is not None:
+            assert 0 < at64 < at128 <= SMEM_PER_BLOCK, (packed, at64, at128)
 
 
 def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
@@ -700,8 +771,8 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
     """intra_bwd_scores and intra_bwd_channels (traced only: jax.eval_shape) take the Mosaic GPU
     kernels for the supported config and the Triton kernels otherwise: their HOPPER_* bit not
     set (only intra_fwd's; only one of the two: that one alone switches), any config
-    hopper_intra_mode turns down (the forward's checks: K = 64, ...; packed segments for
-    intra_bwd_channels, which intra_bwd_scores takes), or output dtypes they do not write (dv
+    hopper_intra_mode turns down (the forward's checks: K = 64, ...; packed segments and K = 64
+    for intra_bwd_channels, which intra_bwd_scores takes), or output dtypes they do not write (dv
     not bf16; dq, dk or dg not bf16 / float32). With the gate in the kernel intra_bwd_scores
     still takes it (it reads the forward's G) and intra_bwd_channels, which computes df, not."""
     B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
@@ -735,6 +806,7 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
         dg_dtype=jnp.float32), k, k, G, cc, cc, cc, cc, st, st, cv, v, v)
     want = {"supported": ["intra_bwd_scores", "intra_bwd_channels"],
             "scores_only": ["intra_bwd_scores"], "segments": ["intra_bwd_scores"],
+            "K64": ["intra_bwd_scores"],
             "channels_only": ["intra_bwd_channels"],
             "gate_in_kernel": ["intra_bwd_scores"]}.get(case, [])
     assert mgpu_bwd_calls == want, case

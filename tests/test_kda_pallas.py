@@ -466,7 +466,7 @@ def test_mid_anchored_scores_match_the_definition(backend):
     are."""
     B, T, H, HV, K, V, C = 1, 150, 1, 2, 32, 16, 64
     seed, (q, k, v, g, beta, h0), seg = inputs_at_the_bound(B, T, H, HV, K, V)
-    mid = KernelTuning(anchor_mid=1, bk=16)  # two K slices too
+    mid = KernelTuning(anchor_mid=1, bk=16, bk_fwd=16)  # two K slices too
     config = functools.partial(interpret_config, q, v, seg, C)
 
     assert (config(-5.0, mid).fwd_rows, config(-5.0, mid).fwd_mid) == (32, 1)
@@ -627,15 +627,26 @@ def test_bad_tuning_is_named():
 
 
 def test_tuning_reaches_the_kernels():
-    """tuning= is passed down: bk=16 cuts K = 32 into two slices, with the same result."""
+    """tuning= is passed down: bk=16 and bk_fwd=16 cut K = 32 into two slices (the forward's
+    scores loop then runs as a loop), with the same result."""
     B, T, H, HV, K, V = 2, 50, 1, 2, 32, 16
     q, k, v, g, beta, h0 = make_inputs(29, B, T, H, HV, K, V)
-    narrow = KernelTuning(bk=16)
+    narrow = KernelTuning(bk=16, bk_fwd=16)
     config = lambda tuning: pk.make_config(q, v, scale=K ** -0.5, segment_ids=None,
                                            chunk_size=32, lower_bound=-5.0, mode="interpret",
                                            tuning=tuning)
     assert config(narrow).bk == 16 and config(pk.default_tuning()).bk == 32 == K
-    assert hash(narrow) == hash(KernelTuning(bk=16))  # static: it keys jit caches via KdaConfig
+    # bk_fwd (default 64) is cut to the padded K, like bk
+    assert config(narrow).bk_fwd == 16 and config(pk.default_tuning()).bk_fwd == 32
+    assert hash(narrow) == hash(KernelTuning(bk=16, bk_fwd=16))  # static: keys jit caches
+
+    def loops_in_intra_fwd(tuning):  # a K loop of one slice is a plain call, not a loop
+        fn = functools.partial(run_pallas, "interpret", chunk_size=32, tuning=tuning)
+        kernel = pallas_calls(fn, q, k, v, g, beta, h0)["kda_intra_fwd"]["jaxpr"]
+        return sum(eqn.primitive.name in ("scan", "while") for eqn in kernel.eqns)
+
+    assert loops_in_intra_fwd(narrow) > loops_in_intra_fwd(KernelTuning(bk=16)) == \
+        loops_in_intra_fwd(KernelTuning(bk=16, bk_fwd=32))
     o, S = run_pallas("interpret", q, k, v, g, beta, h0, chunk_size=32, tuning=narrow)
     o_ref, S_ref = run_pallas("interpret", q, k, v, g, beta, h0, chunk_size=32)
     assert rel(o, o_ref) < 1e-6 and rel(S, S_ref) < 1e-6
@@ -643,22 +654,27 @@ def test_tuning_reaches_the_kernels():
         run_pallas("interpret", q, k, v, g, beta, h0, tuning={"bk": 16})
 
 
-def kernel_grids(fn, *args) -> dict:
-    """{Pallas kernel name: its grid} of the kernels ``fn(*args)`` traces."""
+def pallas_calls(fn, *args) -> dict:
+    """{Pallas kernel name: its pallas_call's params} of the kernels ``fn(*args)`` traces."""
     from jax.extend.core import jaxprs_in_params
 
-    grids = {}
+    calls = {}
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-                grids[str(getattr(name, "name", name))] = eqn.params["grid_mapping"].grid
+                calls[str(getattr(name, "name", name))] = eqn.params
             for sub in jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return grids
+    return calls
+
+
+def kernel_grids(fn, *args) -> dict:
+    """{Pallas kernel name: its grid} of the kernels ``fn(*args)`` traces."""
+    return {name: params["grid_mapping"].grid for name, params in pallas_calls(fn, *args).items()}
 
 
 @pytest.mark.parametrize("backend", ["interpret", "tpu_interpret"])
@@ -704,9 +720,10 @@ def test_kernel_variants_equal_the_defaults(backend, gate):
     definition within the usual tolerances. Variants: split_intra=1 (the intra-chunk work as a
     scores kernel and a W/U kernel, handing Akk and beta k e^G through memory), w_in_place=0
     (W's operand recomputed after the inverse instead of handed over in W's buffer, the
-    default) and, with the gate given, bv_intra=16 (two V tiles in the intra-chunk kernels:
-    the backward's part 1 then takes dR_k from dW, part 2 sums -dv S^T over the tiles). The
-    TPU modes ignore w_in_place and bv_intra."""
+    default), bk_fwd=32 (the forward's scores in one K slice, the backward's in two) and, with
+    the gate given, bv_intra=16 (two V tiles in the intra-chunk kernels: the backward's part 1
+    then takes dR_k from dW, part 2 sums -dv S^T over the tiles). The TPU modes ignore
+    w_in_place, bk_fwd and bv_intra."""
     B, T, H, HV, K, V, C = 2, 75, 1, 2, 32, 32, 32
     gate_in_kernel = gate != "given"
     lb = None if gate == "softplus" else -5.0
@@ -720,7 +737,7 @@ def test_kernel_variants_equal_the_defaults(backend, gate):
         g = jnp.asarray(3.0 * rng.standard_normal(g.shape), jnp.float32)
     o_w = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.float32)
     S_w = jnp.asarray(rng.standard_normal(h0.shape), jnp.float32)
-    narrow = KernelTuning(bk=16)  # the first test above checks bk=16 itself
+    narrow = KernelTuning(bk=16, bk_fwd=16)  # the first test above checks bk=16 itself
 
     def run(**changes):
         def fn(q, k, v, g, beta, h0):
@@ -741,14 +758,16 @@ def test_kernel_variants_equal_the_defaults(backend, gate):
     default = run()
     names = ("o", "S", *(f"d{n}" for n in GRAD_NAMES))
     assert KernelTuning().w_in_place == 1
-    variants = [{"split_intra": 1}, {"w_in_place": 0}]
+    # bk_fwd=32: the forward in one K slice, the backward in two
+    variants = [{"split_intra": 1}, {"w_in_place": 0}, {"bk_fwd": 32}]
     if gate == "given" and backend not in ("tpu", "tpu_interpret"):
         variants.append({"bv_intra": 16})
     for changes in variants:
         varied = run(**changes)
         # bv_intra=16 sums in another order (dR_k from dW; -dv S^T over two tiles): on the GPU
-        # that moved dbeta by 1.2e-6 (H200, session z); the others do the same arithmetic
-        tol = 1e-5 if "bv_intra" in changes else 1e-6
+        # that moved dbeta by 1.2e-6 (H200, session z); so does bk_fwd (the scores' sum over
+        # K in one dot or two). The others do the same arithmetic.
+        tol = 1e-5 if {"bv_intra", "bk_fwd"} & set(changes) else 1e-6
         for name, a, b in zip(names, varied, default, strict=True):
             assert bool(jnp.all(jnp.isfinite(a))), f"{backend} {changes}: {name} not finite"
             assert rel(a, b) < tol, (backend, changes, name, rel(a, b))
