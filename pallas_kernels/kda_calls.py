@@ -228,9 +228,7 @@ def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta,
     # Of the three, intra_bwd_scores alone takes packed segments (the training step's rows),
     # and the gate in the kernel: it reads the forward's G, never the gate's logits.
     scores = kernel == body.HOPPER_BWD_SCORES
-    # intra_bwd_scores also takes K, V = 64 (configs/small.py's heads): its tiles are whole
-    # [C, K] / [C, V] operands, one 128-byte swizzle row wide at 64
-    dims = (64, kda_mgpu.DIM) if scores else (kda_mgpu.DIM,)
+    dims = kda_mgpu.WHOLE_DIMS if scores else (kda_mgpu.DIM,)
     if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta, segments=scores,
                                    computes_gate=not scores, dims=dims) is not None:
         return None

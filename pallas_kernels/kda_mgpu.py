@@ -79,6 +79,9 @@ except ImportError:  # pragma: no cover - depends on the installed JAX
 f32, bf16 = jnp.float32, jnp.bfloat16
 CHUNK = 64  # rows: one wgmma M tile
 DIM = 128  # K and V: one swizzled 128-byte row of bf16 per 64 columns, two wgmma N tiles
+# K and V of the kernels whose tiles are whole [C, K] / [C, V] operands (the state passes,
+# kda_mgpu_bwd.intra_bwd_scores): at 64 each is one swizzle row (configs/small.py's heads)
+WHOLE_DIMS = (64, DIM)
 INVERSE_BLOCK = 8  # as kda_body.INVERSE_BLOCK
 
 
@@ -106,7 +109,7 @@ def unsupported_reason(cfg: KdaConfig, q, k, v, g, beta, *, segments: bool = Fal
     (``segments=True``: a kernel that takes them), the log-decay given (no gate in the kernel;
     ``computes_gate=False``: a kernel that reads only the forward's G, which any gate gives),
     a bounded gate, C = 64, K = V = 128 (after padding; ``dims``: the K and V a kernel takes,
-    e.g. (64, 128) for kda_mgpu_bwd.intra_bwd_scores), bf16 q, k, v and bf16 or float32 g
+    WHOLE_DIMS for kda_mgpu_bwd.intra_bwd_scores), bf16 q, k, v and bf16 or float32 g
     and beta."""
     if not available():
         return "no Mosaic GPU Pallas in this JAX"

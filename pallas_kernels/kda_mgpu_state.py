@@ -38,13 +38,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda_body import KdaConfig
-from pallas_kernels.kda_mgpu import CHUNK, DIM, _swizzled, plgpu
+from pallas_kernels.kda_mgpu import CHUNK, WHOLE_DIMS, _swizzled, plgpu
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 BV = 64  # V columns per CTA (see the module docstring)
-# K and V the passes take: 128 (DIM), and 64 (configs/small.py's heads: one V tile, and a
-# [64, 64] state; the wide forms then take the same 64 columns)
-DIMS = (64, DIM)
 # KernelTuning.mgpu_state: the forms of the passes (see the module docstring); AUTO picks them
 ONE_WG, SPLIT, WIDE, AUTO = 0, 1, 2, 3
 HOPPER_SMS = 132  # H100 and H200 SXM
@@ -72,7 +69,9 @@ def unsupported_reason(cfg: KdaConfig, out_dtype=bf16) -> str | None:
     checks = [
         (plgpu is None, "no Mosaic GPU Pallas in this JAX"),
         (cfg.C != CHUNK, f"chunk {cfg.C} != {CHUNK}"),
-        (cfg.K not in DIMS or cfg.V not in DIMS, f"K, V = {cfg.K}, {cfg.V} (want {DIMS})"),
+        # at 64: one V tile and a [64, 64] state; the wide forms take the same 64 columns
+        (cfg.K not in WHOLE_DIMS or cfg.V not in WHOLE_DIMS,
+         f"K, V = {cfg.K}, {cfg.V} (want {WHOLE_DIMS})"),
         (cfg.cd != "bfloat16", f"compute dtype {cfg.cd}"),
         (jnp.dtype(out_dtype) != jnp.dtype(bf16), f"output dtype {out_dtype}"),
     ]

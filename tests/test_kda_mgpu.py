@@ -542,6 +542,37 @@ def test_cuda_lowering(residuals, gate_dtype, smem):
         assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
 
 
+def state_pass_config(D: int, form: int):
+    """The lowering tests' state-pass config: B = 2, Tp = 256, 2 q/k and 4 value heads of D,
+    backend "gpu", ``mgpu_state=form``."""
+    bf = jnp.bfloat16
+    cfg = config(jax.ShapeDtypeStruct((2, 256, 2, D), bf),
+                 jax.ShapeDtypeStruct((2, 256, 4, D), bf), mode="gpu")
+    return dataclasses.replace(cfg, mgpu_state=form)
+
+
+def state_pass_shapes(cfg):
+    """Shapes of state_fwd's arguments W, U, QG, Kg, Aqk, gam, h0t, and of state_bwd's (dO in
+    the user layout first), for ``cfg``."""
+    bf, f = jnp.bfloat16, jnp.float32
+    BHV, N, C, D = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.V
+    fwd = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        *[((BHV, N, C, D), bf)] * 4, ((BHV, N, C, C), bf), ((BHV, N, 1, D), f),
+        ((BHV, D, D), f))]
+    return fwd, [jax.ShapeDtypeStruct((cfg.B, N * C, cfg.HV, D), bf), *fwd[1:]]
+
+
+def scores_shapes(B, Tp, H, HV, N, C, D):
+    """Shapes of intra_bwd_scores' arguments but the segments: k, v, G, beta, then W, U, Akk,
+    Tinv, h, V', dV', dO."""
+    bf, f = jnp.bfloat16, jnp.float32
+    cc, st, cv = (B * HV, N, C, C), (B * HV, N, D, D), (B * HV, N, C, D)
+    return [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        ((B, Tp, H, D), bf), ((B, Tp, HV, D), bf), ((B * HV, N, C, D), f),
+        ((B, Tp, HV, 1), f), (cv, bf), (cv, bf), (cc, f), (cc, bf), (st, bf), (cv, bf),
+        (cv, bf), ((B, Tp, HV, D), bf))]
+
+
 @pytest.mark.parametrize("residuals", [False, True])
 @pytest.mark.parametrize("form", [0, 1, 2], ids=["one-wg", "two-wg", "wide"])
 def test_cuda_lowering_of_state_passes(residuals, form, smem):
@@ -550,16 +581,11 @@ def test_cuda_lowering_of_state_passes(residuals, form, smem):
     sm_90 SM (256 CTAs in one wave at B*HV = 128); the double-buffered forms 1 and 2 need more
     than two could have, and fit one."""
     bf = jnp.bfloat16
-    cfg = config(jax.ShapeDtypeStruct((2, 256, 2, 128), bf),
-                 jax.ShapeDtypeStruct((2, 256, 4, 128), bf), mode="gpu")
-    cfg = dataclasses.replace(cfg, mgpu_state=form)
-    BHV, N, C = 8, cfg.N, cfg.C
+    cfg = state_pass_config(128, form)
     lo, hi = (0, SMEM_TWO_BLOCKS) if form == 0 else (SMEM_TWO_BLOCKS, SMEM_PER_BLOCK)
-    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
-        *[((BHV, N, C, 128), bf)] * 4, ((BHV, N, C, C), bf), ((BHV, N, 1, 128), jnp.float32),
-        ((BHV, 128, 128), jnp.float32))]
+    fwd_args, bwd_args = state_pass_shapes(cfg)
     fn = jax.jit(lambda *a: kda_mgpu_state.state_fwd(cfg, *a, out_dtype=bf, residuals=residuals))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = fn.trace(*fwd_args).lower(lowering_platforms=("cuda",)).as_text()
     # each form under its own kernel name, which profiles (Nsight Compute) report
     names = {0: ("kda_state_fwd", "kda_state_bwd"),
              1: ("kda_state_fwd_two_wg_64", "kda_state_bwd_two_wg"),
@@ -568,9 +594,8 @@ def test_cuda_lowering_of_state_passes(residuals, form, smem):
     if smem:
         assert lo < max(smem) <= hi, f"forward: SMEM {max(smem)} B not in ({lo}, {hi}]"
     smem.clear()  # and the reverse pass (dO [B, Tp, HV, V] first)
-    args[0] = jax.ShapeDtypeStruct((2, N * C, 4, 128), bf)
     fn = jax.jit(lambda *a: kda_mgpu_state.state_bwd(cfg, *a))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = fn.trace(*bwd_args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and f"{names[1]}_mosaic_gpu" in text
     if smem:
         assert lo < max(smem) <= hi, f"backward: SMEM {max(smem)} B not in ({lo}, {hi}]"
@@ -581,19 +606,13 @@ def test_cuda_lowering_of_state_passes_at_64(form, smem):
     """With heads of 64 (configs/small.py) both state passes of every form lower for CUDA and
     fit: form 0 two blocks per SM, as at 128; the others one (at 64 the wide forms take the
     64 columns there are)."""
-    bf, f = jnp.bfloat16, jnp.float32
-    cfg = config(jax.ShapeDtypeStruct((2, 256, 2, 64), bf),
-                 jax.ShapeDtypeStruct((2, 256, 4, 64), bf), mode="gpu")
-    cfg = dataclasses.replace(cfg, mgpu_state=form)
-    BHV, N, C = 8, cfg.N, cfg.C
+    bf = jnp.bfloat16
+    cfg = state_pass_config(64, form)
     hi = SMEM_TWO_BLOCKS if form == 0 else SMEM_PER_BLOCK
-    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
-        *[((BHV, N, C, 64), bf)] * 4, ((BHV, N, C, C), bf), ((BHV, N, 1, 64), f),
-        ((BHV, 64, 64), f))]
+    fwd_args, bwd_args = state_pass_shapes(cfg)
     passes = (
-        (lambda *a: kda_mgpu_state.state_fwd(cfg, *a, out_dtype=bf, residuals=True), args),
-        (lambda *a: kda_mgpu_state.state_bwd(cfg, *a),
-         [jax.ShapeDtypeStruct((2, N * C, 4, 64), bf), *args[1:]]))
+        (lambda *a: kda_mgpu_state.state_fwd(cfg, *a, out_dtype=bf, residuals=True), fwd_args),
+        (lambda *a: kda_mgpu_state.state_bwd(cfg, *a), bwd_args))
     for fn, a in passes:
         smem.clear()
         text = jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
@@ -630,10 +649,7 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
         return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp,
                                              dVp, dO, dv_dtype=bf)
 
-    s_args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
-        ((B, Tp, H, 128), bf), ((B, Tp, HV, 128), bf), ((B * HV, N, C, 128), jnp.float32),
-        ((B, Tp, HV, 1), jnp.float32), (cv, bf), (cv, bf), (cc, jnp.float32), (cc, bf),
-        (st, bf), (cv, bf), (cv, bf), ((B, Tp, HV, 128), bf))]
+    s_args = scores_shapes(B, Tp, H, HV, N, C, 128)
     for f, a in ((fn, args),
                  (functools.partial(scores, cfg), s_args[:4] + [()] + s_args[4:]),
                  (functools.partial(scores, cfg_seg), s_args[:4] + [segs] + s_args[4:])):
@@ -655,11 +671,7 @@ def test_cuda_lowering_of_intra_bwd_scores_at_64(smem):
                      jax.ShapeDtypeStruct((B, Tp, HV, D), bf), mode="gpu")
         cfg = dataclasses.replace(cfg, has_seg=packed)
         segs = [jax.ShapeDtypeStruct(sh, f) for sh in [(B, N, C, 1)] * 3 + [(B, N, 1, C)]]
-        cc, st, cv = (B * HV, N, C, C), (B * HV, N, D, D), (B * HV, N, C, D)
-        args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
-            ((B, Tp, H, D), bf), ((B, Tp, HV, D), bf), ((B * HV, N, C, D), f),
-            ((B, Tp, HV, 1), f), (cv, bf), (cv, bf), (cc, f), (cc, bf), (st, bf), (cv, bf),
-            (cv, bf), ((B, Tp, HV, D), bf))]
+        args = scores_shapes(B, Tp, H, HV, N, C, D)
 
         def scores(k, v, G, beta, segs, *rest):
             return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, segs, *rest, dv_dtype=bf)
