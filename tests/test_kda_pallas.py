@@ -614,6 +614,9 @@ def test_bad_tuning_is_named():
     with pytest.raises(ValueError, match=r"--tune: KernelTuning.bk must be a power of two >= 16, "
                                          r"got 0"):
         KernelTuning.parse("bk=0")
+    with pytest.raises(ValueError, match=r"--tune: KernelTuning.bk_fwd must be a power of two "
+                                         r">= 16, got 24"):
+        KernelTuning.parse("bk_fwd=24")
     with pytest.raises(ValueError, match=r"KernelTuning.warps_seq must be .*, got 3"):
         KernelTuning(warps_seq=3)
     with pytest.raises(ValueError, match=r"KernelTuning.inverse_x3 must be 0 or 1, got True"):
