@@ -10,8 +10,9 @@
 #    for the forward with the Mosaic GPU intra_fwd (hopper=7): full_mgpu_fwd.*.
 # 2. Per kernel time, registers, shared memory and occupancy of each implementation in IMPLS
 #    (ours, jla, fla: their wheels in .whl/), XLA's own kernels included: sum_IMPL.txt/.csv.
-#    fla's autotuning under ncu takes minutes: to stay inside one 600 s call, give it a call
-#    of its own (IMPLS=fla; ours' full set runs first in every full call).
+#    fla's autotuning under ncu takes minutes: FLA_TUNING=path.tgz (kda_kernel.py's
+#    --fla-tuning) skips it; else give fla a call of its own (IMPLS=fla; ours' full set runs
+#    first in every full call).
 # sweep: per kernel times of ours under each launch-parameter change in TUNES (';' between
 #    them, "" for the defaults), one process each: sweep.md (benchmarks/ncu_table.py).
 #    TREES="dir ..." adds the defaults of other checkouts of the code (kda_profile.py is
@@ -81,8 +82,10 @@ for impl in $IMPLS; do
     # not enough for it (2026-12-04)
     limit=110
     [ "$impl" = fla ] && limit=300
+    tuning=()
+    [ "$impl" = fla ] && [ -n "${FLA_TUNING:-}" ] && tuning=(--fla-tuning "$FLA_TUNING")
     profile "sum_$impl" "$limit" --section SpeedOfLight --section LaunchStats --section Occupancy \
-        -- --impl "$impl"
+        -- --impl "$impl" "${tuning[@]}"
 done
 if [ "${HOPPER_FWD:-0}" = 1 ]; then
     profile full_mgpu_fwd 200 --set full -- --impl ours --forward --tune hopper=7

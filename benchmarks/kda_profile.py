@@ -7,6 +7,7 @@ per kernel (ours, fla or jla; the inputs of benchmarks/kda_kernel.py).
     ncu --import ours.ncu-rep --page details          # per kernel: time, registers, occupancy
     python3 benchmarks/kda_profile.py --tune "stages_intra=2;bv_seq=128"  # a window each (*)
     python3 benchmarks/kda_profile.py --impl ours --smoke   # CPU: the window opens and closes
+    python3 benchmarks/kda_profile.py --impl fla --fla-tuning fla.tgz  # fla's tuning from a .tgz
 
 The function runs twice first (compilation, fla's autotuning), then ``--reps`` times between
 cuProfilerStart and cuProfilerStop, so the report holds the kernels of those calls alone, XLA's
@@ -106,11 +107,16 @@ def main(argv=None):
     ap.add_argument("--tune", default="",
                     help="KernelTuning changes, as kda_kernel.py's; several separated by ';' "
                          "are profiled one after the other, each in its own window")
+    ap.add_argument("--fla-tuning", default="",
+                    help="fla's autotuning results (.tgz, kda_kernel.py's --fla-tuning): fla's "
+                         "warm-up then skips autotuning, which under ncu takes minutes")
     ap.add_argument("--smoke", action="store_true",
                     help="the smoke shape (on CPU the kernels run in interpret mode)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps must be at least 1, got {args.reps}")
+    if args.fla_tuning:
+        kk.restore_fla_tuning(args.fla_tuning)
     shape = "smoke" if args.smoke else args.shape
     B, T, H, D = kk.SHAPES[shape]
     arrays = kk.make_inputs(B, T, H, D)
