@@ -2,7 +2,7 @@
 # Nsight Compute over one KDA forward+backward (benchmarks/kda_profile.py) on the lent H200
 # (Firecracker: ncu reads the counters there; the clocks are left alone). One call:
 #
-#   run(carry=[".whl"], command="bash benchmarks/kda_ncu.sh [full|sweep]")
+#   run(carry=[".whl"], command="bash benchmarks/kda_ncu.sh [full|sum|sweep]")
 #
 # full (default):
 # 1. Nsight Compute's full set (warp stalls, sampled stall locations, pipes, memory) over ours:
@@ -13,6 +13,7 @@
 #    fla's autotuning under ncu takes minutes: FLA_TUNING=path.tgz (kda_kernel.py's
 #    --fla-tuning) skips it; else give fla a call of its own (IMPLS=fla; ours' full set runs
 #    first in every full call).
+# sum: step 2 alone (no full set).
 # sweep: per kernel times of ours under each launch-parameter change in TUNES (';' between
 #    them, "" for the defaults), one process each: sweep.md (benchmarks/ncu_table.py).
 #    TREES="dir ..." adds the defaults of other checkouts of the code (kda_profile.py is
@@ -74,9 +75,11 @@ if [ "$MODE" = sweep ]; then
     cat "$W"/sweep*.md > "$OUT/sweep.md"
     exit 0
 fi
-profile full_ours 200 --set full --import-source yes -- --impl ours
-ncu --import "$W/full_ours.ncu-rep" --page source --csv --print-source sass \
-    > "$W/src_ours.csv" 2> "$W/src_ours.err"
+if [ "$MODE" != sum ]; then
+    profile full_ours 200 --set full --import-source yes -- --impl ours
+    ncu --import "$W/full_ours.ncu-rep" --page source --csv --print-source sass \
+        > "$W/src_ours.csv" 2> "$W/src_ours.err"
+fi
 for impl in $IMPLS; do
     # fla autotunes its Triton kernels in the warm-up calls, which ncu slows down: 110 s was
     # not enough for it (2026-12-04)

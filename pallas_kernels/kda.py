@@ -112,6 +112,12 @@ class KernelTuning:
     # pass. The GPU tests pass with either, and the three passes make intra_fwd markedly
     # slower (BENCHMARKS.md).
     inverse_x3: int = 0
+    # 1: intra_bwd_channels' reverse cumsum of dG (dg_i = sum_{r >= i} dG_r, a dot with the
+    # triangle of ones) exact in float32 (tf32x3 on GPU, HIGHEST elsewhere); 0: with bf16
+    # inputs, two bf16 passes, dG as hi + lo (the ones are exact in bf16): 16 bits of dG, which
+    # already carries the bf16 error of the state dots that make it (dO S^T, V' dS^T, ...).
+    # float32 inputs keep the exact form either way.
+    rcumsum_x3: int = 1
     # Which kernels run on Mosaic GPU (pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py,
     # kda_mgpu_state.py) instead of Triton, a sum of bits: HOPPER_INTRA_FWD (1),
     # HOPPER_BWD_SCORES (2), HOPPER_BWD_CHANNELS (4), HOPPER_STATE (8: both state passes);
@@ -231,6 +237,7 @@ _TUNING_RULES = {
     "warps_intra": _WARPS, "warps_seq": _WARPS, "warps_grad": _WARPS, "warps_chan": _WARPS,
     "stages_seq": _STAGES, "stages_intra": _STAGES,
     "inverse_x3": ("0 or 1", lambda x: x in (0, 1)),
+    "rcumsum_x3": ("0 or 1", lambda x: x in (0, 1)),
     "hopper": (f"a sum of HOPPER_* bits, 0 to {HOPPER_ALL}", lambda x: 0 <= x <= HOPPER_ALL),
     "split_intra": ("0 or 1", lambda x: x in (0, 1)),
     "w_in_place": ("0 or 1", lambda x: x in (0, 1)),
@@ -346,6 +353,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         B=B, T=T, H=H, HV=HV, K=Kp, V=Vp, k_dim=K, v_dim=V, C=C, sub=sub, scale=float(scale), bounded=bounded,
         has_seg=segment_ids is not None, cd=cd, platform=platform, mode=mode, bv_seq=bv_seq,
         bv_intra=bv_intra, bk=bk, bk_fwd=bk_fwd, inverse_x3=bool(tuning.inverse_x3),
+        rcumsum_x3=bool(tuning.rcumsum_x3),
         warps_intra=tuning.warps_intra,
         warps_seq=tuning.warps_seq, warps_grad=tuning.warps_grad, warps_chan=tuning.warps_chan,
         stages_seq=tuning.stages_seq, stages_intra=tuning.stages_intra, poison=bool(poison),

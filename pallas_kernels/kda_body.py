@@ -79,6 +79,7 @@ class KdaConfig:
     bk: int  # K slice of the backward's intra-chunk kernels
     bk_fwd: int  # of the forward's (kda_calls.intra_fwd runs the body with it as bk)
     inverse_x3: bool  # GPU: tf32x3 (else plain tf32) for the triangular inverse
+    rcumsum_x3: bool  # the backward's reverse cumsum exact (else bf16 hi + lo for bf16 inputs)
     warps_intra: int  # Triton warps of intra_fwd
     warps_seq: int  # of state_fwd and state_bwd
     warps_grad: int  # of intra_bwd_scores
@@ -206,7 +207,10 @@ def chunk_cumsum(g, cfg: KdaConfig):
 
 
 def reverse_cumsum(dG, cfg: KdaConfig):
-    """dg_i = sum_{r >= i} dG_r: the transpose of ``chunk_cumsum``."""
+    """dg_i = sum_{r >= i} dG_r: the transpose of ``chunk_cumsum``. Exact in float32, or with
+    bf16 inputs and not ``cfg.rcumsum_x3``, dG as bf16 hi + lo (KernelTuning.rcumsum_x3)."""
+    if cfg.dtype != f32 and not cfg.rcumsum_x3:
+        return mm(tril_ones(cfg.C), dG, cfg, ta=True, split_b=True)
     return mm(tril_ones(cfg.C), dG, cfg, ta=True, exact=True)
 
 
