@@ -395,7 +395,7 @@ def main(argv=None):
 
 
 # The default --variants: one launch parameter changed at a time.
-SWEEP = ("inverse_x3=1;rcumsum_x3=0;bv_seq=32;bv_seq=64;warps_seq=8;bk=64;bk_fwd=32;warps_grad=8;"
+SWEEP = ("inverse_x3=1;rcumsum_x3=1;bv_seq=32;bv_seq=64;warps_seq=8;bk=64;bk_fwd=32;warps_grad=8;"
          "stages_seq=3;split_intra=1;hopper=0")
 
 

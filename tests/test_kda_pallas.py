@@ -812,7 +812,11 @@ def test_kernel_variants_equal_the_defaults(backend, gate):
         # bv_intra=16 sums in another order (dR_k from dW; -dv S^T over two tiles): on the GPU
         # that moved dbeta by 1.2e-6 (H200, session z); so does bk_fwd (the scores' sum over
         # K in one dot or two). The others do the same arithmetic.
+        # On the GPU (float32 inputs: tf32 dots) bk_fwd moved o by 1.0e-4 (H200, session ab):
+        # the scores' sums, in another order, go through the inverse's single tf32 pass.
         tol = 1e-5 if {"bv_intra", "bk_fwd"} & set(changes) else 1e-6
+        if backend == "gpu" and "bk_fwd" in changes:
+            tol = 5e-4
         for name, a, b in zip(names, varied, default, strict=True):
             assert bool(jnp.all(jnp.isfinite(a))), f"{backend} {changes}: {name} not finite"
             assert rel(a, b) < tol, (backend, changes, name, rel(a, b))
