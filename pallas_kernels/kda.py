@@ -117,8 +117,9 @@ class KernelTuning:
     # inputs, two bf16 passes, dG as hi + lo (the ones are exact in bf16): 16 bits of dG, which
     # already carries the bf16 error of the state dots that make it (dO S^T, V' dS^T, ...).
     # float32 inputs keep the exact form either way. On the H200 at configs/small.py's
-    # 32 x 2048 x 12 x 64, forward+backward took 3.39 against 3.46 ms (session ab); the SASS
-    # for sm_90 has 5048 instructions against 5328 and 232 against 268 bytes of spills.
+    # 32 x 2048 x 12 x 64, forward+backward took 3.39 against 3.46 ms, and on an H100 at
+    # 8 x 4096 x 16 x 128 4.66 against 4.74 (session ab); intra_bwd_channels' SASS for sm_90
+    # (heads of 64) has 5048 instructions against 5328 and 232 against 268 bytes of spills.
     rcumsum_x3: int = 0
     # Which kernels run on Mosaic GPU (pallas_kernels/kda_mgpu.py, kda_mgpu_bwd.py,
     # kda_mgpu_state.py) instead of Triton, a sum of bits: HOPPER_INTRA_FWD (1),
