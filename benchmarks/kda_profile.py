@@ -116,6 +116,9 @@ def main(argv=None):
     if args.reps < 1:
         ap.error(f"--reps must be at least 1, got {args.reps}")
     if args.fla_tuning:
+        if not Path(args.fla_tuning).is_file():  # kda_kernel.py would create it; this only reads
+            ap.error(f"--fla-tuning: no file {args.fla_tuning!r} (a .tgz of fla's autotuning "
+                     "results, e.g. benchmarks/results/fla_autotune_h200.tgz)")
         kk.restore_fla_tuning(args.fla_tuning)
     shape = "smoke" if args.smoke else args.shape
     B, T, H, D = kk.SHAPES[shape]

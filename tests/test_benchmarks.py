@@ -292,17 +292,18 @@ def test_micro_batch_order_bench_counts_one_document_micro_batches_on_cpu(tmp_pa
     assert share["given"] < share["step"]
 
 
-def test_kda_profile_opens_a_window_per_tuning_and_names_bad_arguments(capsys):
+def test_kda_profile_opens_a_window_per_tuning_and_names_bad_arguments(capsys, tmp_path):
     """benchmarks/kda_profile.py on CPU (no CUDA driver: the profiler window does nothing): one
-    window per --tune value, in order; --reps below 1 and an unknown tuning key are refused by
-    name."""
+    window per --tune value, in order; --reps below 1, an unknown tuning key and a missing
+    --fla-tuning file are refused by name."""
     kp = load("kda_profile")
     kp.main(["--smoke", "--forward", "--tune", "bk=16;"])
     windows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("window")]
     assert len(windows) == 2
     assert "tune 'bk=16'" in windows[0] and "tune 'defaults'" in windows[1]
     for argv, named in ((["--smoke", "--reps", "0"], "--reps"),
-                        (["--smoke", "--tune", "blocks=2"], "--tune")):
+                        (["--smoke", "--tune", "blocks=2"], "--tune"),
+                        (["--smoke", "--fla-tuning", str(tmp_path / "none.tgz")], "none.tgz")):
         with pytest.raises(SystemExit):
             kp.main(argv)
         assert named in capsys.readouterr().err
