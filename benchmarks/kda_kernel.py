@@ -287,10 +287,11 @@ def breakdown(name, arrays, tuning: pk.KernelTuning):
     timed("intra_bwd", jax.jit(lambda *a: calls.intra_bwd(
         cfg, qp, kp, vp, G, bp, (), *a, dqk_dtype=q.dtype, dv_dtype=v.dtype,
         dg_dtype=g.dtype)), W, U, Akk, Tinv, h, dh, Vp, dVp, dop)
+    bcfg = calls.bwd_config(cfg, qp, kp, dop, G, v.dtype, q.dtype, g.dtype)  # intra_bwd's
     dv, _, *dA = timed("  intra_bwd_scores", jax.jit(lambda *a: calls.intra_bwd_scores(
-        cfg, kp, vp, G, bp, (), *a, dv_dtype=v.dtype)), W, U, Akk, Tinv, h, Vp, dVp, dop)
+        bcfg, kp, vp, G, bp, (), *a, dv_dtype=v.dtype)), W, U, Akk, Tinv, h, Vp, dVp, dop)
     timed("  intra_bwd_channels", jax.jit(lambda dA, *a: calls.intra_bwd_channels(
-        cfg, qp, kp, G, (), dA, *a, dqk_dtype=q.dtype, dg_dtype=g.dtype)),
+        bcfg, qp, kp, G, (), dA, *a, dqk_dtype=q.dtype, dg_dtype=g.dtype)),
         dA, h, dh, Vp, dop, dv)
 
 

@@ -91,7 +91,9 @@ def backward_rows(args, cfg, kargs, inputs, mode, interpret):
     cargs = channels_inputs(cfg, kargs, G)
     kw = dict(dqk_dtype=jnp.bfloat16, dg_dtype=kargs[3].dtype)
     tri_cfg = dataclasses.replace(cfg, hopper=0)
-    tri = jax.jit(lambda *a: calls.intra_bwd_channels(tri_cfg, *a, **kw), static_argnums=3)
+    # the four matrices alone, unscaled, as the Mosaic GPU kernel reads them (calls.bwd_config)
+    tri = jax.jit(lambda *a: calls.intra_bwd_channels(dataclasses.replace(tri_cfg, bwd_rows=0),
+                                                      *a, **kw), static_argnums=3)
     mg = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
                  static_argnums=3)
     t_tri = timed(tri, cargs, args.warmup, args.iters)

@@ -509,7 +509,9 @@ def _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
 
 def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     """``pair_grads`` in blocks of r = cfg.bwd_rows rows (KernelTuning.anchor_mid_bwd), from the
-    whole [C, C] matrices ``cc(name)`` of dAqk, dAkk, dAqkT, dAkkT.
+    whole [C, C] matrices ``cc(name)`` of dAqk, dAkk, dAqkT, dAkkT as ``bwd_intra_scores``
+    stores them for these blocks: each row's diagonal block scaled by a power of two, which
+    ``cc(name + "_down")`` [C, 1] undoes (``scale_diagonal_blocks``).
 
     The diagonal blocks, all in one dot per sum, factored around each block's midpoint M
     (``_block_midpoints``; factors within e^(+-(r-1)|lower_bound|/2), as in the forward):
@@ -518,11 +520,14 @@ def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
         c_j  = e^(M - G_j) sum_i (dAqk_ij qs_i + dAkk_ij k_i) e^(G_i - M)
 
     The outer factors reach e^77.5 at lower_bound = -5, so the inner products must not be
-    flushed: each dot takes dA's (or dA^T's) rows masked to the block and scaled to O(1) by
-    powers of two (``pow2_row_scales``), scaled back after the outer factor. The blocks
-    before block ib (rows of ib, columns before it) go through its first row a = min(ib*r, lv),
-    both factors <= 1, one dot per sum on the unmasked matrices: e^(D_i) zeroes the rows
-    outside block ib, e^(-D_j) the columns from it on."""
+    flushed: each dot takes dA's (or dA^T's) rows masked to the block and scaled to O(1), and
+    is scaled back after the outer factor. The scaling is part 1's, once per chunk (here it
+    was a masked [C, C] reduction and two casts per matrix for every K slice: the SASS for
+    sm_90 has ~4600 against 5048 instructions at heads of 64). The blocks before block ib
+    (rows of ib, columns before it) go through its first row a = min(ib*r, lv), both factors
+    <= 1, one dot per sum on the whole matrices, whose entries there are not scaled: e^(D_i)
+    zeroes the rows outside block ib, e^(-D_j) the columns from it on (so the scaled entries
+    meet only zeros)."""
     C, r = cfg.C, cfg.bwd_rows
     ri = iota((C, 1), 0)
     blk = lax.div(ri, r)
@@ -532,18 +537,19 @@ def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
 
     dAqk, dAkk, dAqkT, dAkkT = (cc(name) for name in ("dAqk", "dAkk", "dAqkT", "dAkkT"))
 
-    def block_diag(dA):
-        return jnp.where(same, dA.astype(f32), 0.0)
+    def diag(dA):  # the block-diagonal part, in its stored dtype: the dot's operand as loaded
+        return jnp.where(same, dA, jnp.zeros((), dA.dtype))
 
-    aq, ak = block_diag(dAqk), block_diag(dAkk)
-    up, down = pow2_row_scales(aq, ak)
+    def down(name):
+        return cc(name + "_down")
+
     x = kf * e_dn
-    rq = e_up * mm(aq * up, x, cfg, split_b=True) * down
-    rk = e_up * mm(ak * up, x, cfg, split_b=True) * down
-    aq, ak = block_diag(dAqkT), block_diag(dAkkT)
-    up, down = pow2_row_scales(aq, ak)
-    c = e_dn * (mm(aq * up, qs * e_up, cfg, split_b=True)
-                + mm(ak * up, kf * e_up, cfg, split_b=True)) * down
+    rq = e_up * mm(diag(dAqk), x, cfg, split_b=True) * down("dAqk")
+    rk = e_up * mm(diag(dAkk), x, cfg, split_b=True) * down("dAkk")
+    # each sum is brought back to size by its outer factor before its own scale: the other
+    # order would make products of small gradients (down ~ 2^-24) and e^-77.5 that flush
+    c = (e_dn * mm(diag(dAqkT), qs * e_up, cfg, split_b=True) * down("dAqkT")
+         + e_dn * mm(diag(dAkkT), kf * e_up, cfg, split_b=True) * down("dAkkT"))
     for ib in range(1, C // r):
         D = G - G_row(jnp.minimum(ib * r, lv))
         e_neg = jnp.exp(jnp.where(ri < ib * r, -D, -jnp.inf))
@@ -556,14 +562,37 @@ def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
     return rq, rk, c
 
 
+def stores_scaled_blocks(cfg: KdaConfig) -> bool:
+    """Whether ``bwd_intra_scores`` stores dAqk, dAkk and their transposes with the diagonal
+    blocks of their rows scaled, each followed by its scales ``name + "_down"``
+    (``scale_diagonal_blocks``), for ``_mid_pair_grads``: a bounded gate with
+    anchor_mid_bwd's blocks."""
+    return bool(cfg.bounded and cfg.bwd_rows)
+
+
+def scale_diagonal_blocks(x, r: int):
+    """(x', down) for x [R, R] float32: each row's entries inside its diagonal block of r rows
+    times up = 1 / down, the power of two that brings the largest of them into [1, 2)
+    (``pow2_scales``: exact), the other entries as they are; down [R, 1]."""
+    R = x.shape[0]
+    same = lax.div(iota((R, 1), 0), r) == lax.div(iota((1, R), 1), r)
+    up, down = pow2_scales(jnp.max(jnp.where(same, jnp.abs(x), 0.0), axis=1, keepdims=True))
+    return jnp.where(same, x * up, x), down
+
+
 def pow2_row_scales(*xs):
-    """(up, down) [R, 1] float32 for arrays xs [R, X] of one shape: up = 2^-e and down = 2^e,
-    2^e the power of two at or below the largest |x| of each row over all xs (at least
-    2^-126), so up * x is within [-2, 2] and scaling by up, then by down, is exact. Built from
-    the float32 bits: no rounding on any platform."""
-    m = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x.astype(f32)), axis=1, keepdims=True)
-                                       for x in xs])
-    e_bits = jnp.maximum(lax.bitcast_convert_type(m, jnp.int32) & 0x7F800000, 0x00800000)
+    """``pow2_scales`` of the largest |x| of each row over all xs [R, X] (one shape)."""
+    return pow2_scales(functools.reduce(jnp.maximum, [
+        jnp.max(jnp.abs(x.astype(f32)), axis=1, keepdims=True) for x in xs]))
+
+
+def pow2_scales(m):
+    """(up, down) [R, 1] float32 for row maxima m [R, 1] >= 0: up = 2^-e and down = 2^e, 2^e the
+    power of two at or below m (at least 2^-126), so a row whose entries are at most m in size
+    is within [-2, 2] after scaling by up, and scaling by up, then by down, is exact. Built
+    from the float32 bits: no rounding on any platform."""
+    e_bits = jnp.maximum(lax.bitcast_convert_type(m.astype(f32), jnp.int32) & 0x7F800000,
+                         0x00800000)
     up = lax.bitcast_convert_type(0x7F000000 - e_bits, f32)  # exponent field 254 - E
     return up, lax.bitcast_convert_type(e_bits, f32)
 
@@ -871,10 +900,16 @@ def bwd_intra_scores(io, cfg: KdaConfig):
     io.put("dbeta", 0, dbeta + _rowsum(dL * io.cc("Akk").astype(f32)))
     dAkk = beta * dL
     dAqk = jnp.where(pair_masks(segc, segr, cfg)[0], dAqk, 0.0)
-    io.put("dAkk", 0, dAkk)
-    io.put("dAqk", 0, dAqk)
-    io.put("dAkkT", 0, dAkk.T)  # bwd_intra_channels reads row blocks of both
-    io.put("dAqkT", 0, dAqk.T)
+    dAs = {"dAqk": dAqk, "dAkk": dAkk}
+    if stores_scaled_blocks(cfg):
+        # for _mid_pair_grads, scaled from the values it would load (cfg.cd)
+        dAs = {name: x.astype(cfg.dtype).astype(f32) for name, x in dAs.items()}
+    dAs.update(dAqkT=dAs["dAqk"].T, dAkkT=dAs["dAkk"].T)  # channels reads row blocks of all
+    for name, x in dAs.items():
+        if stores_scaled_blocks(cfg):
+            x, down = scale_diagonal_blocks(x, cfg.bwd_rows)
+            io.put(name + "_down", 0, down)
+        io.put(name, 0, x)
 
 
 def bwd_intra_channels(io, n, s, cfg: KdaConfig):

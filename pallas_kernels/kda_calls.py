@@ -47,6 +47,14 @@ except ImportError:  # pragma: no cover
 
 f32 = jnp.float32
 DA_NAMES = ("dAqk", "dAkk", "dAqkT", "dAkkT")  # the [C, C] score gradients between the two
+# intra-chunk backward kernels, then, with anchor_mid_bwd's blocks (the diagonal blocks of their
+# rows scaled: body.stores_scaled_blocks), the [C, 1] powers of two that undo each one's scaling
+DA_DOWN_NAMES = tuple(f"{name}_down" for name in DA_NAMES)
+
+
+def da_names(cfg: KdaConfig) -> tuple[str, ...]:
+    """What intra_bwd_scores hands intra_bwd_channels (its outputs after dv and dbeta)."""
+    return DA_NAMES + DA_DOWN_NAMES if body.stores_scaled_blocks(cfg) else DA_NAMES
 
 
 def _compiler_params(cfg: KdaConfig, *, warps: int, stages: int | None, dims: tuple[str, ...]):
@@ -582,6 +590,7 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
     fast dots), then ``intra_bwd_channels`` per chunk and K slice (grid (B*HV, N, K/BK)): K/BK
     times as many programs, each holding one slice's tiles, so more of them fit on an SM.
     """
+    cfg = bwd_config(cfg, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype)
     dv, db, *dA = intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO,
                                    dv_dtype=dv_dtype)
     dq, dk, dg, *dgate = intra_bwd_channels(cfg, q, k, G, segs, dA, h, dh, Vp, dO, dv, f,
@@ -592,8 +601,10 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
 def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
                      dv_dtype):
     """Backward part 1, grid (B*HV, N): dv, dbeta (user layout) and dAqk, dAkk, dAqk^T, dAkk^T
-    [B*HV, N, C, C] (cfg.cd). Akk and Tinv are the forward's (``intra_fwd(...,
-    residuals=True)``), and so is G.
+    [B*HV, N, C, C] (cfg.cd); where anchor_mid_bwd's blocks take them, with each row's
+    diagonal block scaled by a power of two, followed (``da_names``) by the powers of two that
+    undo it, dAqk_down, ..., dAkkT_down [B*HV, N, C, 1] float32 (body.scale_diagonal_blocks).
+    Akk and Tinv are the forward's (``intra_fwd(..., residuals=True)``), and so is G.
 
     With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
     (``hopper_intra_mode``, and dv in bf16)."""
@@ -613,10 +624,12 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         pl.BlockSpec((None, None, V, K), lambda bh, n: (bh, n, 0, 0)),
         per_chunk(V), per_chunk(V), _tok_spec(cfg, V, v_head, chunk),
     ]
+    n_down = len(da_names(cfg)) - len(DA_NAMES)
     out_specs = [_tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, 1, v_head, chunk),
-                 *[per_chunk(C)] * 4]
+                 *[per_chunk(C)] * 4, *[per_chunk(1)] * n_down]
     out_shape = [_tok_shape(cfg, HV, V, dv_dtype), _tok_shape(cfg, HV, 1, f32),
-                 *[jax.ShapeDtypeStruct((BHV, N, C, C), cfg.dtype)] * 4]
+                 *[jax.ShapeDtypeStruct((BHV, N, C, C), cfg.dtype)] * 4,
+                 *[jax.ShapeDtypeStruct((BHV, N, C, 1), f32)] * n_down]
 
     def scores_kernel(k_r, v_r, G_r, b_r, *refs):
         seg, rest = _take_seg(cfg, refs)
@@ -625,7 +638,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         by_v = {"v": v_r, "U": U_r, "Vp": Vp_r, "dVp": dVp_r, "dO": dO_r}
         cc = {"Akk": Akk_r, "Tinv": Ti_r}
         put = _writer(ks, vs, by_k={}, by_v={"dv": dv_r},
-                      whole={"dbeta": db_r, **dict(zip(DA_NAMES, dA_r, strict=True))})
+                      whole={"dbeta": db_r, **dict(zip(da_names(cfg), dA_r, strict=True))})
         io = SimpleNamespace(
             qkg=lambda s: (None, k_r[:, ks(s)], None), G=lambda s: G_r[:, ks(s)],
             beta=b_r[...], seg=seg, put=put, W=lambda s: W_r[:, ks(s)],
@@ -639,19 +652,49 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         stages=cfg.stages_intra)(k, v, G, beta, *segs, W, U, Akk, Tinv, h, Vp, dVp, dO)
 
 
+def bwd_config(cfg: KdaConfig, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype) -> KdaConfig:
+    """The config ``intra_bwd`` runs both of its kernels with (callers of the two kernels
+    apart must pass them one config, so that what the first stores is what the second reads):
+    cfg, or without anchor_mid_bwd's blocks (bwd_rows = 0) where the Mosaic GPU
+    intra_bwd_channels takes the call, which has its own sub-chunks and reads the four
+    matrices alone (``da_names``)."""
+    if _channels_on_mosaic(cfg, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype):
+        return dataclasses.replace(cfg, bwd_rows=0)
+    return cfg
+
+
+def _channels_on_mosaic(cfg: KdaConfig, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype):
+    """``hopper_intra_mode`` of intra_bwd_channels (on the forward's dtypes: dO and dv have v's,
+    G is float32; dv stands in for beta), None where the Mosaic GPU kernel does not take the
+    call."""
+    hopper = hopper_intra_mode(cfg, q, k, dO, G, jax.ShapeDtypeStruct((), dv_dtype),
+                               body.HOPPER_BWD_CHANNELS)
+    if hopper is None or kda_mgpu_bwd.unsupported_reason(cfg, dqk_dtype, dg_dtype) is not None:
+        return None
+    return hopper
+
+
 def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=None,
                        gate_params=(), *, dqk_dtype, dg_dtype):
     """Backward part 2, grid (K/BK, B*HV, N) (``cfg.slice_first``; else (B*HV, N, K/BK)): dq, dk
     (per value head) and dg in the user layout.
-    dA = (dAqk, dAkk, dAqk^T, dAkk^T) and dv from ``intra_bwd_scores``. With the gate in the
+    dA = (dAqk, dAkk, dAqk^T, dAkk^T[, and the four's scales]) (``da_names``) and dv from
+    ``intra_bwd_scores``. With the gate in the
     kernel (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums. dv
     stands in for beta, Tinv and dV' (``kda_body.bwd_intra_channels`` says why).
 
     With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
     (``hopper_intra_mode`` on the forward's dtypes: dO and dv have v's, G is float32; no beta
     here, dv in its place)."""
-    hopper = hopper_intra_mode(cfg, q, k, dO, G, dv, body.HOPPER_BWD_CHANNELS)
-    if hopper is not None and kda_mgpu_bwd.unsupported_reason(cfg, dqk_dtype, dg_dtype) is None:
+    names = da_names(cfg)
+    if len(dA) != len(names):
+        raise ValueError(f"intra_bwd_channels: dA must hold {names} (intra_bwd_scores' outputs "
+                         f"for this config; see bwd_config), got {len(dA)} arrays")
+    hopper = _channels_on_mosaic(cfg, q, k, dO, G, dv.dtype, dqk_dtype, dg_dtype)
+    if hopper is not None:
+        if names != DA_NAMES:  # scaled diagonal blocks: not what the Mosaic GPU kernel reads
+            raise ValueError("intra_bwd_channels: the Mosaic GPU kernel takes cfg.bwd_rows = 0 "
+                             f"(bwd_config), got {cfg.bwd_rows}")
         interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
         return kda_mgpu_bwd.intra_bwd_channels(
             cfg, q, k, G, segs, dA, h, dh, Vp, dO, dv, f, gate_params,
@@ -667,7 +710,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
     in_specs = [
         _tok_spec(cfg, bk, qk_head, slice_k), _tok_spec(cfg, bk, qk_head, slice_k),
         pl.BlockSpec((None, None, C, bk), lambda bh, n, s: (bh, n, 0, s)), *sp.seg,
-        *[per_chunk(C)] * 4, state, state, per_chunk(V),
+        *[per_chunk(C)] * 4, *[per_chunk(1)] * (len(names) - 4), state, state, per_chunk(V),
         _tok_spec(cfg, V, v_head, chunk), _tok_spec(cfg, V, v_head, chunk),
     ]
     out_specs = [_tok_spec(cfg, bk, v_head, slice_k)] * 3
@@ -685,13 +728,13 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
 
     def channels_kernel(q_r, k_r, G_r, *refs):
         seg, rest = _take_seg(cfg, refs)
-        *dA_r, h_r, dh_r, Vp_r, dO_r, dv_r = rest[:len(DA_NAMES) + 5]
-        rest = rest[len(DA_NAMES) + 5:]
+        *dA_r, h_r, dh_r, Vp_r, dO_r, dv_r = rest[:len(names) + 5]
+        rest = rest[len(names) + 5:]
         f_r, *gate_r = rest[:3] if gated else (None,)
         dq_r, dk_r, dg_r, *dgate_r = rest[3:] if gated else rest
         _, vs = _slicers(cfg)
         by_v = {"Vp": Vp_r, "dO": dO_r, "dv": dv_r}
-        dA = dict(zip(DA_NAMES, dA_r, strict=True))  # whole: the unbounded gate's diagonal,
+        dA = dict(zip(names, dA_r, strict=True))  # whole: the unbounded gate's diagonal,
         # and anchor_mid_bwd's blocks
         whole = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
         if gated:

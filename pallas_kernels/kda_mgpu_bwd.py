@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda_body import KdaConfig
+from pallas_kernels.kda_body import KdaConfig, pow2_scales, stores_scaled_blocks
 from pallas_kernels.kda_mgpu import CHUNK, _swizzled, plgpu
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -307,7 +307,10 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
 
     Shapes (HBM) as ``kda_calls.intra_bwd_scores``: dv [B, Tp, HV, V] (dv_dtype: bf16 here),
     dbeta [B, Tp, HV, 1] float32 (written [B*HV, Tp] here: a TMA box needs >= 16 contiguous
-    bytes), dAqk, dAkk, dAqkT, dAkkT [B*HV, N, C, C] bf16. SMEM: k, G, Akk, Tinv, dV' and the
+    bytes), dAqk, dAkk, dAqkT, dAkkT [B*HV, N, C, C] bf16, with anchor_mid_bwd's blocks
+    (cfg.bwd_rows) the diagonal blocks of their rows scaled and their scales [B*HV, N, C, 1]
+    float32 after them (``kda_body.scale_diagonal_blocks``, on the bf16 values; each transpose
+    is taken before the scaling). SMEM: k, G, Akk, Tinv, dV' and the
     bf16 dRv, dRk live throughout (~120 KB); St, dO, V', v are scoped to the first part (80 KB),
     U, W and the output staging to the second (~72 KB): 204 KB at the peak (Pallas' estimate).
     """
@@ -319,9 +322,14 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     # a and the segment ids per token, [B, Tp] float32 (ids compare exactly below 2^24)
     seg_in = (segs[0].reshape(B, Tp).astype(f32), segs[2].reshape(B, Tp).astype(f32)
               ) if cfg.has_seg else ()
+    # anchor_mid_bwd's blocks: the four matrices with the diagonal blocks of their rows
+    # scaled, and the powers of two that undo it ([B*HV, Tp] here, [B*HV, N, C, 1] out:
+    # kda_body.scale_diagonal_blocks)
+    scaled = stores_scaled_blocks(cfg)
     out_shape = [jax.ShapeDtypeStruct((B, Tp, HV, V), bf16),
                  jax.ShapeDtypeStruct((BHV, Tp), f32),
-                 *[jax.ShapeDtypeStruct((BHV, N, C, C), bf16)] * 4]
+                 *[jax.ShapeDtypeStruct((BHV, N, C, C), bf16)] * 4,
+                 *[jax.ShapeDtypeStruct((BHV, Tp), f32)] * (4 if scaled else 0)]
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)  # per-row / per-column vectors of a WGMMA array
     compiled = interpret is None
@@ -342,12 +350,25 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     def rowsum(x):
         return jnp.sum(x, axis=1)
 
+    def scale_diagonal_blocks(x_CxC):
+        """kda_body.scale_diagonal_blocks in the WGMMA layout: (x', down [C]) for x [C, C]
+        holding bf16 values."""
+        r = jnp.int32(cfg.bwd_rows)
+        same = lax.div(iota((C, C), 0), r) == lax.div(iota((C, C), 1), r)
+        x_CxC = x_CxC.astype(f32)
+        up_C, down_C = pow2_scales(jnp.max(jnp.where(same, jnp.abs(x_CxC), 0.0), axis=1))
+        return jnp.where(same, x_CxC * lax.broadcast_in_dim(up_C, (C, C), [0]), x_CxC), down_C
+
     def kernel(*refs):
         if cfg.has_seg:
             a_g, sg_g, *refs = refs
         (k_g, v_g, G_g, beta_g, W_g, U_g, Akk_g, T_g, h_g, Vp_g, dVp_g, dO_g,
-         dv_g, db_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g,
-         k_s, G_s, beta_s, Akk_s, T_s, dVp_s, dRv_s, dRk_s, vec_s, bars, *tbufs) = refs
+         dv_g, db_g, dAqk_g, dAkk_g, dAqkT_g, dAkkT_g, *refs) = refs
+        dn = ()
+        if scaled:  # (SMEM staging, HBM) of dAqk's, dAkk's, dAqkT's, dAkkT's scales
+            dn_g, dn_s, refs = refs[:4], refs[4:8], refs[8:]
+            dn = tuple(zip(dn_s, dn_g, strict=True))
+        k_s, G_s, beta_s, Akk_s, T_s, dVp_s, dRv_s, dRk_s, vec_s, bars, *tbufs = refs
         if cfg.has_seg:
             a_s, sg_s, *tbufs = tbufs
         bh, n = lax.axis_index("bh"), lax.axis_index("n")
@@ -423,14 +444,38 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             part_a, _swizzled((V, K), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16),
             _swizzled((C, V), bf16))
 
+        def transposed(src, eye_s):  # (the stored bf16 src)^T, exactly: src^T @ I (float32)
+            if compiled:
+                return _dot([(plgpu.transpose_ref(src, (1, 0)), eye_s)], (C, C))
+            return src[...].T.astype(f32)
+
+        def put_scaled(x_CxC, x_s, t_s, x_g, t_g, dn, eye_s):
+            """x [C, C] (bf16 values, also in x_s) and x^T, each with the diagonal blocks of its
+            rows scaled, and their scales (kda_body.scale_diagonal_blocks): x^T first, from
+            x_s, which then takes the scaled x. dn: (SMEM staging, HBM) of x's and of x^T's."""
+            (xd_s, xd_g), (td_s, td_g) = dn
+            xT_CxC, td_s[...] = scale_diagonal_blocks(transposed(x_s, eye_s))
+            t_s[...] = xT_CxC.astype(bf16)
+            x_CxC, xd_s[...] = scale_diagonal_blocks(x_CxC)
+            x_s[...] = x_CxC.astype(bf16)  # the transpose's wgmma is waited: x_s is free
+            plgpu.commit_smem()
+            for src, dst in ((t_s, t_g.at[bh, n]), (x_s, x_g.at[bh, n]),
+                             (td_s, td_g.at[bh, tok]), (xd_s, xd_g.at[bh, tok])):
+                plgpu.copy_smem_to_gmem(src, dst)
+
         def part_b(U_s, W_s, eye_s, a1_s, a2_s, a3_s, a4_s, bbars):
-            """dL, dbeta's Akk part, dAkk; the four [C, C] outputs and dbeta."""
+            """dL, dbeta's Akk part, dAkk; the four [C, C] outputs (with ``scaled``, each
+            stored as soon as it is known, with its scales) and dbeta."""
             plgpu.copy_gmem_to_smem(U_g.at[bh, n], U_s, bbars.at[0])
             plgpu.copy_gmem_to_smem(W_g.at[bh, n], W_s, bbars.at[1])
             eye_s[...] = _one(ri == rr).astype(bf16)
-            a1_s[...] = jnp.where(one_segment(rr <= ri), dAqk_CxC, 0.0).astype(bf16)
+            aq_CxC = jnp.where(one_segment(rr <= ri), dAqk_CxC, 0.0).astype(bf16)
+            a1_s[...] = aq_CxC
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(a1_s, dAqk_g.at[bh, n])
+            if scaled:  # dAqk's two outputs while U and W load
+                put_scaled(aq_CxC, a1_s, a3_s, dAqk_g, dAqkT_g, (dn[0], dn[2]), eye_s)
+            else:
+                plgpu.copy_smem_to_gmem(a1_s, dAqk_g.at[bh, n])
             plgpu.barrier_wait(bbars.at[0])
             plgpu.barrier_wait(bbars.at[1])
             dL_CxC = -_dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
@@ -438,19 +483,18 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             dL_CxC = jnp.where(one_segment(rr < ri), dL_CxC, 0.0)
             need("Akk")
             vec_s[...] = dbeta_C + rowsum(dL_CxC * ld(Akk_s))
-            a2_s[...] = (dL_CxC * lax.broadcast_in_dim(beta_C, (C, C), [0])).astype(bf16)
+            ak_CxC = (dL_CxC * lax.broadcast_in_dim(beta_C, (C, C), [0])).astype(bf16)
+            a2_s[...] = ak_CxC
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(vec_s, db_g.at[bh, tok])
-            plgpu.copy_smem_to_gmem(a2_s, dAkk_g.at[bh, n])
-            # the transposes, exactly: (stored bf16 matrix)^T @ I
-            for src, dst, dst_g in ((a1_s, a3_s, dAqkT_g), (a2_s, a4_s, dAkkT_g)):
-                if compiled:
-                    dst[...] = _dot([(plgpu.transpose_ref(src, (1, 0)), eye_s)],
-                                   (C, C)).astype(bf16)
-                else:
-                    dst[...] = src[...].T
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dst, dst_g.at[bh, n])
+            if scaled:
+                put_scaled(ak_CxC, a2_s, a4_s, dAkk_g, dAkkT_g, (dn[1], dn[3]), eye_s)
+            else:
+                plgpu.copy_smem_to_gmem(a2_s, dAkk_g.at[bh, n])
+                for src, dst, dst_g in ((a1_s, a3_s, dAqkT_g), (a2_s, a4_s, dAkkT_g)):
+                    dst[...] = transposed(src, eye_s).astype(bf16)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dst, dst_g.at[bh, n])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(part_b, _swizzled((C, V), bf16), _swizzled((C, K), bf16),
@@ -468,6 +512,8 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         plgpu.SMEM((C,), f32),  # dbeta staging
         plgpu.Barrier(num_barriers=12),  # one a load (a and the segment ids: 11, 12)
     ]
+    if scaled:  # the staging of the four matrices' scales
+        scratch = [*[plgpu.SMEM((C,), f32)] * 4, *scratch]
     if cfg.has_seg:
         scratch += [plgpu.SMEM((C,), f32), plgpu.SMEM((C,), f32)]  # a, segment ids
     if not compiled:  # explicit transposes for the interpreter: V'^T, U^T, W^T
@@ -478,4 +524,5 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
                       scratch_types=tuple(scratch), compiler_params=params, interpret=interpret)
     dv, db_BHVxTp, *dA = fn(*seg_in, k, v, G, beta_BHVxTp, W, U, Akk, Tinv, h, Vp, dVp, dO)
     db = jnp.transpose(db_BHVxTp.reshape(B, HV, Tp), (0, 2, 1))[..., None]
+    dA[4:] = [m_BHVxTp.reshape(BHV, N, C, 1) for m_BHVxTp in dA[4:]]
     return (dv, db, *dA)

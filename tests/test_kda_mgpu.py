@@ -25,6 +25,7 @@ from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
 from pallas_kernels import kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
 from pallas_kernels.kda import HOPPER_ALL, HOPPER_BWD_SCORES, HOPPER_STATE, KernelTuning, kda_pallas
+from pallas_kernels.kda_body import stores_scaled_blocks
 from tests.compile_options import fast_jit
 from tests.test_kda_pallas import numpy_kda, rel
 
@@ -284,7 +285,9 @@ def test_intra_bwd_channels_matches_triton(rng):
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = fast_jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
                   static_argnums=3)(*args)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    # the Triton kernel on the four matrices alone, as the Mosaic GPU kernel takes them
+    # (calls.bwd_config: no anchor_mid_bwd blocks)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False, bwd_rows=0)
     want = calls.intra_bwd_channels(ref_cfg, *args, **kw)
     # CPU: both take the same bf16 products (hi + lo splits included) in float32
     tol = 1e-2 if ON_GPU else 1e-5
@@ -325,13 +328,86 @@ def test_intra_bwd_scores_matches_triton(rng, packed, D):
     # CPU: the same bf16 products in float32; dAkk (bf16) may differ in the last bit where
     # the two kernels sum dL in another order
     tol = 1e-2 if ON_GPU else 3e-4
+    assert calls.da_names(cfg) == calls.DA_NAMES + calls.DA_DOWN_NAMES  # anchor_mid_bwd's
+    # the matrices with their scaling undone: on the GPU the two kernels' sums differ by
+    # ~1e-2, and a power of two chosen from them by a factor of 2 where they straddle one
+    # (each kernel's own scaling is exact: test_scores_scale_the_diagonal_blocks_exactly)
+    got, want = ([*out[:2], *unscaled(out[2:], cfg.bwd_rows)] for out in (got, want))
     for name, a, b in zip(("dv", "dbeta", *calls.DA_NAMES), got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
-        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
+        assert bool(np.all(np.isfinite(a))), f"{name} not finite"
         assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
     # the transposes are exact
     for x, xt in ((got[2], got[4]), (got[3], got[5])):
-        np.testing.assert_array_equal(np.asarray(x), np.swapaxes(np.asarray(xt), -1, -2))
+        np.testing.assert_array_equal(x, np.swapaxes(xt, -1, -2))
+
+
+def unscaled(dA, r: int):
+    """dAqk, dAkk, dAqkT, dAkkT as float64 NumPy arrays with the scaling of the diagonal blocks
+    of their rows (r rows) undone; dA: the four and their scales, as intra_bwd_scores stores
+    them for anchor_mid_bwd's blocks (calls.da_names)."""
+    mats, downs = [[np.asarray(x, np.float64) for x in dA[i:i + 4]] for i in (0, 4)]
+    C = mats[0].shape[-1]
+    same = (np.arange(C)[:, None] // r) == (np.arange(C)[None, :] // r)
+    return [np.where(same, x * d, x) for x, d in zip(mats, downs, strict=True)]
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+def test_scores_scale_the_diagonal_blocks_exactly(rng, impl):
+    """With anchor_mid_bwd's blocks intra_bwd_scores stores the diagonal block of each row of
+    the four score gradients scaled by a power of two (the largest entry there in [1, 2)),
+    and the powers of two that undo it: undone, the matrices equal those stored without the
+    blocks (bwd_rows = 0) bit for bit. dO is scaled by 2^-100 (a mean loss's cotangents are
+    small: unscaled, the blocks' products with their factors down to e^-77.5 would be
+    flushed), and the first chunk's dO and dV' are zero (its blocks hold zeros, as does the
+    first row of each of dAkk's, strictly lower: the least scale, 2^-126)."""
+    B, T, H, HV = 1, 100, 1, 2
+    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, K=64, V=64)
+    cfg = config(q, v, mode="gpu" if HOPPER else "interpret", hopper=pk.HOPPER_BWD_SCORES)
+    assert cfg.bwd_rows == 32 and stores_scaled_blocks(cfg)
+    qp, kp, vp, gp, bp, segs = pk._prep(q, k, v, g, beta, None, cfg)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, segs,
+                                                      residuals=True)
+    BHV, N, C, D = B * HV, cfg.N, cfg.C, 64
+
+    def rand(*shape, scale=1.0):
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)
+
+    dVp = rand(BHV, N, C, D).at[:, 0].set(0)
+    dO = rand(B, N * C, HV, D, scale=2.0 ** -100).at[:, :C].set(0)
+    args = (kp, vp, G, bp, segs, W, U, Akk, Tinv, rand(BHV, N, D, D), rand(BHV, N, C, D),
+            dVp, dO)
+    if impl == "triton":
+        run = functools.partial(calls.intra_bwd_scores, dv_dtype=jnp.bfloat16)
+        cfgs = (ref_cfg, dataclasses.replace(ref_cfg, bwd_rows=0))
+    else:
+        interpret = None if HOPPER else kda_mgpu.interpret_params()
+        run = functools.partial(kda_mgpu_bwd.intra_bwd_scores, dv_dtype=jnp.bfloat16,
+                                interpret=interpret)
+        cfgs = (cfg, dataclasses.replace(cfg, bwd_rows=0))
+    scaled, plain = (fast_jit(lambda *a, c=c: run(c, *a))(*args) for c in cfgs)
+    assert len(scaled) == 10 and len(plain) == 6
+    # Bit for bit but for the Triton kernel in interpret mode on a GPU: there XLA compiles
+    # each config's kernel body apart, and sums may round differently (dbeta by 1e-6 on an
+    # H100); a scale that went wrong would be off by a factor of 2 or more.
+    exact = impl == "mosaic_gpu" or not ON_GPU
+    for name, a, b in zip(("dv", "dbeta", *calls.DA_NAMES),
+                          [*scaled[:2], *unscaled(scaled[2:], 32)], plain, strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if exact:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            assert rel(a, b) < 1e-5, (name, rel(a, b))
+    same = (np.arange(C)[:, None] // 32) == (np.arange(C)[None, :] // 32)
+    for name, x, down in zip(calls.DA_NAMES, scaled[2:6], scaled[6:], strict=True):
+        down = np.asarray(down)[..., 0]
+        m = np.max(np.where(same, np.abs(np.asarray(x, np.float64)), 0), axis=-1)
+        assert down.dtype == np.float32 and np.all(np.frexp(down)[0] == 0.5), name  # 2^e
+        lit = m > 0
+        assert lit.any() and (~lit).any(), name
+        assert np.all((m[lit] >= 1) & (m[lit] < 2)), (name, m[lit].min(), m[lit].max())
+        assert np.all(down[~lit] == 2.0 ** -126), name
 
 
 @pytest.mark.parametrize(("residuals", "D"), [(False, 128), (True, 128), (True, 64)],
@@ -792,7 +868,9 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
     seg = jnp.zeros((B, T), jnp.int32) if case == "segments" else None
     bits = {"hopper_off": pk.HOPPER_INTRA_FWD, "scores_only": pk.HOPPER_BWD_SCORES,
             "channels_only": pk.HOPPER_BWD_CHANNELS}.get(case, HOPPER_ALL)
-    cfg = config(x, x, mode="interpret", hopper=bits, seg=seg)
+    # the four matrices alone, as intra_bwd hands them where the Mosaic GPU intra_bwd_channels
+    # runs (calls.bwd_config)
+    cfg = dataclasses.replace(config(x, x, mode="interpret", hopper=bits, seg=seg), bwd_rows=0)
     gated = case == "gate_in_kernel"
     if gated:
         cfg = dataclasses.replace(cfg, gate="bounded", gate_bound=-5.0)
