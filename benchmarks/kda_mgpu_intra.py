@@ -92,8 +92,8 @@ def backward_rows(args, cfg, kargs, inputs, mode, interpret):
     kw = dict(dqk_dtype=jnp.bfloat16, dg_dtype=kargs[3].dtype)
     tri_cfg = dataclasses.replace(cfg, hopper=0)
     # the four matrices alone, unscaled, as the Mosaic GPU kernel reads them (calls.bwd_config)
-    tri = jax.jit(lambda *a: calls.intra_bwd_channels(dataclasses.replace(tri_cfg, bwd_rows=0),
-                                                      *a, **kw), static_argnums=3)
+    chan_cfg = dataclasses.replace(tri_cfg, bwd_rows=0)
+    tri = jax.jit(lambda *a: calls.intra_bwd_channels(chan_cfg, *a, **kw), static_argnums=3)
     mg = jax.jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
                  static_argnums=3)
     t_tri = timed(tri, cargs, args.warmup, args.iters)

@@ -900,13 +900,13 @@ def bwd_intra_scores(io, cfg: KdaConfig):
     io.put("dbeta", 0, dbeta + _rowsum(dL * io.cc("Akk").astype(f32)))
     dAkk = beta * dL
     dAqk = jnp.where(pair_masks(segc, segr, cfg)[0], dAqk, 0.0)
+    scaled = stores_scaled_blocks(cfg)
     dAs = {"dAqk": dAqk, "dAkk": dAkk}
-    if stores_scaled_blocks(cfg):
-        # for _mid_pair_grads, scaled from the values it would load (cfg.cd)
+    if scaled:  # for _mid_pair_grads, scaled from the values it would load (cfg.cd)
         dAs = {name: x.astype(cfg.dtype).astype(f32) for name, x in dAs.items()}
     dAs.update(dAqkT=dAs["dAqk"].T, dAkkT=dAs["dAkk"].T)  # channels reads row blocks of all
     for name, x in dAs.items():
-        if stores_scaled_blocks(cfg):
+        if scaled:
             x, down = scale_diagonal_blocks(x, cfg.bwd_rows)
             io.put(name + "_down", 0, down)
         io.put(name, 0, x)

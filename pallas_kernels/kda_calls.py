@@ -679,9 +679,9 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
     """Backward part 2, grid (K/BK, B*HV, N) (``cfg.slice_first``; else (B*HV, N, K/BK)): dq, dk
     (per value head) and dg in the user layout.
     dA = (dAqk, dAkk, dAqk^T, dAkk^T[, and the four's scales]) (``da_names``) and dv from
-    ``intra_bwd_scores``. With the gate in the
-    kernel (see ``intra_bwd``) dg holds df, followed by the d(dt_bias) and dA column sums. dv
-    stands in for beta, Tinv and dV' (``kda_body.bwd_intra_channels`` says why).
+    ``intra_bwd_scores``. With the gate in the kernel (see ``intra_bwd``) dg holds df, followed
+    by the d(dt_bias) and dA column sums. dv stands in for beta, Tinv and dV'
+    (``kda_body.bwd_intra_channels`` says why).
 
     With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
     (``hopper_intra_mode`` on the forward's dtypes: dO and dv have v's, G is float32; no beta
