@@ -853,6 +853,38 @@ def test_fallback_runs_the_triton_kernel(mgpu_calls):
     assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
 
 
+@pytest.mark.parametrize("hopper", [pk.HOPPER_BWD_SCORES, HOPPER_ALL], ids=["triton", "mosaic_gpu"])
+def test_channels_refuse_score_gradients_of_another_config(hopper):
+    """intra_bwd_channels takes what intra_bwd_scores stored for the same config
+    (calls.da_names, calls.bwd_config): the four matrices without their scales are refused
+    with the names it expects, and where the Mosaic GPU kernel takes the call, which reads the
+    matrices unscaled, so are scaled ones (anchor_mid_bwd's blocks left on)."""
+    B, T, H, D = 1, 64, 1, 128
+    x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    cfg = config(x, x, mode="interpret", hopper=hopper)
+    assert cfg.bwd_rows == 32 and calls.da_names(cfg) == calls.DA_NAMES + calls.DA_DOWN_NAMES
+    N, C = cfg.N, cfg.C
+
+    def sds(*shape, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    cc, down = sds(B * H, N, C, C), sds(B * H, N, C, 1, dt=jnp.float32)
+    st, cv, v = sds(B * H, N, D, D), sds(B * H, N, C, D), sds(B, T, H, D)
+
+    def channels(dA):
+        jax.eval_shape(lambda *a: calls.intra_bwd_channels(
+            cfg, *a[:3], (), dA, *a[3:], dqk_dtype=jnp.bfloat16, dg_dtype=jnp.float32),
+            v, v, sds(B * H, N, C, D, dt=jnp.float32), st, st, cv, v, v)
+
+    with pytest.raises(ValueError, match=r"dA must hold .*dAqk_down.* got 4 arrays"):
+        channels((cc,) * 4)
+    if hopper == HOPPER_ALL:
+        with pytest.raises(ValueError, match=r"Mosaic GPU kernel takes cfg.bwd_rows = 0"):
+            channels((cc,) * 4 + (down,) * 4)
+    else:
+        channels((cc,) * 4 + (down,) * 4)  # the Triton kernel takes them
+
+
 @pytest.mark.parametrize("case", ["supported", "hopper_off", "scores_only", "channels_only",
                                   "K64", "segments", "out_dtypes", "gate_in_kernel"])
 def test_bwd_dispatch(case, mgpu_bwd_calls):
