@@ -16,8 +16,10 @@ inputs, called with an explicit ``tuning=``: the card's ``default_tuning`` chang
 
 Inputs: bf16 q, k (L2-normalised), v, beta (sigmoid); float32 bounded gate g = -5 sigmoid(x)
 (K3's gate); H = HV = 16, K = V = 128 (configs/1b.py's; 8 x 4096 is its micro-batch of 8 rows),
-and for "small" configs/small.py's 32 x 2048 with H = 12, K = V = 64. Forward+backward is the
-gradient of sum(o * do) with respect to all five inputs. Each JAX time (ours, jla, xla) is the
+and for "small" configs/small.py's 32 x 2048 with H = 12, K = V = 64. Forward+backward is o
+and the gradients of the cotangent do with respect to all five inputs, as fla's
+``torch.autograd.grad(o, inputs, do)`` (--sum-loss: sum(o * do) and its gradients, as before
+session ad). Each JAX time (ours, jla, xla) is the
 median over batches of calls enqueued back to back (``time_jax``), fla's is
 ``triton.testing.do_bench``'s median: both keep the card busy between calls.
 
@@ -163,22 +165,35 @@ def jla_fwd():
     return lambda q, k, v, g, beta: jla_kda(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
 
 
-def jax_fns(fwd):
-    """Jitted forward and forward+backward (sum(o * do) and its gradients in all five inputs).
+def jax_fns(fwd, sum_loss: bool = False):
+    """Jitted forward and forward+backward: o and the gradients in all five inputs of the
+    cotangent do, the work of fla's ``torch.autograd.grad(o, inputs, do)``.
 
-    The value is returned, as a training step uses o: with gradients alone XLA drops whatever
-    computes only o (a kernel that makes nothing else), and the time would leave it out."""
-    def loss(q, k, v, g, beta, do):
-        o = fwd(q, k, v, g, beta)
-        return jnp.sum(o.astype(jnp.float32) * do)
+    o is returned, as a training step uses it: with gradients alone XLA drops whatever computes
+    only o (a kernel that makes nothing else), and the time would leave it out. ``sum_loss``
+    (--sum-loss): the value and gradients of sum(o * do) instead, this script's measurement
+    until 2026-12-05 (session ad). That adds an XLA reduction over o and do that fla's time
+    does not hold: 0.067 ms at configs/small.py's shape on an H100 (Nsight Compute)."""
+    if sum_loss:
+        def loss(q, k, v, g, beta, do):
+            o = fwd(q, k, v, g, beta)
+            return jnp.sum(o.astype(jnp.float32) * do)
 
-    fwdbwd = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+        return jax.jit(fwd), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+    def fwdbwd(q, k, v, g, beta, do):
+        o, vjp = jax.vjp(fwd, q, k, v, g, beta)
+        return o, vjp(do.astype(o.dtype))
+
     return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+SUM_LOSS = False  # --sum-loss: forward+backward as sum(o * do) and its gradients (jax_fns)
 
 
 def bench_jax(fwd, arrays):
     """(forward, forward+backward) median ms of ``fwd(q, k, v, g, beta) -> o``."""
-    fwd, fwdbwd = jax_fns(fwd)
+    fwd, fwdbwd = jax_fns(fwd, SUM_LOSS)
     q, k, v, g, beta, do = arrays
     t_f = time_jax(fwd, (q, k, v, g, beta))
     t_fb = time_jax(fwdbwd, (q, k, v, g, beta, do))
@@ -319,11 +334,16 @@ def main(argv=None):
                          "(the defaults included)")
     ap.add_argument("--documents", type=int, default=0,
                     help="pack the rows with documents of about this many tokens (ours only)")
+    ap.add_argument("--sum-loss", action="store_true",
+                    help="JAX forward+backward as the value and gradients of sum(o * do), as "
+                         "before session ad (an XLA reduction more than fla's time holds)")
     ap.add_argument("--out", default="", help="write the markdown table here")
     ap.add_argument("--fla-tuning", default="",
                     help="a .tgz of fla's autotuning results: read before fla runs (if it "
                          "exists), written back after each shape (see restore_fla_tuning)")
     args = ap.parse_args(argv)
+    global SUM_LOSS
+    SUM_LOSS = args.sum_loss
     triton_cache = restore_fla_tuning(args.fla_tuning) if args.fla_tuning else None
     if args.documents < 0 or (args.documents and (args.breakdown or args.breakdown_only)):
         ap.error(f"--documents must be 0 or a positive length, without --breakdown; got "

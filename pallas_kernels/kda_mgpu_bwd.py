@@ -310,9 +310,11 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
     bytes), dAqk, dAkk, dAqkT, dAkkT [B*HV, N, C, C] bf16, with anchor_mid_bwd's blocks
     (cfg.bwd_rows) the diagonal blocks of their rows scaled and their scales [B*HV, N, C, 1]
     float32 after them (``kda_body.scale_diagonal_blocks``, on the bf16 values; each transpose
-    is taken before the scaling). SMEM: k, G, Akk, Tinv, dV' and the
-    bf16 dRv, dRk live throughout (~120 KB); St, dO, V', v are scoped to the first part (80 KB),
-    U, W and the output staging to the second (~72 KB): 204 KB at the peak (Pallas' estimate).
+    is taken before the scaling). SMEM: the bf16 dRv, dRk live throughout; St, dO, V', v, k,
+    G, Tinv and dV' are scoped to the first part, Akk (float32), U, W and the output staging to
+    the second, which loads them (Akk under dL's wgmma). Pallas' estimate at the peak: 96 KB at
+    K = V = 64, so two CTAs share an SM (with all of k, G, Akk, Tinv and dV' held throughout it
+    was 136 KB, one per SM: session ad); 192 KB at 128, one per SM either way.
     """
     B, HV = cfg.B, cfg.HV
     C, K, V, N = cfg.C, cfg.K, cfg.V, cfg.N
@@ -368,7 +370,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         if scaled:  # (SMEM staging, HBM) of dAqk's, dAkk's, dAqkT's, dAkkT's scales
             dn_g, dn_s, refs = refs[:4], refs[4:8], refs[8:]
             dn = tuple(zip(dn_s, dn_g, strict=True))
-        k_s, G_s, beta_s, Akk_s, T_s, dVp_s, dRv_s, dRk_s, vec_s, bars, *tbufs = refs
+        beta_s, dRv_s, dRk_s, vec_s, bars, *tbufs = refs
         if cfg.has_seg:
             a_s, sg_s, *tbufs = tbufs
         bh, n = lax.axis_index("bh"), lax.axis_index("n")
@@ -402,14 +404,14 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             seg_j = lax.broadcast_in_dim(vec(sg_s, COL), (C, C), [1])
             return keep_CxC & (seg_i == seg_j)
 
-        def part_a(h_s, dO_s, Vp_s, v_s):
+        def part_a(h_s, dO_s, Vp_s, v_s, k_s, G_s, T_s, dVp_s):
             """dAqk, dv, the v and k parts of dbeta; dRv and dRk into SMEM (bf16)."""
             for name, src, dst in (
                     ("dO", dO_g.at[b, tok, hv], dO_s), ("Vp", Vp_g.at[bh, n], Vp_s),
                     ("T", T_g.at[bh, n], T_s), ("dVp", dVp_g.at[bh, n], dVp_s),
                     ("beta", beta_g.at[bh, tok], beta_s), ("v", v_g.at[b, tok, hv], v_s),
                     ("h", h_g.at[bh, n], h_s), ("k", k_g.at[b, tok, hq], k_s),
-                    ("G", G_g.at[bh, n], G_s), ("Akk", Akk_g.at[bh, n], Akk_s)):
+                    ("G", G_g.at[bh, n], G_s)):
                 issue(name, src, dst)
             if cfg.has_seg:
                 issue("a", a_g.at[b, tok], a_s)
@@ -442,7 +444,8 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
 
         dAqk_CxC, dbeta_C, beta_C = pl.run_scoped(
             part_a, _swizzled((V, K), bf16), _swizzled((C, V), bf16), _swizzled((C, V), bf16),
-            _swizzled((C, V), bf16))
+            _swizzled((C, V), bf16), _swizzled((C, K), bf16), plgpu.SMEM((C, K), f32),
+            _swizzled((C, C), bf16), _swizzled((C, V), bf16))
 
         def transposed(src, eye_s):  # (the stored bf16 src)^T, exactly: src^T @ I (float32)
             if compiled:
@@ -463,11 +466,12 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
                              (td_s, td_g.at[bh, tok]), (xd_s, xd_g.at[bh, tok])):
                 plgpu.copy_smem_to_gmem(src, dst)
 
-        def part_b(U_s, W_s, eye_s, a1_s, a2_s, a3_s, a4_s, bbars):
+        def part_b(U_s, W_s, Akk_s, eye_s, a1_s, a2_s, a3_s, a4_s, bbars):
             """dL, dbeta's Akk part, dAkk; the four [C, C] outputs (with ``scaled``, each
             stored as soon as it is known, with its scales) and dbeta."""
             plgpu.copy_gmem_to_smem(U_g.at[bh, n], U_s, bbars.at[0])
             plgpu.copy_gmem_to_smem(W_g.at[bh, n], W_s, bbars.at[1])
+            plgpu.copy_gmem_to_smem(Akk_g.at[bh, n], Akk_s, bbars.at[2])
             eye_s[...] = _one(ri == rr).astype(bf16)
             aq_CxC = jnp.where(one_segment(rr <= ri), dAqk_CxC, 0.0).astype(bf16)
             a1_s[...] = aq_CxC
@@ -481,7 +485,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             dL_CxC = -_dot([(dRv_s, tview(U_s, tb.get("UT"))), (dRk_s, tview(W_s, tb.get("WT")))],
                           (C, C))
             dL_CxC = jnp.where(one_segment(rr < ri), dL_CxC, 0.0)
-            need("Akk")
+            plgpu.barrier_wait(bbars.at[2])
             vec_s[...] = dbeta_C + rowsum(dL_CxC * ld(Akk_s))
             ak_CxC = (dL_CxC * lax.broadcast_in_dim(beta_C, (C, C), [0])).astype(bf16)
             a2_s[...] = ak_CxC
@@ -498,19 +502,15 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(part_b, _swizzled((C, V), bf16), _swizzled((C, K), bf16),
-                      *[_swizzled((C, C), bf16)] * 5, plgpu.Barrier(num_barriers=2))
+                      plgpu.SMEM((C, C), f32), *[_swizzled((C, C), bf16)] * 5,
+                      plgpu.Barrier(num_barriers=3))
 
     scratch = [
-        _swizzled((C, K), bf16),  # k
-        plgpu.SMEM((C, K), f32),  # G
         plgpu.SMEM((C,), f32),  # beta
-        plgpu.SMEM((C, C), f32),  # Akk
-        _swizzled((C, C), bf16),  # Tinv
-        _swizzled((C, V), bf16),  # dV'
         _swizzled((C, V), bf16),  # dRv (bf16)
         _swizzled((C, K), bf16),  # dRk (bf16)
         plgpu.SMEM((C,), f32),  # dbeta staging
-        plgpu.Barrier(num_barriers=12),  # one a load (a and the segment ids: 11, 12)
+        plgpu.Barrier(num_barriers=11),  # one a load (a and the segment ids: 10, 11)
     ]
     if scaled:  # the staging of the four matrices' scales
         scratch = [*[plgpu.SMEM((C,), f32)] * 4, *scratch]

@@ -369,3 +369,29 @@ def test_ncu_sass_shares_add_up_and_loops_show_as_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sm.main([str(path), "--kernel", "kda_intra_fwd"])
     assert "kda_intra_fwd" in capsys.readouterr().err
+
+
+def test_kda_kernel_times_the_work_of_fla_backward():
+    """kda_kernel.jax_fns: forward+backward returns o and the gradients of the cotangent do in
+    all five inputs (fla's torch.autograd.grad(o, inputs, do)), equal to those of the old
+    measurement, sum(o * do) (--sum-loss), on a small function of the five inputs."""
+    kk = load("kda_kernel")
+    rng = np.random.default_rng()
+    shape = (2, 8, 3, 4)
+    q, k, v, g = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(4))
+    beta = jnp.asarray(rng.uniform(size=shape[:3]), jnp.float32)
+    do = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    def fwd(q, k, v, g, beta):
+        return jnp.tanh(q * k) * v * jnp.exp(g) + beta[..., None] * q
+
+    _, fwdbwd = kk.jax_fns(fwd)
+    o, grads = fwdbwd(q, k, v, g, beta, do)
+    np.testing.assert_allclose(o, fwd(q, k, v, g, beta), rtol=1e-5, atol=1e-6)
+    _, summed = kk.jax_fns(fwd, sum_loss=True)
+    value, grads_sum = summed(q, k, v, g, beta, do)
+    np.testing.assert_allclose(value, np.sum(np.asarray(o) * np.asarray(do)), rtol=1e-4)
+    assert len(grads) == len(grads_sum) == 5
+    for a, b in zip(grads, grads_sum, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(grads[4]))) > 0  # beta's gradient is not dropped

@@ -406,7 +406,11 @@ def test_scores_scale_the_diagonal_blocks_exactly(rng, impl):
         assert down.dtype == np.float32 and np.all(np.frexp(down)[0] == 0.5), name  # 2^e
         lit = m > 0
         assert lit.any() and (~lit).any(), name
-        assert np.all((m[lit] >= 1) & (m[lit] < 2)), (name, m[lit].min(), m[lit].max())
+        # [1, 2); [1, 2] in interpret mode on a GPU, where XLA (excess precision allowed)
+        # drops the kernel's bf16 round trip before the row maxima, so a maximum just under a
+        # power of two can round up to it when the scaled block is stored
+        top = 2.0 if exact else np.nextafter(2.0, 3.0)
+        assert np.all((m[lit] >= 1) & (m[lit] < top)), (name, m[lit].min(), m[lit].max())
         assert np.all(down[~lit] == 2.0 ** -126), name
 
 
@@ -575,6 +579,9 @@ def test_state_pass_dispatch():
 # sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per block: two blocks per SM (the
 # overlap the kernel relies on) if each takes at most 113 KB.
 SMEM_TWO_BLOCKS = 113 * 1024
+# what a launch took beyond Pallas' estimate (intra_bwd_scores at 64, session ad: 139.4 KB
+# against 136), rounded up
+SMEM_LAUNCH_MARGIN = 8 * 1024
 # one block per SM: the backward kernels (227 KB of dynamic shared memory at most)
 SMEM_PER_BLOCK = 227 * 1024
 
@@ -738,7 +745,9 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
 
 def test_cuda_lowering_of_intra_bwd_scores_at_64(smem):
     """intra_bwd_scores with heads of 64 (configs/small.py: K = V = 64), packed segments or
-    not, lowers for CUDA without a GPU and fits one sm_90 block's SMEM, with less than at 128."""
+    not, lowers for CUDA without a GPU, with less SMEM than at 128, and two blocks share an
+    sm_90 SM: Pallas' estimate with room for what the launch adds (139.4 KB launched where the
+    estimate read 136 in session ad's profile, one block per SM then). At 128 one block."""
     bf, f = jnp.bfloat16, jnp.float32
     B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
 
@@ -762,6 +771,7 @@ def test_cuda_lowering_of_intra_bwd_scores_at_64(smem):
         at64, at128 = peak(64, packed), peak(128, packed)
         if at64 is not None:
             assert 0 < at64 < at128 <= SMEM_PER_BLOCK, (packed, at64, at128)
+            assert at64 + SMEM_LAUNCH_MARGIN <= SMEM_TWO_BLOCKS, (packed, at64)
 
 
 def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
