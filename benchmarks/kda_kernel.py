@@ -188,12 +188,9 @@ def jax_fns(fwd, sum_loss: bool = False):
     return jax.jit(fwd), jax.jit(fwdbwd)
 
 
-SUM_LOSS = False  # --sum-loss: forward+backward as sum(o * do) and its gradients (jax_fns)
-
-
-def bench_jax(fwd, arrays):
-    """(forward, forward+backward) median ms of ``fwd(q, k, v, g, beta) -> o``."""
-    fwd, fwdbwd = jax_fns(fwd, SUM_LOSS)
+def bench_jax(fwd, arrays, sum_loss: bool = False):
+    """(forward, forward+backward) median ms of ``fwd(q, k, v, g, beta) -> o`` (``jax_fns``)."""
+    fwd, fwdbwd = jax_fns(fwd, sum_loss)
     q, k, v, g, beta, do = arrays
     t_f = time_jax(fwd, (q, k, v, g, beta))
     t_fb = time_jax(fwdbwd, (q, k, v, g, beta, do))
@@ -342,8 +339,7 @@ def main(argv=None):
                     help="a .tgz of fla's autotuning results: read before fla runs (if it "
                          "exists), written back after each shape (see restore_fla_tuning)")
     args = ap.parse_args(argv)
-    global SUM_LOSS
-    SUM_LOSS = args.sum_loss
+    jax_times = functools.partial(bench_jax, sum_loss=args.sum_loss)
     triton_cache = restore_fla_tuning(args.fla_tuning) if args.fla_tuning else None
     if args.documents < 0 or (args.documents and (args.breakdown or args.breakdown_only)):
         ap.error(f"--documents must be 0 or a positive length, without --breakdown; got "
@@ -368,7 +364,7 @@ def main(argv=None):
     if args.adopt and args.sweep:
         candidates = [(args.tune or "defaults", tuning), *variants]
         times = sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), candidates,
-                      segs_of(args.sweep))
+                      segs_of(args.sweep), args.sum_loss)
         if not times:
             raise SystemExit(f"--adopt: every variant failed at {args.sweep}")
         label, tuning = candidates[min(times, key=lambda i: times[i][1])]
@@ -391,16 +387,16 @@ def main(argv=None):
 
     for i, name in enumerate(names):  # shape by shape, so a run cut short keeps whole rows
         arrays, segs = make_inputs(*SHAPES[name]), segs_of(name)
-        results[name]["ours"] = bench_jax(ours_fwd(tuning, segs), arrays)
+        results[name]["ours"] = jax_times(ours_fwd(tuning, segs), arrays)
         print(f"{name}: ours fwd / fwd+bwd {fmt(results[name]['ours'])} ms", flush=True)
         if args.breakdown and i == 0:  # every kernel compiles again: the first shape only
             breakdown(name, arrays, tuning)
         if not args.no_gate_in_kernel:
             f, A_log, dt_bias = gate_inputs(arrays)
-            measure(name, "ours_gk", bench_jax,
+            measure(name, "ours_gk", jax_times,
                     ours_gate_in_kernel(tuning, A_log, dt_bias, segs), (*arrays[:3], f, *arrays[4:]))
         if jla is not None:
-            measure(name, "jla", bench_jax, jla, arrays)
+            measure(name, "jla", jax_times, jla, arrays)
         # fla last of the peers: it autotunes its kernels on first use, which on a fresh
         # machine ran past 200 s at 8 x 4096 (2026-12-04), so a run cut short keeps jla's cells
         if not args.no_fla and not packed:
@@ -408,11 +404,12 @@ def main(argv=None):
             if triton_cache:
                 save_fla_tuning(triton_cache, args.fla_tuning)
         if not args.no_xla and not packed:
-            measure(name, "xla", bench_jax, xla_fwd, arrays)
+            measure(name, "xla", jax_times, xla_fwd, arrays)
         del arrays
         report()
     if args.sweep and not args.adopt:  # last: a run cut short still has the table
-        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), variants, segs_of(args.sweep))
+        sweep(args.sweep, make_inputs(*SHAPES[args.sweep]), variants, segs_of(args.sweep),
+              args.sum_loss)
 
 
 # The default --variants: one launch parameter changed at a time.
@@ -427,13 +424,13 @@ def parse_variants(spec: str, base: pk.KernelTuning) -> list[tuple[str, pk.Kerne
             for item in spec.split(";") if item]
 
 
-def sweep(name, arrays, variants, segs=None) -> dict[int, tuple[float, float]]:
+def sweep(name, arrays, variants, segs=None, sum_loss=False) -> dict[int, tuple[float, float]]:
     """Times of ours with each (label, tuning) of ``variants`` (over the documents ``segs``):
-    {index: (fwd, fwd+bwd) ms}."""
+    {index: (fwd, fwd+bwd) ms} (``sum_loss``: as ``jax_fns``)."""
     times = {}
     for i, (label, tuning) in enumerate(variants):
         try:
-            times[i] = t = bench_jax(ours_fwd(tuning, segs), arrays)
+            times[i] = t = bench_jax(ours_fwd(tuning, segs), arrays, sum_loss)
             print(f"  sweep {name} {label}: fwd {t[0]:.3f} ms, fwd+bwd {t[1]:.3f} ms", flush=True)
         except Exception as err:
             print(f"  sweep {name} {label}: failed {str(err).splitlines()[0][:200]}")

@@ -418,7 +418,7 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
                 issue("a", a_g.at[b, tok], a_s)
                 issue("seg", sg_g.at[b, tok], sg_s)
             need("dO", "Vp", "T", "dVp", "beta")
-            beta_C = beta_s[...] if not compiled else plgpu.load(beta_s, (), layout=ROW)
+            beta_C = vec(beta_s, ROW)
             T_t = tview(T_s, T_s)  # interpreter: T^T in place (T is read only as T^T)
             dAqk_CxC = _dot([(dO_s, tview(Vp_s, tb.get("VpT")))], (C, C))
             dRv_CxV = _dot([(T_t, dVp_s)], (C, V))
