@@ -37,8 +37,8 @@ def get_config(arg: str | None = None):
     # (train.microbatch_size = 0, the default).
     m.remat = "dots_kernels"
     # Unrolled rather than scanned: without the scan's stacked carries and residuals the step
-    # is 335 against 399 ms per 4-row micro-batch on the H200 (34.8% against 29.2% MFU,
-    # BENCHMARKS.md); it compiles for about three minutes on the card instead of one.
+    # is faster (BENCHMARKS.md's training-step table), at the cost of a compile several times
+    # longer.
     m.scan_layers = False
     config = ml_collections.ConfigDict()
     config.model = m

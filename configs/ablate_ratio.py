@@ -8,7 +8,9 @@ layers (default 16), base ("small" for the GPU, default, or "tiny" for CPU: ever
 field comes from that config). The last layer is always MLA.
 """
 
-from configs import load_config, parse_arg
+import pathlib
+
+from kimi_k3.config_files import load_config, parse_arg
 
 
 def get_config(arg: str | None = None):
@@ -16,7 +18,7 @@ def get_config(arg: str | None = None):
     args.update(parse_arg(arg, {"ratio": int, "layers": int, "base": str}))
     if args["base"] not in ("small", "tiny"):
         raise ValueError(f"config argument base: must be 'small' or 'tiny', got {args['base']!r}")
-    config = load_config(f"{args['base']}.py")
+    config = load_config(pathlib.Path(__file__).with_name(f"{args['base']}.py"))
     config.model.kda_per_mla = args["ratio"]
     config.model.num_layers = args["layers"]
     config.model.final_mla = True

@@ -1,6 +1,6 @@
 """Kimi K3 shapes (for shapes, parameter counts and FLOPs; far too large to train here).
 
-    python -m configs.k3          # prints the layer pattern and the parameter count (eval_shape)
+    python configs/k3.py          # prints the layer pattern and the parameter count (eval_shape)
 
 93 layers: 69 KDA + 24 Gated MLA (MLA at layers 4, 8, ..., 92 and 93); hidden 7168; KDA 96 heads
 x 128 with the bounded gate (g_min = -5) and width-4 short convolutions; MLA 96 heads, q_lora
@@ -12,7 +12,7 @@ expert count is an estimate, as are the other MoE numbers, which no publication 
 and come from Kimi K2 here: each expert's width 2048 (K2's moe_intermediate_size), a dense
 first layer of width 18432 (K2's first_k_dense_replace = 1, intermediate_size 18432), routed
 weights renormalised and scaled by 2.827 (K2's routed_scaling_factor), no expert groups. So the
-parameter count (``python -m configs.k3``: total and active) is an estimate too. The vocabulary
+parameter count (``python configs/k3.py``: total and active) is an estimate too. The vocabulary
 (163840) is Kimi K2's.
 """
 

@@ -1,6 +1,6 @@
 """Kimi Linear 48B-A3B shapes: the published hybrid closest to K3 (shapes, counts and FLOPs).
 
-    python -m configs.kimi_linear_48b       # prints the pattern and the total / active counts
+    python configs/kimi_linear_48b.py       # prints the pattern and the total / active counts
 
 27 layers: 20 KDA + 7 Gated MLA, the MLA layers at 4, 8, 12, 16, 20, 24 and 27 (an explicit
 pattern); hidden 2304; KDA 32 heads x 128 with the softplus (unbounded) gate and width-4 short

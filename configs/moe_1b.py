@@ -13,15 +13,17 @@ Kimi Linear's router scaling (2.446), dropless, with the load-balancing bias. Ab
 parameters, 1.05B of them used per token (``count_params``).
 """
 
+import pathlib
+
 import ml_collections
 
-from configs import load_config
+from kimi_k3.config_files import load_config
 
 
 def get_config(arg: str | None = None):
     if arg:
         raise ValueError(f"configs/moe_1b.py takes no argument, got {arg!r}")
-    config: ml_collections.ConfigDict = load_config("1b.py")
+    config: ml_collections.ConfigDict = load_config(pathlib.Path(__file__).with_name("1b.py"))
     moe = config.model.moe
     moe.num_experts = 64  # routed experts
     moe.top_k = 8  # experts per token

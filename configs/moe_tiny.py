@@ -7,15 +7,17 @@ the other three route each token to 2 of 8 experts of width 128 (sigmoid router,
 weights, the load-balancing bias) plus one shared expert of width 128. Dropless.
 """
 
+import pathlib
+
 import ml_collections
 
-from configs import load_config
+from kimi_k3.config_files import load_config
 
 
 def get_config(arg: str | None = None):
     if arg:
         raise ValueError(f"configs/moe_tiny.py takes no argument, got {arg!r}")
-    config: ml_collections.ConfigDict = load_config("tiny.py")
+    config: ml_collections.ConfigDict = load_config(pathlib.Path(__file__).with_name("tiny.py"))
     moe = config.model.moe
     moe.num_experts = 8  # routed experts
     moe.top_k = 2  # experts per token

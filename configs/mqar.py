@@ -18,8 +18,8 @@ The trainer sections (data, opt, mesh, checkpoint, train) come from
 
 import ml_collections
 
-from configs import parse_arg
 from kimi_k3.config import add_training_defaults, default_model_config
+from kimi_k3.config_files import parse_arg
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

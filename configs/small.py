@@ -32,7 +32,7 @@ def get_config(arg: str | None = None):
     m.dtype = "bfloat16"
     # Without rematerialisation every KDA layer keeps its intra-chunk activations per token,
     # and 32 rows of 2048 no longer fit one GPU; full remat trades recompute for that memory
-    # (the measurements are in BENCHMARKS.md).
+    # (BENCHMARKS.md's training-step table).
     m.remat = "full"
     config = ml_collections.ConfigDict()
     config.model = m

@@ -14,7 +14,8 @@ Before a step is read, its saved parameters are held against config.model's
 (``check_params_match``, the one check for resuming and for evaluation): another model is an
 error naming the parameters that differ, never a partial or silently reshaped load.
 ``restore_model_for_eval`` reads only the parameters of one step into a ``HybridLM`` (evaluation,
-sampling); ``resolve_step_dir`` finds that step from a step, checkpoints or run folder.
+sampling); ``resolve_step_dir`` finds that step from a step, checkpoints or run folder;
+``load_model`` takes either such a path or ``init`` (the config's untrained weights).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from jax.experimental import multihost_utils
 
 from kimi_k3.layers.moe import ExpertBias, MoeStat
 from kimi_k3.model import HybridLM
-from kimi_k3.optim import path_str
+from kimi_k3.model_state import init_model
+from kimi_k3.run_dir import absolute_path
+from kimi_k3.trees import path_str
 
 
 class PreemptionFlag:
@@ -68,16 +71,6 @@ def _first_line(e: BaseException, limit: int = 240) -> str:
     line = (str(e).strip().splitlines() or [""])[0]
     line = line if len(line) <= limit else line[: limit - 3] + "..."
     return f"{type(e).__name__}: {line}"
-
-
-def absolute_path(path: str) -> str:
-    """``path`` made absolute against the current directory; URLs (``gs://...``) unchanged.
-    Orbax refuses relative checkpoint paths, and a path that is absolute once stays right if
-    the process changes its directory later."""
-    path = os.fspath(path)
-    if "://" in path:
-        return path
-    return os.path.abspath(os.path.expanduser(path))
 
 
 def _is_read_abort_noise(exc: BaseException | None) -> bool:
@@ -374,3 +367,19 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config") -> 
     other = (jax.jit(lambda: nnx.split(make(), nnx.Param, ExpertBias, MoeStat, ...)[4])()
              if jax.tree.leaves(abs_other) else abs_other)
     return nnx.merge(graphdef, abs_params, abs_biases, stats, other), step
+
+
+INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
+
+
+def load_model(config, checkpoint: str, config_name: str = "--config") -> tuple[HybridLM, int | None]:
+    """(a ``HybridLM`` for ``config.model``, its step) with the weights of ``checkpoint``: a step,
+    checkpoints or run folder (``restore_model_for_eval``), or ``init`` for the weights
+    ``config.seed`` initialises (step None).
+
+    Raises FileNotFoundError naming a missing path, ValueError naming the parameters where
+    ``config`` (from ``config_name``) and the checkpoint disagree.
+    """
+    if checkpoint == INIT_CHECKPOINT:
+        return init_model(config.model, int(config.get("seed", 0))), None
+    return restore_model_for_eval(config, checkpoint, config_name=config_name)

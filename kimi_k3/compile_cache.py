@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache for the command-line entry points.
 
-The 1B training step takes a minute or more to compile, an evaluation at 1M tokens ~11 s of
-its minute, Mosaic GPU kernels seconds each: a second run of the same shapes reads the compiled
+A large model's training step takes minutes to compile, a long-context evaluation part of its
+time, the Mosaic GPU kernels seconds each: a second run of the same shapes reads the compiled
 programs from disk instead. ``train.py``, ``eval.py`` and ``generate.py`` take
 ``--compilation_cache=DIR`` (default :data:`DEFAULT_DIR`; "" turns it off). A cache folder set
 in the environment (``JAX_COMPILATION_CACHE_DIR``) wins over the default.

@@ -6,10 +6,10 @@
         -> the trainer, the model, the layers and the FLOP count read the spec and trust it.
 
 A config file builds its ConfigDict from :func:`default_model_config` and
-:func:`add_training_defaults`, changes what it needs, and is loaded by ``configs.load_config``
-or ``--config=configs/x.py[:arg]``. Every field, its default and its unit are listed below;
-an error always names the field (``config.model.kda.chunk_size: must be a positive power of
-two, got 48``).
+:func:`add_training_defaults`, changes what it needs, and is loaded by path
+(``kimi_k3.config_files.load_config`` or ``--config=configs/x.py[:arg]``). Every field, its
+default and its unit are listed below; an error always names the field
+(``config.model.kda.chunk_size: must be a positive power of two, got 48``).
 
 What the spec resolves, so nothing downstream re-derives it: the layer pattern
 ("KKKM...KKKMM") and its scan plan (unrolled prefix + unit x repeats + tail; the prefix holds
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from kimi_k3 import dispatch
-from pallas_kernels.kda import KernelTuning
+from pallas_kernels.tuning import KernelTuning
 
 # Named choices of the model section.
 GATES = ("bounded", "softplus")
@@ -128,17 +128,17 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.kda.chunk_size = 64  # tokens per chunk of the chunked KDA forms (power of two)
     cfg.kda.impl = "auto"  # "auto" | "recurrent" | "xla" | "pallas"
     # The decay gate inside the KDA op (the Pallas kernel's prologue: g never reaches memory)
-    # instead of before it. Off by default until its training step is measured on the GPU
-    # (BENCHMARKS.md, third pass).
+    # instead of before it. Off by default: its training step has not been timed against the
+    # gate outside (benchmarks/step_profile.py would).
     cfg.kda.gate_in_kernel = False
     # The short convolutions: "auto" (the kernels on the GPU, XLA elsewhere:
     # dispatch.choose_conv_impl), "xla" (the layer's float32 form, fused as XLA likes) or
     # "pallas" (forward and backward kernels, pallas_kernels/short_conv.py; interpret mode off
     # the GPU).
     cfg.kda.conv_impl = "auto"
-    # The Pallas KDA kernel's launch parameters over the card's own (pallas_kernels.kda.
-    # default_tuning): "key=int,..." of KernelTuning's fields; e.g. "hopper=0" runs the
-    # portable Triton kernels on a Hopper card too, to compare a run with the Mosaic GPU path.
+    # The Pallas KDA kernel's launch parameters over its defaults: "key=int,..." of
+    # pallas_kernels.tuning.KernelTuning's fields; e.g. "hopper=0" runs the portable Triton
+    # kernels on a Hopper card too, to compare a run with the Mosaic GPU path.
     cfg.kda.kernel_tuning = ""
 
     cfg.mla = ml_collections.ConfigDict()
@@ -301,7 +301,9 @@ class KdaSpec:
     impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
     gate_in_kernel: bool = False  # the decay gate computed inside the KDA op
     conv_impl: str = "xla"  # the short convolutions: "xla" | "pallas" (resolved)
-    kernel_tuning: str = ""  # overrides of the Pallas kernel's launch parameters (KernelTuning.parse)
+    # the Pallas kernel's launch parameters: KernelTuning() with model.kda.kernel_tuning's
+    # overrides, parsed once here
+    kernel_tuning: KernelTuning = dataclasses.field(default_factory=KernelTuning)
     norm_eps: float = 1e-6  # the output RMSNorm's epsilon: model.norm_eps (Kimi Linear's
     # rms_norm_eps reaches this norm too)
 
@@ -597,12 +599,12 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) ->
                    norm_eps=norm_eps)
 
 
-def _kernel_tuning(f: _Fields) -> str:
-    """model.kda.kernel_tuning, checked now (a bad key or value is named before anything runs)."""
+def _kernel_tuning(f: _Fields) -> KernelTuning:
+    """model.kda.kernel_tuning ("key=int,...") parsed into the kernel's launch parameters now:
+    a bad key or value is named before anything runs."""
     spec = f.get("kernel_tuning", lambda v: isinstance(v, str),
-                 'must be a string "key=int,..." of pallas_kernels.kda.KernelTuning fields')
-    KernelTuning.parse(spec, base=KernelTuning(), source=f"{f.prefix}kernel_tuning")
-    return spec
+                 'must be a string "key=int,..." of pallas_kernels.tuning.KernelTuning fields')
+    return KernelTuning.parse(spec, source=f"{f.prefix}kernel_tuning")
 
 
 def _mla_spec(cfg, d_model: int) -> MlaSpec:

@@ -5,10 +5,10 @@ The contract, for every operator with an ``impl`` argument:
 - an explicitly requested implementation runs, or raises an error saying why it cannot; it
   never silently becomes another;
 - ``"auto"`` picks the fastest implementation that works for the backend (and, for attention,
-  for the call's shapes and dtype), falling back with one warning line where a compiled kernel
-  is unavailable with the installed JAX;
-- every choice is reported once per process (``logging.info``), and :func:`choices` lists them,
-  so a run can say what it used.
+  for the call's shapes and dtype), falling back to XLA's form where a compiled kernel is
+  unavailable with the installed JAX (the log line says why);
+- every choice is reported once per process (``logging.info``), so a run's log says what it
+  used.
 
 KDA (``kimi_k3.ops.kda``): "recurrent" (the definition), "xla" (chunked, plain JAX), "pallas"
 (the Pallas kernel; interpret mode on CPU). "auto": "pallas" on the backends in
@@ -29,14 +29,12 @@ bf16/fp16, splash on TPU when the piece is a multiple of 128 tokens, "xla" other
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
 
-from pallas_kernels import depth_read as depth_read_kernel
-from pallas_kernels import short_conv as short_conv_kernel
-from pallas_kernels import swiglu as swiglu_kernel
-from pallas_kernels.kda import pallas_supported
+from pallas_kernels import device
 
 KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
 EXPERT_MATMULS = ("auto", "ragged", "mosaic_gpu", "dense")
@@ -45,58 +43,42 @@ CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions
 ATTN_RES_IMPLS = ("auto", "xla", "pallas")  # an Attention Residual read and its norm
 MLP_IMPLS = ("auto", "xla", "pallas")  # the dense SwiGLU's activation backward
 
-# Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX).
-# GPU: it trains to the reference's loss curve several times faster (BENCHMARKS.md). TPU: the
-# same kernel source through Mosaic, tested in TPU interpret mode.
+# Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX):
+# the GPU (Triton and, on Hopper, Mosaic GPU kernels) and the TPU (the same kernel source
+# through Mosaic, tested in TPU interpret mode).
 AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset({"gpu", "tpu"})
 
 # cuDNN takes packed documents only as a dense [B, 1, T, S] mask; above this many bytes of
 # mask "auto" prefers the Pallas kernel, which reads segment ids instead.
 CUDNN_MASK_BYTES = 1 << 30
 
-_CHOSEN: dict[tuple[str, str], str] = {}
-
-
+@functools.cache
 def _report(op: str, requested: str, chosen: str, why: str) -> None:
-    key = (op, f"{requested} ({why})")
-    if key not in _CHOSEN:
-        _CHOSEN[key] = chosen
-        logging.info("%s: impl=%r -> %r (%s)", op, requested, chosen, why)
-
-
-def choices() -> dict[str, str]:
-    """``{"kda": "pallas", "attention": "cudnn", ...}``: what this process has run so far (the
-    last choice per operator)."""
-    return {op: chosen for (op, _), chosen in _CHOSEN.items()}
+    """One log line per distinct choice in this process (the cache keeps it to one)."""
+    logging.info("%s: impl=%r -> %r (%s)", op, requested, chosen, why)
 
 
 def kda_kernel_error(backend: str) -> str | None:
     """None when the Pallas KDA kernel can run on ``backend`` with the installed JAX (compiled
     on "gpu" / "tpu", interpreted on "cpu"), else why not (one line)."""
-    if backend in ("gpu", "tpu") and not pallas_supported(backend):
-        return f"the Pallas kernel does not lower for {backend!r} with JAX {jax.__version__}"
-    return None
+    family = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(backend)
+    return device.probe(backend).why_not(family) if family else None
 
 
 def choose_conv_impl(requested: str, backend: str | None = None) -> str:
     """How the short convolutions run: "pallas" (forward and backward kernels,
     pallas_kernels/short_conv.py) or "xla" (the layer's float32 form with its own backward
     pass). "auto" takes the kernels on the GPU when this JAX still has Pallas-Triton, XLA
-    elsewhere (off the GPU the kernels only run in interpret mode).
-
-    On the H200, configs/1b.py's step (unrolled, 4 x 4096 rows): the convolutions 16.8 ms per
-    step with the kernels against 19.7 with XLA's fusions, which wrote the weight gradient as
-    slow column reductions (BENCHMARKS.md, tenth pass)."""
-    return _kernels_on_the_gpu(requested, CONV_IMPLS, "conv", short_conv_kernel.available,
-                               backend)
+    elsewhere (off the GPU the kernels only run in interpret mode). XLA's fusions write the
+    weight gradient as column reductions, which the kernels' one pass avoids."""
+    return _kernels_on_the_gpu(requested, CONV_IMPLS, "conv", backend)
 
 
 def choose_attn_res_impl(requested: str, backend: str | None = None) -> str:
     """How an unrolled stack's Attention Residual reads and the RMSNorms after them run:
     "pallas" (one kernel pass forward and one backward, pallas_kernels/depth_read.py) or "xla".
     "auto" takes the kernels on the GPU when this JAX still has Pallas-Triton, XLA elsewhere."""
-    return _kernels_on_the_gpu(requested, ATTN_RES_IMPLS, "attn_res",
-                               depth_read_kernel.available, backend)
+    return _kernels_on_the_gpu(requested, ATTN_RES_IMPLS, "attn_res", backend)
 
 
 def choose_mlp_impl(requested: str, backend: str | None = None) -> str:
@@ -105,18 +87,18 @@ def choose_mlp_impl(requested: str, backend: str | None = None) -> str:
     or "xla". "auto" takes the kernel on the GPU when this JAX still has Pallas-Triton, XLA
     elsewhere. Either way the layer keeps XLA's form for a width the kernel cannot tile or a
     mesh that splits the activations."""
-    return _kernels_on_the_gpu(requested, MLP_IMPLS, "mlp", swiglu_kernel.available, backend)
+    return _kernels_on_the_gpu(requested, MLP_IMPLS, "mlp", backend)
 
 
-def _kernels_on_the_gpu(requested: str, choices, what: str, available, backend) -> str:
-    """``requested`` checked against ``choices``; "auto" is "pallas" on the GPU when
-    ``available()`` (this JAX has Pallas-Triton), "xla" elsewhere."""
+def _kernels_on_the_gpu(requested: str, choices, what: str, backend) -> str:
+    """``requested`` checked against ``choices``; "auto" is "pallas" on the GPU when its
+    Pallas-Triton kernels compile there (``device.probe``), "xla" elsewhere."""
     if requested not in choices:
         raise ValueError(f"{what}: impl must be one of {choices}, got {requested!r}")
     if requested != "auto":
         return requested
-    on_gpu = (backend or jax.default_backend()) == "gpu"
-    return "pallas" if on_gpu and available() else "xla"
+    backend = backend or jax.default_backend()
+    return "pallas" if backend == "gpu" and device.probe(backend).triton else "xla"
 
 
 def choose_kda_impl(requested: str, backend: str | None = None) -> str:
@@ -200,13 +182,13 @@ def attention_fallback(requested: str, chosen: str, err: Exception) -> None:
 def cudnn_fused_attention():
     """JAX's cuDNN fused-attention module, whose entry point takes value heads narrower than
     key heads (cuDNN >= 9.10, Hopper: MLA's 128 vs 192, no padding) and returns the log-sum-exp
-    in float32; None where this JAX lacks it (jax.nn's public entry point casts the log-sum-exp
-    to the output dtype, too coarse for merging blocks)."""
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo
-    except ImportError:
+    in float32; None where this JAX lacks it (``device.probe("gpu").cudnn_lse``; jax.nn's public
+    entry point casts the log-sum-exp to the output dtype, too coarse for merging blocks)."""
+    if not device.probe("gpu").cudnn_lse:
         return None
-    return fused_attention_stablehlo if hasattr(fused_attention_stablehlo, "MaskType") else None
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
 
 
 def choose_cache_attention_impl(requested: str, *, dtype, T: int,
@@ -222,7 +204,7 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     if requested == "cudnn" and backend != "gpu":
         raise ValueError(f"attention: impl='cudnn' needs a GPU, the backend is {backend!r}; use "
                          f"'auto' or 'xla'")
-    lse_entry = cudnn_fused_attention() is not None
+    lse_entry = device.probe("gpu").cudnn_lse
     if requested == "cudnn" and not lse_entry:
         raise ValueError(f"attention: impl='cudnn' against a cache needs JAX's cuDNN entry point "
                          f"that returns the log-sum-exp in float32, absent in JAX "
@@ -244,16 +226,6 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     return chosen
 
 
-def hopper_gpu(backend: str | None = None) -> bool:
-    """True on an NVIDIA GPU of compute capability 9.0 or newer (Hopper's wgmma and TMA)."""
-    if (backend or jax.default_backend()) != "gpu":
-        return False
-    try:
-        return float(jax.devices()[0].compute_capability) >= 9.0
-    except (AttributeError, ValueError):  # not CUDA (ROCm has no compute_capability)
-        return False
-
-
 def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, int] = (),
                          dtype=None, backend: str | None = None) -> str:
     """How dropless experts multiply (``layers/moe.py``): rows sorted by expert through
@@ -261,11 +233,11 @@ def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, 
     Hopper kernels) — or "dense" (every token through every local expert, weighted). ``dims``:
     the (D, F) of the experts, ``dtype`` their compute dtype, for "mosaic_gpu"'s shape rules.
 
-    "auto": "mosaic_gpu" on sm_90+ GPUs where the kernels take the shapes and dtype (moe_bench
-    measures it against the rest); else "dense" on GPU, where XLA rewrites ``ragged_dot`` into a
-    dense product with a far larger footprint (BENCHMARKS.md: 74 ms against 8 ms for "dense" at
-    4,096 tokens of configs/moe_1b.py's layer on an H200), "ragged" elsewhere and whenever
-    tokens move between devices (all-to-all expert parallelism, which "dense" cannot take)."""
+    "auto": "mosaic_gpu" where ``device.probe`` finds a Hopper card and the kernels take the
+    shapes and dtype (moe_bench measures it against the rest); else "dense" on GPU, where XLA
+    rewrites ``ragged_dot`` into a dense product with a far larger footprint (moe_bench), "ragged"
+    elsewhere and whenever tokens move between devices (all-to-all expert parallelism, which
+    "dense" cannot take)."""
     from kimi_k3.ops.grouped_matmul import mosaic_gpu_fits
 
     if requested not in EXPERT_MATMULS:
@@ -277,8 +249,9 @@ def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, 
                          "'auto'")
 
     def mosaic_why() -> str | None:
-        if not hopper_gpu(backend):
-            return f"backend {backend} is not an sm_90+ GPU"
+        why = device.probe(backend).why_not("mosaic_gpu")
+        if why is not None:
+            return why
         D, F = dims
         return mosaic_gpu_fits(D, 2 * F, dtype) or mosaic_gpu_fits(F, D, dtype)
 

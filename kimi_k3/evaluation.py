@@ -6,8 +6,8 @@ at every context length, in one table, one JSON, two CSVs and two plots.
 
 A checkpoint is given as ``[LABEL=]PATH[@CONFIG]`` (``CheckpointSpec``): PATH a step, checkpoints
 or run folder (``checkpoint.resolve_step_dir``), or ``init`` for the config's freshly initialised
-weights; CONFIG, when the checkpoint's model is not --config's, a ``configs.load_config`` spec.
-Each model is restored by ``checkpoint.restore_model_for_eval`` (parameters only, checked against
+weights; CONFIG, when the checkpoint's model is not --config's, a ``config_files.load_config``
+spec. Each model is restored by ``checkpoint.load_model`` (parameters only, checked against
 its config), scored by ``eval_scoring`` (which also says what is measured and how), and
 reported by ``eval_report``.
 """
@@ -25,18 +25,15 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from configs import load_config
 from kimi_k3 import mesh as mesh_lib
-from kimi_k3.checkpoint import resolve_step_dir, restore_model_for_eval
+from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
 from kimi_k3.config import check_context, kda_chunk, model_spec, normalize_rules
+from kimi_k3.config_files import load_config
 from kimi_k3.data import first_bad_id
 from kimi_k3.eval_report import format_table, write_outputs
 from kimi_k3.eval_scoring import EvalOptions, Scorer, evaluate_windows, heldout_documents, make_windows
-from kimi_k3.model import HybridLM
-from kimi_k3.train_lib import check_workdir, make_model, quiet_library_logs, run_once_compiler_options
-
-INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
-
+from kimi_k3.run_dir import check_workdir
+from kimi_k3.runtime import quiet_library_logs
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoint specs and the models they name
@@ -87,29 +84,6 @@ def spec_config(spec: CheckpointSpec, config):
         return load_config(spec.config)
     except ValueError as e:  # e names the file, or the argument that does not parse
         raise ValueError(f"--checkpoint {spec.label}={spec.path}@{spec.config}: {e}") from e
-
-
-def build_model(config, checkpoint: str, config_name: str = "--config"):
-    """A ``HybridLM`` for ``config.model`` with the weights of ``checkpoint`` (or ``init``).
-
-    Returns (model, step): step is None for ``init``, whose weights come from ``config.seed``.
-    Raises FileNotFoundError naming a missing path, ValueError naming the parameters where
-    ``config`` (from ``config_name``) and the checkpoint disagree.
-    """
-    if checkpoint == INIT_CHECKPOINT:
-        return init_model(config.model, int(config.get("seed", 0))), None
-    return restore_model_for_eval(config, checkpoint, config_name=config_name)
-
-
-def init_model(model_cfg, seed: int) -> HybridLM:
-    """``HybridLM(model_cfg, rngs=nnx.Rngs(seed))`` built inside one jitted program, as
-    HybridLM's docstring asks (eagerly, every initialiser dispatches and compiles on its own:
-    9 s for configs/mqar.py's two layers on a CPU). The same threefry keys, so the same
-    weights up to float32 rounding (XLA fuses the initialisers' arithmetic)."""
-    make = lambda: make_model(model_cfg, seed)
-    options = run_once_compiler_options(jax.default_backend())  # LLVM without optimisations
-    state = jax.jit(lambda: nnx.state(make()), compiler_options=options)()
-    return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +150,7 @@ def run(
         if models is not None and spec.label in models:
             model, step = models[spec.label], None
         else:
-            model, step = build_model(cfg, spec.path, config_name=spec.config or config_name)
+            model, step = load_model(cfg, spec.path, config_name=spec.config or config_name)
             if step is not None:
                 print(f"{spec.label}: restored step {step} from {spec.path}")
         scorer = Scorer(model, mesh=mesh, rules=rules)

@@ -67,12 +67,11 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from kimi_k3.checkpoint import resolve_step_dir
+from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
 from kimi_k3.data import TextTokenizer, first_bad_id
 from kimi_k3.eval_scoring import align_cache
-from kimi_k3.evaluation import INIT_CHECKPOINT, build_model
 from kimi_k3.model import MAX_POSITIONS
-from kimi_k3.train_lib import quiet_library_logs
+from kimi_k3.runtime import quiet_library_logs
 
 # ---------------------------------------------------------------------------------------------
 # Choosing the next token
@@ -458,7 +457,7 @@ def main(
     path = resolve_checkpoint(checkpoint, workdir)
 
     quiet_library_logs()
-    model, step = build_model(config, path, config_name=config_name)
+    model, step = load_model(config, path, config_name=config_name)
     print(describe_weights(path, step), file=sys.stderr)
     gen = generate(model, rows, max_new_tokens, sampling=sampling, stop_ids=stops, seed=seed,
                    piece_len=piece_len, progress=progress)

@@ -22,7 +22,7 @@ import time
 import jax
 
 # Dense bf16 matmul peak per JAX device, TFLOP/s, from the vendors' data sheets. Matched as a
-# case-insensitive substring of ``device.device_kind``, first match wins.
+# case-insensitive substring of the card's kind (``device.probe().kind``), first match wins.
 PEAK_TFLOPS = (
     ("h200", 989.0),
     ("h100", 989.0),

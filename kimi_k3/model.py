@@ -117,10 +117,10 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     ``spec``: a ModelSpec, or the ``config.model`` ConfigDict (checked into one). Counts: every
     weight matmul a token goes through (2 FLOPs per weight per token, the output head included,
     the embedding lookup not; of a mixture of experts the router, the k chosen and the shared
-    experts); KDA's chunked core, HV * (6 K^2 + 3 C K + C^2) per token (notes/kda.md,
-    C = chunk size); causal MLA attention over on average (seq_len + 1) / 2 keys,
-    2 H (dn + ds + dv) per key; and the Attention Residual reads, 4 D per source. Norms,
-    convolutions and elementwise work are left out.
+    experts); KDA's chunked core, HV * (6 K^2 + 3 C K + C^2) per token (C = chunk size: the
+    intra-chunk scores, the WY products and the state pass); causal MLA attention over on
+    average (seq_len + 1) / 2 keys, 2 H (dn + ds + dv) per key; and the Attention Residual
+    reads, 4 D per source. Norms, convolutions and elementwise work are left out.
     """
     spec = model_spec(spec)
     if not (isinstance(seq_len, int) and seq_len > 0):
@@ -246,9 +246,9 @@ def _stacked_groups(unit: str, repeats: int, spec: ModelSpec, rngs: nnx.Rngs) ->
 def _unrolled_layers(spec: ModelSpec, rngs: nnx.Rngs) -> list[DecoderLayer]:
     """The layers after the prefix of an unrolled stack (``scan_layers=False``), initialised as
     the scan would initialise them: the repeating unit is built once for all its repeats under
-    ``nnx.vmap`` (so its random initialisers compile once, not once per layer: the 1B model's
-    initialiser compiles in 15-18 s instead of 51 s on CPU, benchmarks/init_compile.py) and
-    then cut into layers. The same seed gives the scanned model's weights, layer for layer."""
+    ``nnx.vmap`` (so its random initialisers compile once, not once per layer;
+    benchmarks/init_compile.py times it) and then cut into layers. The same seed gives the
+    scanned model's weights, layer for layer."""
     unit, repeats, tail = scan_plan(spec.pattern[len(spec.scan_prefix):], True)
     experts = spec.moe is not None
     layers = []
@@ -400,8 +400,7 @@ class HybridLM(nnx.Module):
         """
         h_BxTxD, cache = self._forward(self._embed(tokens_BxT), segment_ids_BxT, cache)
         # Under "full" remat the backward recomputes each chunk's logits; every other policy
-        # keeps matmul outputs, the head's included (on the H200, configs/1b.py: ~3 ms of a
-        # 4-row micro-batch for 2 GiB).
+        # keeps matmul outputs, the head's included: memory for one head matmul fewer.
         nll_BxT = chunked_nll(h_BxTxD, self.logits, targets_BxT, self.spec.head_chunk,
                               keep_logits=self.spec.remat != "full")
         return nll_BxT, cache

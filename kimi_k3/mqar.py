@@ -36,7 +36,7 @@ import optax
 from tqdm.auto import tqdm
 
 from kimi_k3 import optim, plots
-from kimi_k3.train_lib import make_model, merge_model, split_model
+from kimi_k3.model_state import make_model, merge_model, split_model
 
 FILLER = 0
 

@@ -26,20 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from kimi_k3.config import opt_spec
-
-
-def path_str(path) -> str:
-    """'a/b/0/c' for a key path (dict keys, sequence indices, attributes)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
+from kimi_k3.trees import path_str
 
 # ---------------------------------------------------------------------------------------------
 # Learning-rate schedules

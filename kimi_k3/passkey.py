@@ -55,13 +55,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kimi_k3 import optim, plots
+from kimi_k3.checkpoint import load_model
 from kimi_k3.data import TextTokenizer
 from kimi_k3.eval_scoring import parse_context_lengths
-from kimi_k3.evaluation import build_model
 from kimi_k3.generate import Decoder, describe_weights, generate, resolve_checkpoint
 from kimi_k3.model import MAX_POSITIONS
+from kimi_k3.model_state import merge_model, split_model
 from kimi_k3.mqar import masked_train_step
-from kimi_k3.train_lib import check_workdir, merge_model, quiet_library_logs, split_model
+from kimi_k3.run_dir import check_workdir
+from kimi_k3.runtime import quiet_library_logs
 
 FILLER_SENTENCES = (
     " The grass is green.",
@@ -451,7 +453,7 @@ def main(
     workdir = check_workdir(workdir)
 
     quiet_library_logs()
-    model, step = build_model(config, path, config_name=config_name)
+    model, step = load_model(config, path, config_name=config_name)
     print(describe_weights(path, step))
     report = {"label": describe_weights(path, step).removeprefix("weights: "),
               "checkpoint": path, "step": step, "config": config_name,

@@ -50,7 +50,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_k3.config import DEFAULT_RULES
-from kimi_k3.optim import path_str
+from kimi_k3.trees import path_str
 
 # Every logical name the model uses, parameter axes first.
 PARAM_AXES = ("vocab", "embed", "heads", "kv", "mlp", "kv_lora", "q_lora", "rank", "conv", "norm",

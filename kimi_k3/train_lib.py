@@ -36,13 +36,10 @@ import dataclasses
 import logging
 import math
 import os
-import sys
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx, traverse_util
@@ -52,60 +49,21 @@ from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import data as data_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
-from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
 from kimi_k3.config import RunSpec, check_context, kda_chunk, run_spec
 from kimi_k3.layers.attention import documents_per_row
 from kimi_k3.layers.dense import precast, with_copies
-from kimi_k3.layers.moe import ExpertBias, MoeStat, update_bias
-from kimi_k3.model import HybridLM, flops_per_token, layer_numbers, unused_expert_params
+from kimi_k3.layers.moe import MoeStat, update_bias
+from kimi_k3.model import flops_per_token, layer_numbers, unused_expert_params
+from kimi_k3.model_state import merge_model
+from kimi_k3.run_dir import absolute_path, check_workdir, flat_config, write_config
+from kimi_k3.runtime import console, device_memory_bytes, quiet_library_logs, run_once_compiler_options
+from kimi_k3.train_state import state_layout
+from pallas_kernels import device
 
 # ---------------------------------------------------------------------------------------------
-# Model: parameters as plain nested dicts, logical names beside them
+# A mixture of experts' measurements and routing biases
 # ---------------------------------------------------------------------------------------------
-
-
-# XLA's LLVM backend without its optimisations, for programs compiled once and run once or not
-# at all: the jitted initialisers and the micro-batch estimate, whose compile takes far longer
-# than their run. The tiny trainer's initialiser compiles in ~3 s instead of 8 on a CPU; the
-# unrolled 1B initialiser in 21.6 s instead of 119.7 s on an H200, its weights bit for bit the
-# same (benchmarks/init_compile.py --options). Only the code generated for each kernel changes,
-# not the HLO program or its buffers, so the estimate's scratch memory is the same too.
-RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
-                             "xla_llvm_disable_expensive_passes": True}
-
-
-def run_once_compiler_options(platform: str) -> dict | None:
-    """``compiler_options`` for a run-once program on ``platform`` (a device's ``.platform``):
-    RUN_ONCE_COMPILER_OPTIONS where XLA generates code through LLVM (CPU, GPU), None (XLA's
-    defaults) on a TPU."""
-    return RUN_ONCE_COMPILER_OPTIONS if platform in ("cpu", "gpu", "cuda", "rocm") else None
-
-
-def make_model(model_spec, seed: int) -> HybridLM:
-    """``HybridLM(model_spec)`` initialised from ``seed`` (a ModelSpec or config.model)."""
-    return HybridLM(model_spec, rngs=nnx.Rngs(seed))
-
-
-def split_model(model):
-    """(graphdef, params as a nested dict of arrays, the other state)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, nnx.to_pure_dict(params), rest
-
-
-def split_for_training(model):
-    """(graphdef, params, model state, the rest): params and the model state the trainer carries
-    (the routing biases; {} without a mixture of experts) as nested dicts of arrays, the rest
-    (constants, and measurements the forward pass overwrites) as an nnx State."""
-    graphdef, params, model_state, rest = nnx.split(model, nnx.Param, ExpertBias, ...)
-    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(model_state), rest
-
-
-def merge_model(graphdef, params, rest, model_state=None):
-    """The model from ``split_model`` / ``split_for_training``'s parts. Its variables are fresh
-    copies, so a forward pass under ``jit`` or ``grad`` may write its measurements into them."""
-    states = [nnx.State(params)] + ([nnx.State(model_state)] if model_state else []) + [rest]
-    return nnx.merge(graphdef, *states, copy=True)
 
 
 def moe_stats(model) -> dict:
@@ -150,10 +108,9 @@ def micro_batch_order(segment_ids_BxT: jax.Array, accum_steps: int) -> jax.Array
     Group i is position i of every micro-batch, and its rows lie on one device, so each device
     keeps its own rows. Sorting each group puts the rows of one document together in the first
     micro-batches: a micro-batch whose rows are each one document runs MLA's attention as plain
-    causal attention on cuDNN (``attention._cudnn_attention``), 1.9 ms per layer cheaper than
-    its packed layout. On the stdlib rows of configs/1b.py (64 rows, 16 micro-batches) 72.7% of
-    the micro-batches are then one document per row, against 47.9% in the order given. The
-    step's sums over micro-batches do not depend on the order (up to rounding)."""
+    causal attention on cuDNN (``attention._cudnn_attention``), cheaper than its packed layout
+    (benchmarks/micro_batch_order.py counts such micro-batches in both orders). The step's
+    sums over micro-batches do not depend on the order (up to rounding)."""
     B = segment_ids_BxT.shape[0]
     docs_GxA = documents_per_row(segment_ids_BxT).reshape(B // accum_steps, accum_steps)
     return jnp.argsort(docs_GxA, axis=1, stable=True).astype(jnp.int32)
@@ -326,13 +283,6 @@ class Setup:
 MEMORY_HEADROOM = 0.85  # share of device memory the automatic micro-batch may plan to use
 
 
-def device_memory_bytes() -> int | None:
-    """The allocator's limit on the first local device, or None where the backend keeps no
-    statistics (CPU)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
 def _wait_until_ready(tree) -> None:
     """Blocks until every array of ``tree`` has been computed (the step timer's clock reads)."""
     jax.block_until_ready(tree)
@@ -406,51 +356,21 @@ def build(config, mesh, model_fn=None) -> Setup:
     ``jax.eval_shape`` and inside the jitted initialiser, never eagerly.
     """
     spec = run_spec(config, with_model=model_fn is None)
-    rules = spec.mesh.axis_rules
-    seed = spec.seed
     B, T = spec.data.global_batch_size, spec.data.seq_len
     if spec.train.microbatch_size:
         mesh_lib.check_batch(B, spec.train.microbatch_size, mesh)
     # mesh.context = -1 is resolved only now, against the devices.
     check_context(T, dict(mesh.shape).get(mesh_lib.CONTEXT_AXIS, 1), kda_chunk(spec.model))
-    if model_fn is None:
-        model_fn = lambda s: make_model(spec.model, s)
-
-    abstract_model = nnx.eval_shape(lambda: model_fn(seed))
-    graphdef, abs_params_state, abs_model_state, abs_rest = nnx.split(
-        abstract_model, nnx.Param, ExpertBias, ...)
-    abs_params = nnx.to_pure_dict(abs_params_state)
-    names = sharding_lib.variable_axes(abs_params_state)
-    param_shardings = sharding_lib.tree_shardings(abs_params, names, mesh, rules, root="params/")
-
-    tx, schedule = optim.make_optimizer(spec.opt, spec.train.steps, abs_params, names)
+    layout = state_layout(spec, mesh, model_fn)
+    rules, graphdef, abs_rest = layout.rules, layout.graphdef, layout.abstract_rest
+    abstract_state, state_shardings = layout.abstract_state, layout.state_shardings
+    tx, schedule, init_state = layout.tx, layout.schedule, layout.make_state
     repl = mesh_lib.replicated(mesh)
-    abs_opt = jax.eval_shape(tx.init, abs_params)
-    opt_shardings = sharding_lib.shardings_like_params(abs_opt, abs_params, param_shardings, repl)
-    state_shardings = {"params": param_shardings, "opt_state": opt_shardings,
-                       "step": repl, "rng": repl}
-    has_model_state = bool(jax.tree.leaves(abs_model_state))
-    if has_model_state:  # the routing biases: carried, updated and saved beside the parameters
-        state_shardings["model_state"] = sharding_lib.tree_shardings(
-            nnx.to_pure_dict(abs_model_state), sharding_lib.variable_axes(abs_model_state), mesh,
-            rules, root="model_state/")
     moe_layers = ()
     if spec.model is not None and spec.model.moe is not None:
-        stats = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(abstract_model, MoeStat)))
+        stats = traverse_util.flatten_dict(
+            nnx.to_pure_dict(nnx.state(layout.abstract_model, MoeStat)))
         moe_layers = moe_layer_paths(spec.model, stats)
-
-    def init_state():
-        _, params, model_state, rest = split_for_training(model_fn(seed))
-        state = {"params": params, "opt_state": tx.init(params),
-                 "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed + 1)}
-        if has_model_state:
-            state["model_state"] = model_state
-        return state, rest
-
-    abs_state = jax.eval_shape(lambda: init_state()[0])
-    abstract_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abs_state,
-        state_shardings)
 
     batch_sharding = mesh_lib.batch_sharding(mesh)
     batch_shardings = {"tokens": batch_sharding, "segment_ids": batch_sharding}
@@ -546,79 +466,6 @@ def global_batch(local: dict[str, np.ndarray], sharding, global_rows: int) -> di
 # ---------------------------------------------------------------------------------------------
 
 
-class _QuietCheckpointLogs(logging.Filter):
-    """Orbax reports every save in a dozen INFO lines; keep its warnings and errors only, less
-    the one it gives whenever a step's item metadata is read on its own (harmless)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" not in record.pathname:
-            return True
-        return record.levelno >= logging.WARNING and not str(record.msg).startswith(
-            ("Metadata file does not exist", "Failed to get item metadata"))
-
-
-def quiet_library_logs() -> None:
-    for name in ("absl", "orbax"):
-        lg = logging.getLogger(name)
-        if not any(isinstance(f, _QuietCheckpointLogs) for f in lg.filters):
-            lg.addFilter(_QuietCheckpointLogs())
-
-
-def check_workdir(workdir: str) -> str:
-    """``workdir`` made absolute; created if missing. Raises ValueError naming ``--workdir``
-    when it is a file, or a folder this process cannot write (probed by writing, since
-    permission bits say nothing to root)."""
-    workdir = ckpt_lib.absolute_path(workdir)
-    if "://" in workdir:
-        raise ValueError(f"--workdir: {workdir!r} must be a local folder (metrics and the config "
-                         f"are written there); put checkpoints elsewhere with checkpoint.dir")
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ValueError(f"--workdir: {workdir!r} is a file, not a folder")
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=workdir):
-            pass
-    except OSError as e:
-        raise ValueError(f"--workdir: {workdir!r} is not a folder this process can write "
-                         f"({e.strerror or e})") from e
-    return workdir
-
-
-def flat_config(config, prefix: str = "") -> list[str]:
-    """``["model.d_model = 128", ...]``: one line per field, sorted, values as Python literals."""
-    lines = []
-    for key in sorted(config.keys()):
-        value = config[key]
-        if isinstance(value, ml_collections.ConfigDict):
-            lines += flat_config(value, f"{prefix}{key}.")
-        else:
-            lines.append(f"{prefix}{key} = {value!r}")
-    return lines
-
-
-def write_config(config, workdir: str, start: int) -> str:
-    """``<workdir>/config.json`` (this start's config) and a dated copy of it in
-    ``<workdir>/config_history/`` (one per start, so a resume never loses the config of an
-    earlier one). Returns the path of config.json."""
-    text = config.to_json_best_effort(indent=2)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    history = os.path.join(workdir, "config_history")
-    os.makedirs(history, exist_ok=True)
-    with open(os.path.join(history, f"{stamp}_step{start}.json"), "w") as f:
-        f.write(text)
-    path = os.path.join(workdir, "config.json")
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def console(message: str) -> None:
-    """A plain line on stderr (process 0 only): summaries people read, without log prefixes."""
-    if jax.process_index() == 0:
-        print(message, file=sys.stderr, flush=True)
-
-
 def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_rows, eval_rows,
                 eval_batches, start, ckpt_dir, microbatch) -> str:
     """The first screen of a run: what is trained, on what, where, and where things go."""
@@ -697,13 +544,12 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
     host_rows = data_lib.host_batch_slice(setup.batch_sharding, (B, T))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state["params"]))
     fpt = float(flops_per_token(spec.model, T))
-    peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
+    peak = metrics_lib.peak_flops_per_device(device.probe().kind,
                                              tc.peak_tflops_per_device)
 
     # ---- Checkpoint restore -------------------------------------------------------------------
     if spec.checkpoint.enabled:
-        ckpt_dir = ckpt_lib.absolute_path(spec.checkpoint.dir
-                                          or os.path.join(workdir, "checkpoints"))
+        ckpt_dir = absolute_path(spec.checkpoint.dir or os.path.join(workdir, "checkpoints"))
         ckpt = ckpt_lib.Checkpointer(ckpt_dir, spec.checkpoint)
     else:
         ckpt_dir, ckpt = "", ckpt_lib.NoCheckpoints()
@@ -743,8 +589,9 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
         writer.console = bar.write
         preempt = ckpt_lib.PreemptionFlag()
         console(f"compiling the train step (the progress bar starts after step {start + 1})")
-        _train_loop(spec, setup, state, it, start, ckpt, writer, bar, preempt, last,
-                    eval_rows, eval_batches, host_rows, fpt, peak)
+        loop = _Loop(spec, setup, ckpt, writer, bar, preempt,
+                     _Evaluator(eval_rows, eval_batches, host_rows, B), fpt, peak)
+        last = loop.run(state, it, start)
     finally:
         ckpt.close()
         if preempt is not None:
@@ -756,104 +603,145 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
     return last
 
 
-def _train_loop(spec: RunSpec, setup, state, it, start, ckpt, writer, bar, preempt, last,
-                eval_rows, eval_batches, host_rows, fpt, peak) -> None:
-    """The steps from ``start`` to ``train.steps``: update, report, save, evaluate."""
-    tc = spec.train
-    B, T = spec.data.global_batch_size, spec.data.seq_len
-    window = {"loss": 0.0, "n": 0, "skipped": 0}
-    clock = {"t": None, "step": start}
+@dataclasses.dataclass
+class _Evaluator:
+    """The held-out loss over ``batches`` global batches of ``rows`` (none when 0)."""
 
-    def evaluate(step):
-        if not eval_batches:
-            return
-        ev = data_lib.BatchIterator(eval_rows, B, host_rows)
+    rows: data_lib.PackedRows | None
+    batches: int
+    host_rows: slice
+    batch_size: int
+
+    def loss(self, setup: Setup, state) -> dict:
+        """{"loss", "perplexity"} of ``state``'s model; {} without held-out batches."""
+        if not self.batches:
+            return {}
+        ev = data_lib.BatchIterator(self.rows, self.batch_size, self.host_rows)
         tot, cnt = 0.0, 0
         with setup.context():
-            for _ in range(eval_batches):
+            for _ in range(self.batches):
                 s, n = setup.eval_step(model_part(state),
-                                       global_batch(next(ev), setup.batch_sharding, B))
+                                       global_batch(next(ev), setup.batch_sharding,
+                                                    self.batch_size))
                 tot, cnt = tot + float(s), cnt + int(n)
         loss = tot / max(cnt, 1)
-        last["eval"] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
-        writer.write(step, last["eval"], split="eval")
-        if clock["t"] is not None:  # evaluation time is not training time
-            clock["t"], clock["step"] = time.perf_counter(), step
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
-    def report(step, m, newest, dispatched: int):
+
+@dataclasses.dataclass
+class _Loop:
+    """The steps from a start to ``train.steps``: update, report, save, evaluate.
+
+    ``run`` returns {"train": the last logged train metrics, "eval": the last eval metrics}.
+    Between log lines the loop keeps a window of losses and a clock: the clock starts after the
+    first step (which includes compilation) and pauses for evaluations.
+    """
+
+    spec: RunSpec
+    setup: Setup
+    ckpt: ckpt_lib.Checkpointer | ckpt_lib.NoCheckpoints
+    writer: metrics_lib.MetricsWriter
+    bar: metrics_lib.ProgressBar
+    preempt: ckpt_lib.PreemptionFlag
+    evaluator: _Evaluator
+    flops_per_token: float
+    peak: float | None
+    last_train: dict = dataclasses.field(default_factory=dict)
+    last_eval: dict = dataclasses.field(default_factory=dict)
+    # the window since the last log line: summed loss, counted and skipped steps
+    window_loss: float = 0.0
+    window_steps: int = 0
+    window_skipped: int = 0
+    # the clock: when it last read, and how many steps had been dispatched then
+    clock_t: float | None = None
+    clock_step: int = 0
+
+    def run(self, state, it, start: int) -> dict:
+        tc = self.spec.train
+        B = self.spec.data.global_batch_size
+        self.clock_step = start
+        step, pending = start, None
+        saved_at = start if start else None
+        while step < tc.steps:
+            if self.preempt.is_set() or self.ckpt.reached_preemption(step):
+                logging.warning("preempted: saving step %d and stopping", step)
+                if saved_at != step:
+                    self.ckpt.save(step, state, it.state())
+                    saved_at = step
+                break
+            batch = global_batch(next(it), self.setup.batch_sharding, B)
+            with self.setup.context():
+                state, m = self.setup.train_step(state, batch)
+            step += 1
+            if pending is not None:
+                self._report(*pending, state, step)
+            pending = (step, m)
+            if self.ckpt.should_save(step):
+                self.ckpt.save(step, state, it.state())
+                saved_at = step
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                self._report(*pending, state, step)
+                pending = None
+                self._evaluate(state, step)
+        if pending is not None:
+            self._report(*pending, state, step)
+        if step == tc.steps:
+            if saved_at != step:
+                self.ckpt.save(step, state, it.state())
+            self._evaluate(state, step)
+        return {"train": self.last_train, "eval": self.last_eval}
+
+    def _evaluate(self, state, step: int) -> None:
+        result = self.evaluator.loss(self.setup, state)
+        if not result:
+            return
+        self.last_eval = result
+        self.writer.write(step, result, split="eval")
+        if self.clock_t is not None:  # evaluation time is not training time
+            self.clock_t, self.clock_step = time.perf_counter(), step
+
+    def _report(self, step: int, m, newest, dispatched: int) -> None:
         """Host side of a finished step: NaN check, progress, periodic metrics. ``newest`` is
         the newest dispatched state and ``dispatched`` the steps dispatched so far."""
+        tc, ckpt = self.spec.train, self.ckpt
+        B, T = self.spec.data.global_batch_size, self.spec.data.seq_len
         m = jax.device_get(m)
         loss = float(m["loss"])
         latest = lambda: (None if ckpt.latest_step() is None
                           else f"{ckpt.latest_step()} ({ckpt.directory}/{ckpt.latest_step()})")
         if not check_finite(step, m, tc.nan_policy, latest):
-            window["skipped"] += 1
+            self.window_skipped += 1
         else:
-            window["loss"] += loss
-            window["n"] += 1
-        bar.start(step - 1)  # after the first step, so its rate and ETA leave out compilation
-        bar.update(1, loss=loss)
+            self.window_loss += loss
+            self.window_steps += 1
+        self.bar.start(step - 1)  # after the first step, so its rate and ETA leave out compilation
+        self.bar.update(1, loss=loss)
         log = step % tc.log_every == 0 or step == tc.steps
         # The clock is read only when every dispatched step has finished, so a window's time
-        # is exactly that of the steps it counts. Guessing how many had finished misread
-        # windows on the H200, where the 1B model's micro-batched step returned from dispatch
-        # partly run (a last window of 2.9 s per step against 5.4). The wait costs one step's
-        # overlap of host and device per log window.
-        if clock["t"] is None or log:
+        # is exactly that of the steps it counts: a micro-batched step can return from dispatch
+        # partly run, so guessing how many had finished misreads a window. The wait costs one
+        # step's overlap of host and device per log window.
+        if self.clock_t is None or log:
             _wait_until_ready(newest)
         now = time.perf_counter()
-        done = dispatched
-        if clock["t"] is None:  # the first step includes compilation: time from its end
-            clock["t"], clock["step"] = now, done
-        if log:
-            steps_timed = done - clock["step"]
-            rec = {
-                "loss": window["loss"] / max(window["n"], 1),
-                "grad_norm": float(m["grad_norm"]),
-                "lr": float(m["lr"]),
-            }
-            rec["perplexity"] = math.exp(min(rec["loss"], 50.0))
-            rec.update(moe_report(m, setup.moe_layers))
-            if steps_timed > 0:
-                dt = now - clock["t"]
-                tps = steps_timed * B * T / dt
-                rec.update(step_time_s=dt / steps_timed, tokens_per_s=tps,
-                           mfu=metrics_lib.mfu(fpt, tps, peak, jax.device_count()))
-                clock["t"], clock["step"] = now, done
-            if window["skipped"]:
-                rec["skipped_steps"] = window["skipped"]
-            writer.write(step, rec)
-            last["train"] = rec
-            window.update(loss=0.0, n=0, skipped=0)
-
-    step, pending = start, None
-    saved_at = start if start else None
-    while step < tc.steps:
-        if preempt.is_set() or ckpt.reached_preemption(step):
-            logging.warning("preempted: saving step %d and stopping", step)
-            if saved_at != step:
-                ckpt.save(step, state, it.state())
-                saved_at = step
-            break
-        batch = global_batch(next(it), setup.batch_sharding, B)
-        with setup.context():
-            state, m = setup.train_step(state, batch)
-        step += 1
-        if pending is not None:
-            report(*pending, state, step)
-        pending = (step, m)
-        if ckpt.should_save(step):
-            ckpt.save(step, state, it.state())
-            saved_at = step
-        if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-            report(*pending, state, step)
-            pending = None
-            evaluate(step)
-    if pending is not None:
-        report(*pending, state, step)
-        pending = None
-    if step == tc.steps:
-        if saved_at != step:
-            ckpt.save(step, state, it.state())
-        evaluate(step)
+        if self.clock_t is None:  # the first step includes compilation: time from its end
+            self.clock_t, self.clock_step = now, dispatched
+        if not log:
+            return
+        steps_timed = dispatched - self.clock_step
+        rec = {"loss": self.window_loss / max(self.window_steps, 1),
+               "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"])}
+        rec["perplexity"] = math.exp(min(rec["loss"], 50.0))
+        rec.update(moe_report(m, self.setup.moe_layers))
+        if steps_timed > 0:
+            dt = now - self.clock_t
+            tps = steps_timed * B * T / dt
+            rec.update(step_time_s=dt / steps_timed, tokens_per_s=tps,
+                       mfu=metrics_lib.mfu(self.flops_per_token, tps, self.peak,
+                                           jax.device_count()))
+            self.clock_t, self.clock_step = now, dispatched
+        if self.window_skipped:
+            rec["skipped_steps"] = self.window_skipped
+        self.writer.write(step, rec)
+        self.last_train = rec
+        self.window_loss, self.window_steps, self.window_skipped = 0.0, 0, 0

@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import load_config
-from kimi_k3 import evaluation, train_lib
+from kimi_k3 import evaluation, model_state, train_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3.config import run_spec
 from kimi_k3.eval_scoring import EvalOptions, Scorer
 from kimi_k3.ops.kda import kda
 from kimi_k3.ops.kda_context import kda_context_parallel
-from kimi_k3.optim import path_str
+from kimi_k3.trees import path_str
+from tests.helpers import load_config
 from tests.kda_numpy import kda_numpy, rel_err
 
 B, T, H, HV, K, V = 2, 32, 1, 2, 4, 3
@@ -187,7 +187,7 @@ def model_gradients(context: int, data: int, batch):
         setup.abstract_state["params"], setup.state_shardings["params"])
 
     def loss(params, tokens, segs):
-        model = train_lib.merge_model(setup.graphdef, params, setup.rest)
+        model = model_state.merge_model(setup.graphdef, params, setup.rest)
         s, n = train_lib.next_token_loss(model, tokens, segs)
         return s / n
 
@@ -259,7 +259,7 @@ def prefill_nll(context: int, batch, pieces: int = 2):
     rng = np.random.default_rng(4)
     params = jax.tree.map(lambda a: jnp.asarray(np.float32(rng.normal(size=a.shape) * 0.3)),
                           setup.abstract_state["params"])
-    model = train_lib.merge_model(setup.graphdef, params, setup.rest)
+    model = model_state.merge_model(setup.graphdef, params, setup.rest)
     opts = EvalOptions(context_lengths=(MODEL_T,), piece_len=MODEL_T // pieces)
     mesh, rules = evaluation.context_mesh(config, opts, [config])
     scorer = Scorer(model, mesh=mesh, rules=rules)

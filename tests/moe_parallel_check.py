@@ -28,11 +28,12 @@ from flax import nnx
 
 from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import model_state as model_state_lib
 from kimi_k3 import sharding, train_lib
 from kimi_k3.config import DEFAULT_RULES, MoeSpec, add_training_defaults, default_model_config
 from kimi_k3.layers.moe import WI_NAMES, MoE
 from kimi_k3.model import HybridLM
-from kimi_k3.optim import path_str
+from kimi_k3.trees import path_str
 
 MESHES = {"expert8": (1, 1, 8, 1), "fsdp2_expert2_tensor2": (1, 2, 2, 2)}
 
@@ -137,7 +138,7 @@ def initial_state(config, setup):
     """The train state the trainer's initialiser would make, drawn with rbg keys: XLA:CPU
     compiles those initialisers far faster than threefry's."""
     model = nnx.jit(lambda: HybridLM(config.model, rngs=nnx.Rngs(jax.random.key(0, impl="rbg"))))()
-    _, params, model_state, _ = train_lib.split_for_training(model)
+    _, params, model_state, _ = model_state_lib.split_for_training(model)
     return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(jax.random.key(1)), "model_state": model_state}
 

@@ -23,15 +23,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from configs import load_config
 from kimi_k3 import checkpoint as ckpt_lib
-from kimi_k3 import eval_scoring, evaluation, passkey, train_lib
+from kimi_k3 import eval_scoring, evaluation, model_state, passkey, run_dir, train_lib
 from kimi_k3 import generate as generate_lib
 from kimi_k3.ops import kda
+from tests.helpers import REPO, TINY, build, ckpt_steps, env, load_config, losses, make_inputs
 from tests.kda_numpy import kda_numpy, rel_err
-from tests.test_eval import build
-from tests.test_kda_ops import make_inputs
-from tests.test_train import REPO, TINY, ckpt_steps, env, losses
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -254,7 +251,7 @@ def test_a_checkpoint_of_another_model_names_the_parameters_and_changes_nothing(
     config = tiny_config(corpus)
     other = tiny_config(corpus)
     other.model.d_model = 64
-    _, params, _ = train_lib.split_model(build(other.model, 0))  # one jitted initialiser
+    _, params, _ = model_state.split_model(build(other.model, 0))  # one jitted initialiser
     ck = ckpt_lib.Checkpointer(str(workdir / "checkpoints"), config.checkpoint)
     ck.save(3, {"params": params, "step": jnp.int32(3)}, {"position": 12})
     ck.close()
@@ -369,7 +366,7 @@ def test_compilation_cache_folder_is_made_or_named(tmp_path):
 
 
 def test_the_config_is_printed_flat():
-    flat = train_lib.flat_config(load_config("tiny.py"))
+    flat = run_dir.flat_config(load_config("tiny.py"))
     assert "model.d_model = 128" in flat and "data.source = 'stdlib'" in flat
     assert "mesh.axis_rules = (('activation_batch', ('data', 'fsdp', 'expert')), " in "\n".join(flat)
     assert all(" = " in line and "\n" not in line for line in flat)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from configs import CONFIG_DIR, load_config, parse_arg
 from kimi_k3.config import layer_pattern, model_spec
+from kimi_k3.config_files import parse_arg
 from kimi_k3.model import count_params, flops_per_token
+from tests.helpers import CONFIGS as CONFIG_DIR
+from tests.helpers import load_config
 
 NAMES = ("tiny", "ablate_ratio", "small", "1b", "k3", "moe_tiny", "moe_1b", "kimi_linear_48b")
 

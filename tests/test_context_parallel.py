@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.test_train import REPO, env
+from tests.helpers import REPO, env
 
 
 @pytest.fixture(scope="module")

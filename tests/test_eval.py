@@ -11,31 +11,17 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
 from kimi_k3 import eval_scoring, evaluation, plots
 from kimi_k3.checkpoint import Checkpointer, restore_model_for_eval
-from kimi_k3.config import add_training_defaults, default_model_config
 from kimi_k3.model import HybridLM
-from kimi_k3.train_lib import split_model
-from tests.compile_options import fast_jit
+from kimi_k3.model_state import split_model
+from tests.helpers import build, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_config(pattern: str = "KKM", vocab: int = 64) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    m = default_model_config()
-    m.vocab_size, m.d_model, m.pattern, m.num_layers = vocab, 32, pattern, len(pattern)
-    m.num_heads, m.kda.head_dim, m.kda.chunk_size = 2, 16, 16
-    m.mla.num_heads, m.mla.kv_lora_rank, m.mla.qk_nope_head_dim = 2, 16, 16
-    m.mla.shared_head_dim, m.mla.v_head_dim, m.mla.attn_block_size = 8, 16, 16
-    m.mlp_dim, m.attn_res_block_size = 64, 2
-    c.model = m
-    return add_training_defaults(c)
 
 
 class UniformModel:
@@ -54,20 +40,6 @@ class UniformModel:
         return jnp.zeros((*tokens_BxT.shape, self.vocab_size))
 
 
-def build(model_cfg, seed: int) -> HybridLM:
-    """A HybridLM with its initialiser's random weights, drawn with rbg keys in one jitted
-    program (as tests/test_model.py's build; the seed traced: one compile per config): the
-    initialiser op by op with threefry keys took ~20 s of XLA:CPU compiles, most of this
-    module's fixture."""
-    key = model_cfg.to_json_best_effort(sort_keys=True)
-    if key not in _INIT:
-        make = lambda s: HybridLM(model_cfg, rngs=nnx.Rngs(jax.random.key(s, impl="rbg")))
-        _INIT[key] = (fast_jit(lambda s: nnx.state(make(s))), nnx.graphdef(nnx.eval_shape(make, 0)))
-    init, graphdef = _INIT[key]
-    return nnx.merge(graphdef, init(jnp.int32(seed)))
-
-
-_INIT = {}  # config (as JSON) -> (jitted initialiser, graphdef)
 
 
 def random_docs(rng, lengths, vocab):

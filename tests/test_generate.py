@@ -14,7 +14,7 @@ from flax import nnx
 from kimi_k3 import generate as gen_lib
 from kimi_k3.data import TextTokenizer
 from kimi_k3.generate import Decoder, Sampling, generate, sample_tokens
-from tests.test_eval import build, tiny_config
+from tests.helpers import build, tiny_config
 
 # Lengths 8, 4 and 5 in pieces of 4: the batch shares a 4-token prefix; alone, the prompts
 # prefill in pieces of 4 (and 1). Every test here uses these shapes, so each function
@@ -141,7 +141,7 @@ def test_bytes_decode_and_encode_round_trip():
 
 def test_generate_command_prints_the_continuation(model, capsys, monkeypatch):
     # The fixture's model stands in for --checkpoint=init's (building one is test_eval's job).
-    monkeypatch.setattr(gen_lib, "build_model", lambda config, path, config_name: (model, None))
+    monkeypatch.setattr(gen_lib, "load_model", lambda config, path, config_name: (model, None))
     config = tiny_config("KKM", vocab=256)
     config.data.eos_id = 10  # a newline ends a continuation, as --stop_ids=10 would
     out = gen_lib.main(config, prompts=["def "], checkpoint="init", max_new_tokens=NEW,

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_k3.dispatch import choose_expert_matmul, hopper_gpu
+from kimi_k3.dispatch import choose_expert_matmul
 from kimi_k3.ops.grouped_matmul import grouped_matmul, mosaic_gpu_fits
+from pallas_kernels import device
 
 
 def _sizes(rng, G: int, A: int, past: int) -> np.ndarray:
@@ -37,7 +38,7 @@ def _numpy(lhs, rhs, sizes, dout):
 
 
 CASES = [("xla", 7, 37, 5, 6, 3, jnp.float32, 1e-5)]  # impl, G, A, K, N, rows past, dtype, tol
-if hopper_gpu():
+if device.probe().mosaic_gpu:
     CASES += [("mosaic_gpu", 8, 1000, 256, 384, 40, jnp.bfloat16, 2e-2),
               ("mosaic_gpu", 64, 4096, 2048, 1024, 0, jnp.bfloat16, 2e-2)]
 
@@ -68,7 +69,7 @@ def test_grouped_matmul_matches_float64(rng, impl, G, A, K, N, past, dtype, tol)
 def test_mosaic_gpu_is_refused_where_it_cannot_run():
     assert "dtype float32" in mosaic_gpu_fits(256, 256, jnp.float32)
     assert "K = 200" in mosaic_gpu_fits(200, 256, jnp.bfloat16)
-    if not hopper_gpu():
+    if not device.probe().mosaic_gpu:
         with pytest.raises(ValueError, match="impl='mosaic_gpu' cannot run here"):
             grouped_matmul(jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 128), jnp.bfloat16),
                            jnp.array([4, 4]), "mosaic_gpu")

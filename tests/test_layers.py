@@ -33,11 +33,12 @@ from kimi_k3.layers.embed import chunked_nll
 from kimi_k3.layers.norms import RMSNorm, _scaled_rms_norm
 from kimi_k3.ops.reductions import column_sum
 from pallas_kernels import depth_read as depth_read_kernel
+from pallas_kernels import device
 from pallas_kernels import kda as pk
 from pallas_kernels import short_conv as short_conv_kernel
 from pallas_kernels import swiglu as swiglu_kernel
 from pallas_kernels.triton_report import as_if_on_h200
-from tests.compile_options import fast_jit
+from tests.helpers import fake_device, fast_jit
 
 D = 32
 
@@ -315,8 +316,8 @@ def test_kda_layer_core_equals_recurrent_reference():
 
 
 def test_kda_layer_passes_its_kernel_tuning(monkeypatch):
-    """spec.kernel_tuning overrides the card's default launch parameters in the op's call; an
-    empty one leaves the op its default (tuning=None)."""
+    """spec.kernel_tuning (a typed KernelTuning, the defaults unless the config overrides
+    some) reaches the op's call as it is."""
     seen = []
     real = kda_layer_lib.kda
     monkeypatch.setattr(kda_layer_lib, "kda", lambda *a, **kw: seen.append(kw["tuning"])
@@ -324,17 +325,16 @@ def test_kda_layer_passes_its_kernel_tuning(monkeypatch):
     layer = kda_layer()
     x = normal(6, (1, 9, D))
     apply(layer, x, None)
-    layer.spec = dataclasses.replace(layer.spec, kernel_tuning="hopper=0,bk=16")
+    layer.spec = dataclasses.replace(layer.spec, kernel_tuning=pk.KernelTuning(hopper=0, bk=16))
     apply(layer, x, None)
-    card = pk.default_tuning(jax.devices()[0].device_kind)
-    assert seen == [None, dataclasses.replace(card, hopper=0, bk=16)]
+    assert seen == [pk.KernelTuning(), pk.KernelTuning(hopper=0, bk=16)]
 
 
 def test_kda_layer_writes_the_convolutions_before_the_norms_read_them():
     """An optimisation barrier separates the short convolutions from the SiLU and q/k norms:
-    without it XLA fused the convolutions into the norms' row reduction on the GPU, 3.9 ms per
-    layer of the unrolled 1B step (BENCHMARKS.md). Each of q, k and v has its own (the XLA
-    form of ShortConv's activation)."""
+    without it XLA fused the convolutions into the norms' row reduction on the GPU, one slow
+    kernel per layer of the unrolled 1B step. Each of q, k and v has its own (the XLA form of
+    ShortConv's activation)."""
     layer = kda_layer("bounded")
     x = normal(6, (1, 11, D))
     graph, state = nnx.split(layer)
@@ -726,7 +726,7 @@ def test_conv_kernels_lower_for_the_gpu_and_name_bad_shapes():
     """Both kernels lower to Triton from this CPU at the 1B step's shapes (a [4, 4096, 2048]
     bf16 tensor: what sizes and block shapes Triton refuses shows here, without a device); a
     tail or weight of the wrong shape is refused by name."""
-    assert short_conv_kernel.available()
+    assert device.pallas_triton() is not None
     B, T, C, W = 4, 4096, 2048, 4
     x = jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16)
     tail = jax.ShapeDtypeStruct((B, W - 1, C), jnp.bfloat16)
@@ -802,7 +802,7 @@ def test_swiglu_backward_kernel_equals_float64(N, F, dtype):
 def test_swiglu_kernel_lowers_for_the_gpu_and_names_bad_shapes():
     """The kernel lowers to Triton from this CPU at configs/1b.py's micro-batch (16K tokens,
     F = 5632, bf16); wrong shapes are refused by name; a width with no tile has none."""
-    assert swiglu_kernel.available()
+    assert device.pallas_triton() is not None
     h = jax.ShapeDtypeStruct((4 * 4096, 2, 5632), jnp.bfloat16)
     dy = jax.ShapeDtypeStruct((4 * 4096, 5632), jnp.bfloat16)
     fn = jax.jit(lambda h, dy: swiglu_kernel.swiglu_backward(h, dy, interpret=False))
@@ -903,7 +903,7 @@ def test_cache_attention_without_the_float32_lse_entry_point_takes_xla_or_says_w
     from kimi_k3 import dispatch
     assert dispatch.choose_cache_attention_impl("auto", dtype="bfloat16", T=256,
                                                 backend="gpu") == "cudnn"
-    monkeypatch.setattr(dispatch, "cudnn_fused_attention", lambda: None)
+    fake_device(monkeypatch, "gpu", cudnn_lse=False)  # a JAX without that entry point
     assert dispatch.choose_cache_attention_impl("auto", dtype="bfloat16", T=256,
                                                 backend="gpu") == "xla"
     with pytest.raises(ValueError, match="log-sum-exp in float32, absent in JAX"):

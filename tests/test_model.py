@@ -19,8 +19,7 @@ from kimi_k3.config import default_model_config, layer_pattern, model_spec, scan
 from kimi_k3.layers import Dense
 from kimi_k3.model import HybridLM, flops_per_token
 from kimi_k3.sharding import LOGICAL_AXES
-from tests.compile_options import FAST_COMPILE
-from tests.test_train import SUBPROCESS_XLA_FLAGS
+from tests.helpers import FAST_COMPILE, SUBPROCESS_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,14 +19,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import load_config
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import train_lib
 from kimi_k3.config import MoeSpec, default_model_config, model_spec, run_spec
 from kimi_k3.layers.moe import MoE, expert_load, route, update_bias
 from kimi_k3.model import count_params, flops_per_token
 from tests import moe_numpy
-from tests.test_train import SUBPROCESS_XLA_FLAGS
+from tests.helpers import SUBPROCESS_XLA_FLAGS, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 B, T, D, E, F = 2, 12, 16, 8, 12

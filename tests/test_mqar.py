@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from kimi_k3 import mqar, plots
-from tests.compile_options import fast_jit
-from tests.test_eval import build
+from tests.helpers import build, fast_jit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

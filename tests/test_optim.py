@@ -12,7 +12,7 @@ from flax import nnx
 
 from kimi_k3 import optim, sharding
 from kimi_k3.config import add_training_defaults
-from kimi_k3.optim import path_str
+from kimi_k3.trees import path_str
 
 
 def opt_config(**kw) -> ml_collections.ConfigDict:
@@ -26,8 +26,8 @@ def opt_config(**kw) -> ml_collections.ConfigDict:
 @pytest.fixture(scope="module")
 def tiny_params():
     """The tiny config's parameters (shapes only) and their logical axis names."""
-    from configs import load_config
     from kimi_k3.model import HybridLM
+    from tests.helpers import load_config
 
     cfg = load_config("tiny.py")
     abstract = nnx.eval_shape(lambda: HybridLM(cfg.model, rngs=nnx.Rngs(0)))

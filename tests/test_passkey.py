@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import load_config
 from kimi_k3 import passkey, plots
 from kimi_k3.data import TextTokenizer
+from tests.helpers import load_config
 
 TASK = passkey.PasskeyTask(digits=5)  # bytes
 DIGIT_0, DIGIT_9 = ord("0"), ord("9")

@@ -18,13 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,52 +34,12 @@ from flax import nnx
 from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
-from kimi_k3 import sharding, train_lib
+from kimi_k3 import model_state, runtime, sharding, train_lib
 from kimi_k3.config import add_training_defaults, normalize_rules
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.embed import Embed
 from kimi_k3.layers.norms import RMSNorm
-
-REPO = Path(__file__).resolve().parents[1]
-
-# configs/tiny.py at test size: layers "KM" (one KDA, one MLA), 32-token rows, no held-out
-# split (no eval compile), a constant lr after warmup (so runs of different lengths agree), and
-# KDA's recurrent form, the definition, which is the fastest on a CPU at this length.
-TINY = [
-    "--config=configs/tiny.py",
-    "--config.model.num_layers=2",
-    "--config.model.kda_per_mla=1",
-    "--config.model.kda.impl=recurrent",
-    "--config.data.seq_len=32",
-    "--config.data.global_batch_size=4",
-    "--config.data.eval_fraction=0.0",
-    "--config.opt.schedule=constant",
-    "--config.opt.warmup_steps=2",
-    "--config.train.log_every=1",
-    "--config.train.progress_bar=False",
-    "--config.train.tensorboard=False",
-]
-
-
-# Subprocesses compile tiny programs: XLA's CPU backend optimisations cost more time than they
-# save there (the sharded checks take about half as long without them; their tolerances hold).
-SUBPROCESS_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true")
-
-
-def env(cache: str, devices: int = 1) -> dict:
-    e = dict(os.environ)
-    e.update(
-        JAX_PLATFORMS="cpu",
-        JAX_NUM_CPU_DEVICES=str(devices),
-        XLA_FLAGS=SUBPROCESS_XLA_FLAGS,
-        JAX_COMPILATION_CACHE_DIR=cache,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        PYTHONPATH=str(REPO),
-    )
-    e.pop("JAX_COORDINATOR_ADDRESS", None)
-    return e
+from tests.helpers import REPO, TINY, ckpt_steps, env, losses
 
 
 def train_cmd(workdir, *extra) -> list[str]:
@@ -93,26 +51,6 @@ def run_train(workdir, cache, *extra, devices=1, timeout=400):
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     return p
-
-
-def losses(workdir) -> dict[int, float]:
-    """step -> train loss from metrics.jsonl ({} before it exists; a line still being written
-    is left for the next read)."""
-    path = Path(workdir) / "metrics.jsonl"
-    out = {}
-    if path.exists():
-        for line in path.read_text().splitlines(keepends=True):
-            if not line.endswith("\n"):
-                break
-            r = json.loads(line)
-            if r["split"] == "train":
-                out[r["step"]] = r["loss"]
-    return out
-
-
-def ckpt_steps(workdir) -> list[int]:
-    d = Path(workdir) / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +173,7 @@ LOSS_BOUND = 3.3  # nats per byte; an untrained model starts at ln(256) = 5.55
 
 
 def test_tiny_loss_falls_below_a_bound_on_the_default_corpus(tmp_path):
-    from configs import load_config
+    from tests.helpers import load_config
 
     config = load_config("tiny.py")
     config.model.kda.impl = "recurrent"  # same math as "auto"; faster on a CPU at T = 64
@@ -330,7 +268,7 @@ def test_step_time_counts_the_steps_it_timed(runs_at_return, tmp_path, monkeypat
     finishes the step before it, then runs ``runs_at_return`` of its own, and waiting for the
     newest state runs the rest. Counting steps as finished without waiting misread windows
     (0.75 and 1.5 s per step here; the synchronous case read 0.5 s with an older count)."""
-    from configs import load_config
+    from tests.helpers import load_config
 
     clock, ran = {"t": 0.0, "owed": 0.0}, []
     monkeypatch.setattr(train_lib.time, "perf_counter", lambda: clock["t"])
@@ -424,10 +362,10 @@ def test_a_non_finite_step_is_never_applied_and_stops_or_is_skipped():
 def test_shapes_that_do_not_divide_the_mesh_are_refused():
     from jax.sharding import AbstractMesh
 
-    from configs import load_config
+    from tests.helpers import load_config
 
     cfg = load_config("tiny.py")
-    abstract = nnx.eval_shape(lambda: train_lib.make_model(cfg.model, 0))
+    abstract = nnx.eval_shape(lambda: model_state.make_model(cfg.model, 0))
     _, state, _ = nnx.split(abstract, nnx.Param, ...)
     params, names = nnx.to_pure_dict(state), sharding.variable_axes(state)
     rules = normalize_rules(cfg.mesh.axis_rules)
@@ -508,19 +446,18 @@ def test_metrics_files_and_mfu(tmp_path):
 
 
 def test_eval_restore_reads_the_parameters_of_a_checkpoint(tmp_path):
-    from configs import load_config
-    from tests.test_eval import build
+    from tests.helpers import build, load_config
 
     config = load_config("tiny.py")
     config.model.num_layers, config.model.kda_per_mla = 2, 1
     # Random weights from one jitted initialiser (tests/test_eval.py), not op by op.
-    _, params, _ = train_lib.split_model(build(config.model, 0))
+    _, params, _ = model_state.split_model(build(config.model, 0))
     ck = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), config.checkpoint)
     ck.save(7, {"params": params, "step": jnp.int32(7)}, {"position": 0})
     ck.close()
     model, step = ckpt_lib.restore_model_for_eval(config, str(tmp_path / "checkpoints"))
     assert step == 7
-    _, got, _ = train_lib.split_model(model)
+    _, got, _ = model_state.split_model(model)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
     config.model.d_model = 64
@@ -535,7 +472,7 @@ def test_run_once_options_leave_the_estimates_scratch_as_it_was():
     """The micro-batch estimate compiles with RUN_ONCE_COMPILER_OPTIONS (LLVM unoptimised): the
     scratch memory it reads is XLA's buffer plan, the same as with XLA's defaults, for the real
     model (a KDA and an MLA layer of configs/tiny.py)."""
-    from configs import load_config
+    from tests.helpers import load_config
 
     config = load_config("tiny.py")
     config.model.num_layers, config.model.kda_per_mla = 2, 1
@@ -544,10 +481,10 @@ def test_run_once_options_leave_the_estimates_scratch_as_it_was():
     setup = train_lib.build(config, mesh)
     scratch = [train_lib.gradient_scratch_bytes(
         2, 64, mesh, setup.graphdef, setup.rest, setup.abstract_state, setup.batch_sharding,
-        setup.rules, options) for options in (None, train_lib.RUN_ONCE_COMPILER_OPTIONS)]
+        setup.rules, options) for options in (None, runtime.RUN_ONCE_COMPILER_OPTIONS)]
     assert scratch[0] > 0 and scratch[0] == scratch[1], scratch
-    assert train_lib.run_once_compiler_options("gpu") == train_lib.RUN_ONCE_COMPILER_OPTIONS
-    assert train_lib.run_once_compiler_options("tpu") is None
+    assert runtime.run_once_compiler_options("gpu") == runtime.RUN_ONCE_COMPILER_OPTIONS
+    assert runtime.run_once_compiler_options("tpu") is None
 
 
 def test_automatic_microbatch_fits_the_memory_it_is_given():
@@ -587,7 +524,7 @@ def test_weights_are_rounded_to_bf16_once_per_step_not_per_micro_batch(monkeypat
     the micro-batch loop (``dense.precast``): no weight-shaped float32 -> bf16 conversion is
     left in the loop's body. The step's parameters and loss equal those of the step that
     rounds them in every micro-batch."""
-    from configs import load_config
+    from tests.helpers import load_config
 
     config = load_config("tiny.py")
     config.model.num_layers, config.model.kda_per_mla = 2, 1

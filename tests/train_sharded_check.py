@@ -16,11 +16,11 @@ import sys
 import jax
 import numpy as np
 
-from configs import load_config
 from kimi_k3 import data as data_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import train_lib
-from kimi_k3.optim import path_str
+from kimi_k3.trees import path_str
+from tests.helpers import load_config
 
 STEPS = 2
 

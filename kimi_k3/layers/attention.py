@@ -318,9 +318,9 @@ def _cudnn_packed_call(q, k, v, *, scale, lengths, offsets):
 # the smallest room its fullest row fits, and a batch with a fuller row than the largest runs
 # through the mask (every program is compiled, one runs). () turns the packed layout off.
 # The room costs time even when empty: cuDNN's backward keeps a float32 dq accumulator for
-# B x room sequences of T tokens (6.5 GB for the 1B step's 4 x 4096 at a room of 32), and
-# attention_bench.py (4 x 4096, 1-3 documents a row, H200) times forward+backward at 6.29 ms
-# with a room of 32 and 4.64 ms with 8. The stdlib rows hold 1.23 documents on average, p99 4.
+# B x room sequences of T tokens (B x 32 x T x H x D x 4 bytes at a room of 32), so the small
+# room serves the common rows (the stdlib rows hold one or two documents, rarely more than four)
+# and the large one the rest; benchmarks/attention_bench.py times the rooms.
 PACKED_RUNS_PER_ROW = (8, 32)
 
 
@@ -398,8 +398,8 @@ def _cudnn_attention(q, k, v, *, scale, segment_ids=None):
     ordered = jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1])
     # Branch 0: every row is one document, so plain causal attention is exact. It is worth its
     # own branch: the packed layout pads v to q's head dim and its backward keeps a dq
-    # accumulator per room (attention_bench.py, 4 x 4096, one document a row, H200: 5.09 ms
-    # forward+backward packed, 3.23 plain; BENCHMARKS.md, eighteenth pass). Branch 1 + i: the
+    # accumulator per room, so plain attention is markedly faster for such rows
+    # (benchmarks/attention_bench.py). Branch 1 + i: the
     # i-th room is the smallest that fits; the last branch: the mask.
     branch = jnp.where(runs == 1, 0,
                        jnp.where(ordered, 1 + jnp.sum(runs > jnp.asarray(rooms)), 1 + len(rooms)))
@@ -456,7 +456,7 @@ def _triton_attention(q, k, v, *, scale, segment_ids, interpret=False):
         k, v = jnp.repeat(k, H // KH, axis=2), jnp.repeat(v, H // KH, axis=2)
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     # Tiles hold the head dim padded to a power of two; past 128 (MLA's 192 -> 256) the default
-    # 128 x 128 forward tiles exceed an H200's shared memory, so they are halved.
+    # 128 x 128 forward tiles exceed a Hopper card's shared memory, so they are halved.
     block = 128 if pl_next_pow2(D) <= 128 else 64
     sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=32,
                                       block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)

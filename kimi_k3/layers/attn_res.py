@@ -57,6 +57,7 @@ from kimi_k3.config import ATTN_RES_MODES
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.sharding import BTD, constrain, param
 from pallas_kernels import depth_read as depth_read_kernel
+from pallas_kernels import device
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _SRC = (None, *BTD)
@@ -75,10 +76,9 @@ def _whole_cotangent(h_BxTxD: jax.Array) -> jax.Array:
 
     dh of a read is the sum of what its reader sends back (a norm with a learned scale, then the
     sublayer's projections). Left free, XLA recomputed that sum inside every source's gradient
-    and merged it with the first stage of the norm scale's column sum into one 94-operand
-    reduction fusion: 7.1 ms of a configs/1b.py micro-batch step on the H200. A barrier on dh
-    keeps the two apart: the step's norm kernels then took 11.0 ms against 17.9, and the reads'
-    own 13.3 against 14.1 (BENCHMARKS.md, eleventh pass). The forward is untouched.
+    and merged it with the first stage of the norm scale's column sum into one reduction fusion
+    of some ninety operands, slower than the sum and the reads apart. A barrier on dh keeps the
+    two apart (benchmarks/step_profile.py shows the kernels). The forward is untouched.
     """
     return h_BxTxD
 
@@ -109,7 +109,7 @@ def _inv_rms(x_BxTxD: jax.Array, eps: float) -> jax.Array:
 def _fusable(x_BxTxD: jax.Array, n: int) -> bool:
     """Whether the fused read + norm kernels take these sources: D a power of two, Pallas-
     Triton present, and no mesh splitting the tokens (the kernels see whole arrays)."""
-    if depth_read_kernel.unsupported(x_BxTxD.shape[-1], n) or not depth_read_kernel.available():
+    if depth_read_kernel.unsupported(x_BxTxD.shape[-1], n) or device.pallas_triton() is None:
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or mesh.size == 1
@@ -276,10 +276,8 @@ class DepthResidual:
         reciprocal RMS [B, T]."""
         # Each logit is a matmul with w in the compute dtype (as every weight is cast for its
         # matmul), so the pseudo-query's gradient is a matmul too: as float32 sums over the
-        # tokens, XLA fused it with the sources' gradients into slow column reductions.
-        # attn_res_bench.py (configs/1b.py's depth, 4 x 4096, H200): 32.7 ms with the sums,
-        # 26.2 in this form. The bench times other forms faster still (BENCHMARKS.md, seventh
-        # pass); they are not yet measured in the whole step.
+        # tokens, XLA fused it with the sources' gradients into slow column reductions
+        # (benchmarks/attn_res_bench.py times the forms).
         logits_NxBxT = jnp.stack([
             jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype), preferred_element_type=jnp.float32)
             * r for s, r in zip(sources, inv_rms, strict=True)])

@@ -100,10 +100,9 @@ def precast(params, dtype, keys: Sequence[str] = ("kernel", "embedding")):
     head multiply in ``dtype``.
 
     The gradient accumulation loop passes the copies into every micro-batch, so the parameters
-    are rounded once per step: rounded inside the loop, every micro-batch read each float32
-    weight and wrote its bf16 copy again (1.1B weights of configs/1b.py: ~1.5 ms per micro-batch
-    on an H200). Not differentiated: the products take the copy through ``_copy_in``, which
-    stops its gradient, so gradients flow to ``master`` only.
+    are rounded once per step: rounded inside the loop, every micro-batch would read each
+    float32 weight and write its bf16 copy again. Not differentiated: the products take the
+    copy through ``_copy_in``, which stops its gradient, so gradients flow to ``master`` only.
     """
     dtype = jnp.dtype(dtype)
 

@@ -81,8 +81,8 @@ def chunked_nll(h_BxTxD: jax.Array, logits_fn, targets_BxT: jax.Array, chunk: in
     With ``keep_logits`` and at most ``MAX_UNROLLED_CHUNKS`` chunks (training's rows) the
     chunks are a Python loop rather than a ``lax.map``: a map's kept logits are one stacked
     [n, B, chunk, V] buffer that XLA zero-fills, writes chunk by chunk and slices again for the
-    backward (3 ms of each 4-row micro-batch of configs/1b.py on the H200, three passes over 2
-    GiB), where unrolled chunks keep their logits where the head wrote them.
+    backward (three passes over all the logits), where unrolled chunks keep their logits where
+    the head wrote them.
     """
     B, T, _ = h_BxTxD.shape
     C = max(1, min(chunk, T))

@@ -28,8 +28,6 @@ Without that axis (or with one device on it) the layer runs the one-device code 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,15 +40,6 @@ from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
 from kimi_k3.sharding import BTHK, constrain, context_layout, param
-from pallas_kernels.kda import KernelTuning, default_tuning
-
-
-@functools.cache
-def _parsed_tuning(spec: str, device_kind: str) -> KernelTuning:
-    """model.kda.kernel_tuning over the card's defaults (what the kernel runs given None),
-    parsed once per spec and card rather than at every layer's every trace."""
-    return KernelTuning.parse(spec, base=default_tuning(device_kind),
-                              source="config.model.kda.kernel_tuning")
 
 
 class KDALayer(nnx.Module):
@@ -78,7 +67,8 @@ class KDALayer(nnx.Module):
         # Decay gate: low rank (rank = head dim) into per-channel logits.
         self.f_down = Dense(d_model, K, names=("embed", "rank"), **kw)
         self.f_up = Dense(K, (HV, K), names=("rank", "heads", "kv"), **kw)
-        # Bounded gate: A_log = 0 (notes/kda.md); softplus gate: A = U(1, 16) as in Kimi Linear.
+        # Bounded gate: A_log = 0, so the gate is g_min sigmoid(f + dt_bias) at the start;
+        # softplus gate: A = U(1, 16) as in Kimi Linear.
         if spec.gate == "bounded":
             A_log = jnp.zeros((HV,), jnp.float32)
         else:
@@ -93,12 +83,6 @@ class KDALayer(nnx.Module):
         self.g_up = Dense(V, (HV, V), names=("rank", "heads", "kv"), **kw)
         self.o_proj = Dense((HV, V), d_model, names=("heads", "kv", "embed"), **kw)
 
-    def _tuning(self) -> KernelTuning | None:
-        """The Pallas kernel's launch parameters: the card's defaults (None) unless the spec
-        overrides some (model.kda.kernel_tuning)."""
-        if not self.spec.kernel_tuning:
-            return None
-        return _parsed_tuning(self.spec.kernel_tuning, jax.devices()[0].device_kind)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
         """Zero cache: state [B, HV, K, V] f32 and the conv tails [B, W-1, heads, dim]. Its
@@ -172,7 +156,7 @@ class KDALayer(nnx.Module):
                     head_axes=layout.heads, segment_ids=segment_ids_BxT,
                     initial_state=c.get("state"), output_final_state=cache is not None,
                     chunk_size=self.spec.chunk_size, lower_bound=self.spec.lower_bound,
-                    impl=self.spec.impl, tuning=self._tuning())
+                    impl=self.spec.impl, tuning=self.spec.kernel_tuning)
             else:
                 o_BxTxHVxV, state = kda(
                     q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, gate_BxTxHVxK, beta_BxTxHV,
@@ -183,7 +167,7 @@ class KDALayer(nnx.Module):
                     chunk_size=self.spec.chunk_size,
                     lower_bound=self.spec.lower_bound,
                     impl=self.spec.impl,
-                    tuning=self._tuning(),
+                    tuning=self.spec.kernel_tuning,
                     # A non-finite value anywhere makes the loss non-finite, and the trainer then
                     # drops the whole step: keeping it inside its document would buy nothing.
                     isolate_documents=False,

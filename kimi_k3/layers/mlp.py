@@ -16,6 +16,7 @@ from flax import nnx
 
 from kimi_k3.layers.dense import Dense
 from kimi_k3.sharding import BTF, constrain
+from pallas_kernels import device
 from pallas_kernels import swiglu as swiglu_kernel
 
 
@@ -46,7 +47,7 @@ class SwiGLU(nnx.Module):
 def _kernel_fits(h_BxTx2xF: jax.Array) -> bool:
     """Whether the backward kernel takes h: a width with a column tile, Pallas-Triton present,
     and no mesh splitting the array (the kernel sees whole arrays)."""
-    if swiglu_kernel.columns_for(h_BxTx2xF.shape[-1]) is None or not swiglu_kernel.available():
+    if swiglu_kernel.columns_for(h_BxTx2xF.shape[-1]) is None or device.pallas_triton() is None:
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or mesh.size == 1

@@ -137,8 +137,7 @@ def apply_activation(y_BxTxC: jax.Array, activation: str) -> jax.Array:
         return y_BxTxC
     # y is written before the SiLU (and the q/k norm) reads it. Without the barrier XLA fused
     # the convolutions (conv_impl "xla") into the norms' row reduction in the unrolled 1B step,
-    # one kernel of 3.9 ms per layer; with it they took 6.8 ms forward for all 15 layers
-    # (BENCHMARKS.md, sixth pass).
+    # one slow kernel per layer, far slower than the convolutions and the norms apart.
     y_BxTxC = jax.nn.silu(lax.optimization_barrier(y_BxTxC))
     if activation == "silu":
         return y_BxTxC

@@ -12,7 +12,7 @@ lhs [A, K], rhs [G, K, N], sizes [G] int32 -> out [A, N] in lhs's dtype. The gra
 Two implementations with this one signature:
 
     "xla"          ``jax.lax.ragged_dot`` (its gradients are XLA's). Everywhere; XLA's GPU
-                   lowering multiplies every row by every group's matrix (BENCHMARKS.md).
+                   lowering multiplies every row by every group's matrix (moe_bench times it).
     "mosaic_gpu"   Hopper (sm_90) kernels from JAX's Pallas Mosaic GPU ops (warpgroup matmuls,
                    TMA): ``ragged_dot_mgpu.ragged_dot`` for the output and d lhs,
                    ``transposed_ragged_dot_mgpu.transposed_ragged_dot`` for d rhs; bf16/fp16,
@@ -26,6 +26,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import device
 
 GROUPED_MATMULS = ("xla", "mosaic_gpu")
 
@@ -117,8 +119,7 @@ def grouped_matmul(lhs_AxK: jax.Array, rhs_GxKxN: jax.Array, sizes_G: jax.Array,
     sizes_G = sizes_G.astype(jnp.int32)
     if impl == "xla":
         return jax.lax.ragged_dot(lhs_AxK, rhs_GxKxN.astype(lhs_AxK.dtype), sizes_G)
-    why = mosaic_gpu_fits(K, N, lhs_AxK.dtype)
-    if why is not None or jax.default_backend() != "gpu":
-        raise ValueError(f"grouped_matmul: impl='mosaic_gpu' cannot run here: "
-                         f"{why or 'backend ' + jax.default_backend() + ' (GPU, sm_90, only)'}")
+    why = mosaic_gpu_fits(K, N, lhs_AxK.dtype) or device.probe().why_not("mosaic_gpu")
+    if why is not None:
+        raise ValueError(f"grouped_matmul: impl='mosaic_gpu' cannot run here: {why}")
     return _mgpu(lhs_AxK, rhs_GxKxN.astype(lhs_AxK.dtype), sizes_G)

@@ -39,7 +39,8 @@ from kimi_k3.ops.kda_chunked import kda_chunked
 from kimi_k3.ops.kda_guards import check_gate
 from kimi_k3.ops.kda_guards import isolate_documents as isolate_nonfinite
 from kimi_k3.ops.kda_recurrent import kda_recurrent
-from pallas_kernels.kda import KernelTuning, kda_pallas
+from pallas_kernels.kda import kda_pallas
+from pallas_kernels.tuning import KernelTuning
 
 
 def _shape_error(name: str, got, allowed: str) -> ValueError:
@@ -177,8 +178,8 @@ def kda(
       isolate_documents: with ``segment_ids``, keep a non-finite value inside its document
         (below). It costs a few passes over the inputs; a caller that discards everything once
         any value is non-finite (a training step, whose loss mixes all documents) can skip it.
-      tuning: the Pallas kernel's launch parameters (``pallas_kernels.kda.KernelTuning``);
-        None: ``default_tuning`` for the device kind. Ignored by the other implementations.
+      tuning: the Pallas kernel's launch parameters (``pallas_kernels.tuning.KernelTuning``);
+        None: ``KernelTuning()``, right for every card. Ignored by the other implementations.
       A_log: [HV], dt_bias: [HV, K] (or flat [HV * K]): the gate inside the op (both or
         neither). g is then f, and the log-decay is, per value head h and channel d,
             lower_bound given:  g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h, d]))

@@ -5,13 +5,12 @@ tokens of an elementwise product. Left to XLA:GPU, that sum becomes one column r
 B T rows, fused with whatever else reads the same inputs; :func:`column_sum` takes it in two
 stages that XLA cannot merge back: groups of ``group`` rows first (a reduction with
 [rows / group, channels] outputs, many independent blocks, no atomics), then the few partial
-sums. RMSNorm's backward pass uses it (the 1B step's norms: 11.8 ms -> 8.5 ms per 4 x 4096
-rows on the H200).
+sums. RMSNorm's backward pass uses it.
 
 Not a cure for every such sum: where the first stage still fuses with large elementwise
 outputs (the short convolutions' backward: XLA merged its first stage and seven [B, T, H, K]
-gradient arrays of a KDA layer into one multi-output kernel), it was slower (48 against 36 ms
-per 4 x 4096 rows), so the convolution keeps its one-stage sum.
+gradient arrays of a KDA layer into one multi-output kernel), it is slower, so the
+convolution keeps its one-stage sum.
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""A model from its spec, and the model as arrays: what the trainer and every reader share.
+
+    model = make_model(spec_or_config_model, seed)      # HybridLM, initialised eagerly
+    model = init_model(config.model, seed)              # the same weights, one jitted program
+    graphdef, params, rest = split_model(model)         # params: a nested dict of arrays
+    model = merge_model(graphdef, params, rest)         # fresh variables, safe under jit/grad
+
+``split_for_training`` also separates the model state the trainer carries beside the
+parameters (a mixture of experts' routing biases, ``ExpertBias``).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from kimi_k3.layers.moe import ExpertBias
+from kimi_k3.model import HybridLM
+from kimi_k3.runtime import run_once_compiler_options
+
+
+def make_model(model_spec, seed: int) -> HybridLM:
+    """``HybridLM(model_spec)`` initialised from ``seed`` (a ModelSpec or config.model)."""
+    return HybridLM(model_spec, rngs=nnx.Rngs(seed))
+
+
+def init_model(model_cfg, seed: int) -> HybridLM:
+    """``make_model(model_cfg, seed)`` built inside one jitted program, as HybridLM's docstring
+    asks: eagerly, every initialiser dispatches and compiles on its own. The same threefry
+    keys, so the same weights up to float32 rounding (XLA fuses the initialisers'
+    arithmetic)."""
+    make = lambda: make_model(model_cfg, seed)
+    options = run_once_compiler_options(jax.default_backend())  # LLVM without optimisations
+    state = jax.jit(lambda: nnx.state(make()), compiler_options=options)()
+    return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), state)
+
+
+def split_model(model):
+    """(graphdef, params as a nested dict of arrays, the other state)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, nnx.to_pure_dict(params), rest
+
+
+def split_for_training(model):
+    """(graphdef, params, model state, the rest): params and the model state the trainer carries
+    (the routing biases; {} without a mixture of experts) as nested dicts of arrays, the rest
+    (constants, and measurements the forward pass overwrites) as an nnx State."""
+    graphdef, params, model_state, rest = nnx.split(model, nnx.Param, ExpertBias, ...)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(model_state), rest
+
+
+def merge_model(graphdef, params, rest, model_state=None):
+    """The model from ``split_model`` / ``split_for_training``'s parts. Its variables are fresh
+    copies, so a forward pass under ``jit`` or ``grad`` may write its measurements into them."""
+    states = [nnx.State(params)] + ([nnx.State(model_state)] if model_state else []) + [rest]
+    return nnx.merge(graphdef, *states, copy=True)

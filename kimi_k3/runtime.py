@@ -1,0 +1,60 @@
+"""What every entry point sets up the same way: library logs, console lines, compiler options
+for programs that run once, and the device's memory.
+
+The trainer and the readers (evaluation, generation, passkey, the Hugging Face commands) use
+these; none of them owns them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import jax
+
+# XLA's LLVM backend without its optimisations, for programs compiled once and run once or not
+# at all: the jitted initialisers and the micro-batch estimate, whose compile takes far longer
+# than their run. Only the code generated for each kernel changes, not the HLO program or its
+# buffers, so the weights come out bit for bit the same and a memory estimate's scratch too
+# (benchmarks/init_compile.py --options measures both).
+RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+                             "xla_llvm_disable_expensive_passes": True}
+
+
+def run_once_compiler_options(platform: str) -> dict | None:
+    """``compiler_options`` for a run-once program on ``platform`` (a device's ``.platform``):
+    RUN_ONCE_COMPILER_OPTIONS where XLA generates code through LLVM (CPU, GPU), None (XLA's
+    defaults) on a TPU."""
+    return RUN_ONCE_COMPILER_OPTIONS if platform in ("cpu", "gpu", "cuda", "rocm") else None
+
+
+class _QuietCheckpointLogs(logging.Filter):
+    """Orbax reports every save in a dozen INFO lines; keep its warnings and errors only, less
+    the one it gives whenever a step's item metadata is read on its own (harmless)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname:
+            return True
+        return record.levelno >= logging.WARNING and not str(record.msg).startswith(
+            ("Metadata file does not exist", "Failed to get item metadata"))
+
+
+def quiet_library_logs() -> None:
+    """Orbax's INFO lines off (its warnings stay), once per process however often called."""
+    for name in ("absl", "orbax"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _QuietCheckpointLogs) for f in lg.filters):
+            lg.addFilter(_QuietCheckpointLogs())
+
+
+def console(message: str) -> None:
+    """A plain line on stderr (process 0 only): summaries people read, without log prefixes."""
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def device_memory_bytes() -> int | None:
+    """The allocator's limit on the first local device, or None where the backend keeps no
+    statistics (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")

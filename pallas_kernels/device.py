@@ -1,0 +1,190 @@
+"""The one place that asks what the card is and which compiled kernels apply to it.
+
+    dev = probe()            # the default backend's first device
+    dev = probe("gpu")       # a GPU as this JAX would compile for it (also on a CPU machine)
+    dev.platform, dev.kind, dev.compute_capability      # "gpu", "NVIDIA H200", "9.0"
+    dev.triton, dev.mosaic_gpu, dev.mosaic_tpu, dev.cudnn_lse
+    dev.why_not("mosaic_gpu")                           # None, or one line saying why not
+
+Everything that depends on the card (``kimi_k3.dispatch``'s "auto", the KDA kernel's default
+tuning, the Mosaic GPU kernels, the experts' grouped matmul, the MFU's peak) asks here and
+nowhere else. Importing this module imports no kernel and no Pallas module; ``probe`` imports
+Pallas lazily, to lower a one-dot kernel for the platform, and remembers its answer for the
+process.
+
+``probe(platform)`` for a platform other than the default backend's describes that platform
+without a device: its kernels are those this JAX lowers for it (so a CPU machine can ask about
+the GPU path, as the tests and the TPU compile checks do), but its ``kind`` is unknown and no
+card-specific kernel (Mosaic GPU) applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+KERNEL_FAMILIES = ("triton", "mosaic_gpu", "mosaic_tpu", "cudnn_lse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What one platform's device is, and which kernel families compile on it.
+
+    platform: "cpu" | "gpu" | "tpu" (JAX's backend name). kind: ``jax.Device.device_kind``
+    ("" when the platform was asked about without its device). compute_capability: CUDA's
+    "major.minor" ("" off CUDA or without the device). lowering: the name
+    ``lowering_platforms`` takes ("cuda", "rocm", "tpu", "cpu"). The booleans say which
+    families compile here; ``why_not`` says why one does not.
+    """
+
+    platform: str
+    kind: str
+    compute_capability: str
+    lowering: str
+    triton: bool  # Pallas-Triton kernels lower for this GPU with this JAX
+    mosaic_gpu: bool  # Pallas Mosaic GPU (wgmma, TMA) kernels: an sm_90 card, and this JAX's API
+    mosaic_tpu: bool  # Pallas Mosaic TPU kernels lower with this JAX
+    cudnn_lse: bool  # JAX's cuDNN attention entry that returns the float32 log-sum-exp
+    reasons: tuple[tuple[str, str], ...] = ()  # (family, why it does not apply)
+
+    @property
+    def hopper(self) -> bool:
+        """An NVIDIA card of compute capability 9.x (Hopper): wgmma and TMA exist on sm_90a
+        only (Blackwell's sm_100 has tcgen05 instead, another kernel)."""
+        return self.compute_capability.split(".")[0] == "9"
+
+    def why_not(self, family: str) -> str | None:
+        """None when ``family`` (one of KERNEL_FAMILIES) compiles here, else why not."""
+        if family not in KERNEL_FAMILIES:
+            raise ValueError(f"kernel family must be one of {KERNEL_FAMILIES}, got {family!r}")
+        if getattr(self, family):
+            return None
+        return dict(self.reasons).get(family, f"{family} does not apply on {self.platform!r}")
+
+    def describe(self) -> str:
+        """One line: the card and the kernel families that compile on it."""
+        families = [f for f in KERNEL_FAMILIES if getattr(self, f)]
+        cc = f" (sm_{self.compute_capability.replace('.', '')})" if self.compute_capability else ""
+        return (f"{self.platform}: {self.kind or 'no device'}{cc}; kernels: "
+                f"{', '.join(families) or 'none compiled (XLA only)'}")
+
+
+def probe(platform: str | None = None) -> Device:
+    """The ``Device`` of ``platform`` (default: JAX's default backend), probed once per process.
+
+    Never raises for a platform JAX knows: a family that cannot lower is reported as absent,
+    with its reason in ``why_not``.
+    """
+    platform = platform or jax.default_backend()
+    if platform not in PLATFORMS:
+        raise ValueError(f"device: platform must be one of {PLATFORMS}, got {platform!r}")
+    return _probe(platform)
+
+
+@functools.cache
+def _probe(platform: str) -> Device:
+    present = platform == jax.default_backend()
+    dev = jax.devices(platform)[0] if present else None
+    kind = dev.device_kind if dev is not None else ""
+    cc = str(getattr(dev, "compute_capability", "") or "") if platform == "gpu" else ""
+    lowering = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda"}[platform]
+    if dev is not None and platform == "gpu":
+        lowering = dev.client.platform  # "cuda" or "rocm"
+    reasons = {}
+
+    def family(name: str, why: str | None) -> bool:
+        if why is not None:
+            reasons[name] = why
+        return why is None
+
+    gpu = f"the backend is {platform!r}, not a GPU"
+    triton = family("triton", gpu if platform != "gpu" else _lowering_error("triton", lowering))
+    if platform != "gpu":
+        why_mgpu = gpu
+    elif lowering != "cuda":
+        why_mgpu = f"Mosaic GPU kernels need CUDA, the GPU runs {lowering!r}"
+    elif not present:
+        why_mgpu = "no GPU device to ask its compute capability (a GPU asked about off the GPU)"
+    elif cc.split(".")[0] != "9":
+        why_mgpu = f"{kind} is sm_{cc.replace('.', '')}; the Mosaic GPU kernels need sm_90 (Hopper)"
+    else:
+        why_mgpu = _mosaic_gpu_api_error()
+    mosaic_gpu = family("mosaic_gpu", why_mgpu)
+    mosaic_tpu = family("mosaic_tpu", f"the backend is {platform!r}, not a TPU"
+                        if platform != "tpu" else _lowering_error("mosaic_tpu", "tpu"))
+    cudnn = family("cudnn_lse", gpu if platform != "gpu" else _cudnn_lse_error())
+    return Device(platform=platform, kind=kind, compute_capability=cc, lowering=lowering,
+                  triton=triton, mosaic_gpu=mosaic_gpu, mosaic_tpu=mosaic_tpu, cudnn_lse=cudnn,
+                  reasons=tuple(sorted(reasons.items())))
+
+
+def pallas_triton():
+    """``jax.experimental.pallas.triton`` with its ``CompilerParams``, or None where this JAX
+    has no Pallas-Triton (it is deprecated from JAX 0.11 and may go)."""
+    try:
+        from jax.experimental.pallas import triton as pl_triton
+    except ImportError:  # pragma: no cover - depends on the installed JAX
+        return None
+    has_params = hasattr(pl_triton, "CompilerParams") or hasattr(pl_triton, "TritonCompilerParams")
+    return pl_triton if has_params else None
+
+
+def triton_compiler_params(warps: int, stages: int | None = None):
+    """Triton's launch parameters under either of the names JAX has given them."""
+    pl_triton = pallas_triton()
+    if pl_triton is None:
+        raise RuntimeError(f"this JAX ({jax.__version__}) has no Pallas-Triton")
+    cls = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
+    return cls(num_warps=warps) if stages is None else cls(num_warps=warps, num_stages=stages)
+
+
+def _one_dot(x_ref, o_ref):
+    x = x_ref[...]
+    o_ref[...] = jnp.dot(x, x, preferred_element_type=jnp.float32)
+
+
+def _lowering_error(family: str, lowering: str) -> str | None:
+    """None when a one-dot Pallas kernel of ``family`` lowers for ``lowering`` with this JAX."""
+    try:
+        from jax.experimental import pallas as pl
+
+        if family == "triton":
+            if pallas_triton() is None:
+                return f"this JAX ({jax.__version__}) has no Pallas-Triton"
+            params = triton_compiler_params(warps=4)
+        else:
+            from jax.experimental.pallas import tpu as pltpu
+
+            cls = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
+            params = cls(dimension_semantics=("parallel",))
+        x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+        fn = pl.pallas_call(_one_dot, out_shape=x, grid=(1,), compiler_params=params)
+        jax.jit(fn).trace(x).lower(lowering_platforms=(lowering,))
+    except Exception as err:  # any failure means "does not lower here"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return (f"a Pallas {family} kernel does not lower for {lowering!r} with JAX "
+                f"{jax.__version__} ({first})")
+    return None
+
+
+def _mosaic_gpu_api_error() -> str | None:
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError:
+        return f"this JAX ({jax.__version__}) has no Pallas Mosaic GPU"
+    missing = [n for n in ("kernel", "wgmma", "SMEM", "ACC", "Barrier", "load") if not hasattr(plgpu, n)]
+    return f"this JAX's Pallas Mosaic GPU lacks {missing}" if missing else None
+
+
+def _cudnn_lse_error() -> str | None:
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except ImportError:
+        return f"this JAX ({jax.__version__}) has no cuDNN fused attention module"
+    if not hasattr(fused, "MaskType"):
+        return f"this JAX's ({jax.__version__}) cuDNN attention module is not the one expected"
+    return None
