@@ -15,13 +15,12 @@ unfused norm returns it):
     ds_i = a_i dh + dl_i rho_i w,   drho_i = dl_i (s_i . w),   dw += sum_i dl_i rho_i s_i
 
 Why a kernel: XLA wrote each read and its norm as four or five fusions that each walk the
-sources or the mixture again (configs/1b.py's 41 reads: 24 ms of a 4-row micro-batch on the
-H200, where reading the sources and writing y once takes a few). Here the forward reads every
-source once and writes y and the weights a; the backward reads the sources and dy once and
-writes each ds_i once. A program holds all n sources of its rows in registers, loaded before
-any arithmetic, so their loads are in flight together. In the whole configs/1b.py step on the
-H200 this is 0.8% more tokens/s than XLA's read and norm (BENCHMARKS.md, twelfth pass); a
-first version that loaded one source at a time was 0.8% behind.
+sources or the mixture again, several times what reading the sources and writing y once takes.
+Here the forward reads every source once and writes y and the weights a; the backward reads
+the sources and dy once and writes each ds_i once. A program holds all n sources of its rows
+in registers, loaded before any arithmetic, so their loads are in flight together (loaded one
+source at a time, the kernel did not beat XLA's read and norm; benchmarks/attn_res_bench.py
+measures them).
 
     forward grid (M_pad / R,): program i owns rows [i R, i R + R) of the [M, D] token views,
     all D channels (D a power of two). Backward grid (M_pad / (R S),): program i walks S steps
@@ -37,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.triton_compat import compiler_params, pl_triton
+from pallas_kernels import device
 
 f32 = jnp.float32
 
@@ -53,18 +52,11 @@ class ReadTiles:
 
 
 # Each program loads all its sources before it computes (n loads in flight, not one), so one
-# row per program keeps the registers down and several programs on each SM. At D = 2048, bf16,
-# six sources, Triton 3.6 for sm_90 (`python -m pallas_kernels.triton_report --depth_read`):
-# one row at 4 warps takes 128 registers forward (four programs, 16 warps per SM); the
-# backward takes 252 at 4 warps (two programs, 8 warps) and 128 at 8 (two programs, 16 warps),
-# no spills; two rows at 4 warps spill in the backward.
+# row per program keeps the registers down and several programs on each SM; the backward takes
+# 8 warps, which halves each thread's registers, and two rows per program spill there
+# (`python -m pallas_kernels.triton_report --depth_read` reports registers and spills).
 DEFAULT_FWD_TILES = ReadTiles(rows=1, warps=4)
 DEFAULT_BWD_TILES = ReadTiles(rows=1, warps=8, steps=16)
-
-
-def available() -> bool:
-    """Whether this JAX can compile the kernels for the GPU (they need Pallas-Triton)."""
-    return pl_triton is not None
 
 
 def unsupported(D: int, n: int) -> str | None:
@@ -111,7 +103,8 @@ class _Layout:
         self.Mp = -(-M // (self.R * self.S)) * self.R * self.S
         self.grid = (self.Mp // (self.R * self.S),)
         self.interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-        self.params = None if self.interpret else compiler_params(tiles.warps)
+        self.params = (None if self.interpret
+                       else device.triton_compiler_params(tiles.warps, stages=1))
         self.pad = self.Mp - M
 
     def rows(self, a):

@@ -44,15 +44,6 @@ f32 = jnp.float32
 MAX_FACTORED_EXPONENT = 80.0
 
 
-# KernelTuning.hopper's bits: the intra-chunk kernels that run on Mosaic GPU (kda_mgpu,
-# kda_mgpu_bwd) where they apply instead of Triton.
-HOPPER_INTRA_FWD = 1
-HOPPER_BWD_SCORES = 2
-HOPPER_BWD_CHANNELS = 4
-HOPPER_STATE = 8
-HOPPER_ALL = HOPPER_INTRA_FWD | HOPPER_BWD_SCORES | HOPPER_BWD_CHANNELS | HOPPER_STATE
-
-
 @dataclasses.dataclass(frozen=True)
 class KdaConfig:
     """Static description of one kernel call (hashable: it keys jit caches)."""
@@ -73,13 +64,11 @@ class KdaConfig:
     cd: str  # dtype of fast dot operands and stored intermediates ("bfloat16" / "float32")
     platform: str  # "gpu" | "tpu" | "cpu": where the body runs (decides dot precision)
     mode: str  # "gpu" | "tpu" | "interpret" | "tpu_interpret"
-    # Launch parameters, from pallas_kernels.kda.KernelTuning (whose comments say why).
+    # Launch parameters, from pallas_kernels.tuning.KernelTuning (whose comments say why).
     bv_seq: int  # V tile of the sequential (state-carrying) kernels
     bv_intra: int  # V tile of the loops inside the intra-chunk kernels
     bk: int  # K slice of the backward's intra-chunk kernels
     bk_fwd: int  # of the forward's (kda_calls.intra_fwd runs the body with it as bk)
-    inverse_x3: bool  # GPU: tf32x3 (else plain tf32) for the triangular inverse
-    rcumsum_x3: bool  # the backward's reverse cumsum exact (else bf16 hi + lo for bf16 inputs)
     warps_intra: int  # Triton warps of intra_fwd
     warps_seq: int  # of state_fwd and state_bwd
     warps_grad: int  # of intra_bwd_scores
@@ -94,22 +83,17 @@ class KdaConfig:
     # the kernel: g never exists in memory, and the backward returns df instead of dg).
     gate: str = "given"
     gate_bound: float = 0.0  # the bounded form's lower_bound (< 0)
-    # which intra-chunk kernels run on Mosaic GPU where they apply, a sum of the HOPPER_* bits
-    # (KernelTuning.hopper; kda_calls.hopper_intra_mode)
+    # which kernels run on Mosaic GPU: -1 automatic, 0 none, 1 all that have a Mosaic GPU form
+    # (KernelTuning.hopper; kda_calls.mosaic_gpu_mode)
     hopper: int = 0
-    split_intra: int = 0  # intra_fwd as two kernels (KernelTuning)
-    w_in_place: int = 0  # intra_fwd hands W's operand over in W's buffer (KernelTuning)
-    # The forward's decayed-score blocks (``decayed_scores``; KernelTuning.anchor_mid): rows
+    # The forward's decayed-score blocks (``decayed_scores``; kda.make_config says why): rows
     # per block, and 1 where their diagonal blocks are factored around the midpoint of G over
     # each block (0: ``sub``-row sub-chunks anchored at their first row).
     fwd_rows: int = 0
     fwd_mid: int = 0
-    # The backward's pairwise-decay sums (``pair_grads``; KernelTuning.anchor_mid_bwd): rows per
-    # block, their diagonal blocks around their midpoints; 0: ``sub``-row sub-chunks.
+    # The backward's pairwise-decay sums (``pair_grads``): rows per block, their diagonal
+    # blocks around their midpoints; 0: ``sub``-row sub-chunks.
     bwd_rows: int = 0
-    # intra_bwd_channels' grid (K slice, B*HV, N) instead of (B*HV, N, K slice)
-    # (KernelTuning.slice_first)
-    slice_first: int = 0
     # the form of the Mosaic GPU state passes (KernelTuning.mgpu_state)
     mgpu_state: int = 0
 
@@ -207,9 +191,11 @@ def chunk_cumsum(g, cfg: KdaConfig):
 
 
 def reverse_cumsum(dG, cfg: KdaConfig):
-    """dg_i = sum_{r >= i} dG_r: the transpose of ``chunk_cumsum``. Exact in float32, or with
-    bf16 inputs and not ``cfg.rcumsum_x3``, dG as bf16 hi + lo (KernelTuning.rcumsum_x3)."""
-    if cfg.dtype != f32 and not cfg.rcumsum_x3:
+    """dg_i = sum_{r >= i} dG_r: the transpose of ``chunk_cumsum``, a dot with the triangle of
+    ones. Float32 inputs: exact in float32 (tf32x3 on GPU, HIGHEST elsewhere). bf16 inputs: two
+    bf16 passes, dG as hi + lo (the ones are exact in bf16): 16 bits of dG, which already
+    carries the bf16 error of the state dots that make it (dO S^T, V' dS^T, ...)."""
+    if cfg.dtype != f32:
         return mm(tril_ones(cfg.C), dG, cfg, ta=True, split_b=True)
     return mm(tril_ones(cfg.C), dG, cfg, ta=True, exact=True)
 
@@ -303,7 +289,7 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig, acc=None):
     diagonal sub-blocks are summed exactly by ``_diag_scores``. The sub-chunks are a loop, not
     unrolled, to keep one sub-chunk's temporaries live at a time.
 
-    With ``cfg.fwd_mid`` (KernelTuning.anchor_mid, bounded gates) the blocks are
+    With ``cfg.fwd_mid`` (bounded gates; ``kda.make_config``) the blocks are
     ``cfg.fwd_rows`` tall: the loop above makes only their off-diagonal parts (j before i's
     block, anchored at the block's first row), and ``_mid_anchored_diagonal`` all diagonal
     blocks in one more dot.
@@ -333,7 +319,7 @@ def decayed_scores(xs, y, G, lv, cfg: KdaConfig, acc=None):
         outs = tuple(o + jnp.where(same_block, d, 0.0)
                      for o, d in zip(outs, _mid_anchored_diagonal(xs, y, G, cfg), strict=True))
     first = 0 if whole_blocks else 1  # block 0 has no off-diagonal part
-    if C // s - first == 1:  # one block (anchor_mid's two halves): static, its masks folded
+    if C // s - first == 1:  # one block (two mid-anchored halves): static, its masks folded
         outs = sub_chunk(first, outs)
     else:
         outs = lax.fori_loop(first, C // s, sub_chunk, outs)
@@ -431,7 +417,7 @@ def pair_grads(rows, cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
                                                          operand factor, the column side's outer
 
     (the zeroed rows meet only zero entries of dA). With ``cfg.bwd_rows``
-    (KernelTuning.anchor_mid_bwd, bounded gates): ``_mid_pair_grads``, in taller blocks from
+    (bounded gates; ``kda.make_config``): ``_mid_pair_grads``, in taller blocks from
     the whole matrices ``cc(name)``. Unbounded gate: row side anchor a as above,
     column side anchor b = min(ib*s + s - 1, lv), the sub-chunk's last real row; the factored
     dots cover only j < a (row side) and i > b (column side), and ``_diag_pair_grads`` adds the
@@ -475,8 +461,8 @@ def _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
     before it and three accumulators suffice. Masks go into the exponent (e^-inf = 0): no
     masked value can overflow. Written in the order that keeps the fewest [C, K] tiles live,
     except the loads, which come first: the kernels keep program order, so a load placed
-    right before its dot makes the dot wait for memory (intra_bwd_channels took 3.32 ms so
-    against 2.76 at 8 x 4096 on the H200; loading one sub-chunk ahead gave 2.74)."""
+    right before its dot makes the dot wait for memory (the loads of one sub-chunk ahead gain
+    no more)."""
     C, s = cfg.C, cfg.sub
     ri = iota((C, 1), 0)
 
@@ -495,8 +481,7 @@ def _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
         # smallest normal and be flushed. The dot takes the rows of dA^T scaled to O(1)
         # (exactly: powers of two), and they are scaled back after the outer factor. (Moving
         # the outer factor to the sub-chunk's last row instead, by e^(G_a - G_b) [1, K], also
-        # keeps them, but its products reach e^75 dA, and it spilled 136-192 bytes in the CPU
-        # register report where this spills 72.)
+        # keeps them, but its products reach e^75 dA, and it spilled more registers.)
         up, down = pow2_row_scales(dAqkT, dAkkT)
         c_sum = (mm(dAqkT * up, qs * e_pos, cfg, split_b=True)
                  + mm(dAkkT * up, kf * e_pos, cfg, split_b=True))
@@ -508,7 +493,7 @@ def _bounded_pair_grads(rows, G_row, qs, kf, G, lv, cfg: KdaConfig):
 
 
 def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
-    """``pair_grads`` in blocks of r = cfg.bwd_rows rows (KernelTuning.anchor_mid_bwd), from the
+    """``pair_grads`` in blocks of r = cfg.bwd_rows rows (``kda.make_config``), from the
     whole [C, C] matrices ``cc(name)`` of dAqk, dAkk, dAqkT, dAkkT as ``bwd_intra_scores``
     stores them for these blocks: each row's diagonal block scaled by a power of two, which
     ``cc(name + "_down")`` [C, 1] undoes (``scale_diagonal_blocks``).
@@ -521,9 +506,9 @@ def _mid_pair_grads(cc, G_row, qs, kf, G, lv, cfg: KdaConfig):
 
     The outer factors reach e^77.5 at lower_bound = -5, so the inner products must not be
     flushed: each dot takes dA's (or dA^T's) rows masked to the block and scaled to O(1), and
-    is scaled back after the outer factor. The scaling is part 1's, once per chunk (here it
-    was a masked [C, C] reduction and two casts per matrix for every K slice: the SASS for
-    sm_90 has ~4600 against 5048 instructions at heads of 64). The blocks before block ib
+    is scaled back after the outer factor. The scaling is part 1's, once per chunk, rather
+    than a masked [C, C] reduction and two casts per matrix for every K slice here. The
+    blocks before block ib
     (rows of ib, columns before it) go through its first row a = min(ib*r, lv), both factors
     <= 1, one dot per sum on the whole matrices, whose entries there are not scaled: e^(D_i)
     zeroes the rows outside block ib, e^(-D_j) the columns from it on (so the scaled entries
@@ -566,7 +551,7 @@ def stores_scaled_blocks(cfg: KdaConfig) -> bool:
     """Whether ``bwd_intra_scores`` stores dAqk, dAkk and their transposes with the diagonal
     blocks of their rows scaled, each followed by its scales ``name + "_down"``
     (``scale_diagonal_blocks``), for ``_mid_pair_grads``: a bounded gate with
-    anchor_mid_bwd's blocks."""
+    ``cfg.bwd_rows``' blocks."""
     return bool(cfg.bounded and cfg.bwd_rows)
 
 
@@ -645,24 +630,26 @@ def tril_inverse(L, cfg: KdaConfig):
 
     i.e. T <- T - T P T with P = L masked to the lower-left block of each merged pair: products
     of true inverses, no cancellation. Both stages together are as many dots as full squaring.
+
+    On GPU the dots take one tf32 pass (``mm(cheap=True)``), not the three of float32 accuracy:
+    the GPU tests hold with one, and three make intra_fwd markedly slower.
     """
     C = cfg.C
     ri, cj = iota((C, C), 0), iota((C, C), 1)
     eye = (ri == cj).astype(f32)
-    cheap = not cfg.inverse_x3
     h = min(INVERSE_BLOCK, C)
     P = -jnp.where(lax.div(ri, h) == lax.div(cj, h), L, 0.0)
     Tinv = eye + P
     m = 1
     while 2 * m < h:
-        P = mm(P, P, cfg, exact=True, cheap=cheap)
-        Tinv = Tinv + mm(Tinv, P, cfg, exact=True, cheap=cheap)
+        P = mm(P, P, cfg, exact=True, cheap=True)
+        Tinv = Tinv + mm(Tinv, P, cfg, exact=True, cheap=True)
         m *= 2
     while h < C:  # merge pairs of h-blocks into 2h-blocks
         pair = (lax.div(ri, 2 * h) == lax.div(cj, 2 * h)) & (lax.rem(lax.div(ri, h), 2) == 1) & (
             lax.rem(lax.div(cj, h), 2) == 0)
-        X = mm(Tinv, jnp.where(pair, L, 0.0), cfg, exact=True, cheap=cheap)
-        Tinv = Tinv - mm(X, Tinv, cfg, exact=True, cheap=cheap)
+        X = mm(Tinv, jnp.where(pair, L, 0.0), cfg, exact=True, cheap=True)
+        Tinv = Tinv - mm(X, Tinv, cfg, exact=True, cheap=True)
         h *= 2
     return Tinv
 
@@ -745,18 +732,20 @@ def fwd_intra(io, n, cfg: KdaConfig):
     not "given", with gate_params(s) -> A, dt_bias [1, BK]); v(t) -> v tile [C, BV];
     beta [C, 1]; seg = (a, lm, segc, segr) or Nones. ``io.put(name, index, value)`` stores QG, Kg, gam, W
     (by K slice), U (by V tile) and Aqk (masked); if ``io.residuals``, also G (by K slice), Akk
-    (masked) and Tinv for the backward. With ``io.handoff`` = "W" (``cfg.w_in_place``) W's
-    operand goes through W's buffer: ``io.W_in(s)`` loads slice s back after ``io.sync()``, a
-    barrier of the program's threads.
+    (masked) and Tinv for the backward. With ``io.handoff`` = "W" (the GPU layout: Triton and
+    interpret mode) W's operand goes through W's buffer: ``io.W_in(s)`` loads slice s back after
+    ``io.sync()``, a barrier of the program's threads, instead of a second cumsum and
+    exponential per K slice after the inverse (the same bf16 operand either way, so the same
+    results). The TPU modes (``io.handoff`` None) recompute it.
     """
     Akk = fwd_scores(io, n, cfg)
     if io.residuals:  # for bwd_intra_scores: O(C^2) per chunk, cheaper than recomputing
         io.put("Akk", 0, Akk)
     if io.handoff == "W":
-        # W's operand came through W's own buffer (``cfg.w_in_place``): every thread's stores
-        # must be visible before any thread reads a slice back. Slice s is then overwritten
-        # with W's slice s, which the dot computes only from all of slice s read (the
-        # operand is staged in shared memory behind a barrier first).
+        # W's operand came through W's own buffer: every thread's stores must be visible
+        # before any thread reads a slice back. Slice s is then overwritten with W's slice s,
+        # which the dot computes only from all of slice s read (the operand is staged in
+        # shared memory behind a barrier first).
         io.sync()
         bkga = io.W_in
     else:
@@ -780,9 +769,8 @@ def _fwd_slice(io, lv, s, cfg: KdaConfig) -> Slice:
 def fwd_scores(io, n, cfg: KdaConfig):
     """The decayed scores of chunk n, summed over the K slices: stores QG, Kg, gam (and G with
     ``io.residuals``) by K slice and Aqk (masked, whole); returns Akk [C, C] float32, masked to
-    the strictly lower pairs of one segment. With ``io.handoff`` (an output name: "bKGa" when
-    ``fwd_intra`` is split in two kernels, "W" with ``cfg.w_in_place``) it also stores beta k
-    e^G there by K slice, W's operand in ``fwd_wy``.
+    the strictly lower pairs of one segment. With ``io.handoff`` (an output name: "W", see
+    ``fwd_intra``) it also stores beta k e^G there by K slice, W's operand in ``fwd_wy``.
     """
     C, nk = cfg.C, cfg.K // cfg.bk
     lv = last_valid_row(n, cfg)

@@ -1,12 +1,13 @@
 """The four KDA pallas_calls, each with a GPU driver and a TPU driver around ``kda_body``.
 
-    intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk. With
-                KernelTuning.hopper, the Mosaic GPU kernel of kda_mgpu where it applies.
+    intra_fwd   grid (B*HV, N), all parallel: W, U, QG, Kg, Aqk, gam of every chunk.
     state_fwd   the state pass: O (and, for the backward, the states h and V' of every chunk).
     state_bwd   the reverse state pass: dh (gradient of each chunk's outgoing state) and dV'.
-    intra_bwd   grid (B*HV, N), then (B*HV, N, K/BK), all parallel: dq, dk, dv, dg, dbeta.
-                With KernelTuning.hopper, kda_mgpu_bwd's Mosaic GPU kernels where they
-                apply.
+    intra_bwd   grid (B*HV, N), then (K/BK, B*HV, N), all parallel: dq, dk, dv, dg, dbeta.
+
+Both state passes and intra_bwd's first kernel (intra_bwd_scores) have Mosaic GPU forms for
+Hopper cards (kda_mgpu_state, kda_mgpu_bwd), taken as ``KernelTuning.hopper`` says
+(``mosaic_gpu_mode``).
 
 The state passes carry S across chunks. On GPU (Pallas-Triton) grid programs run in parallel,
 so one program per (B*HV, V tile) walks all chunks in a ``fori_loop`` with the state in
@@ -31,15 +32,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import device, kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
 from pallas_kernels import kda_body as body
-from pallas_kernels import kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
 from pallas_kernels.kda_body import KdaConfig
 
-# Optional backends: a JAX without one still runs the others (pallas_supported says which).
-try:  # Pallas-Triton (deprecated in JAX 0.11, may disappear)
-    from jax.experimental.pallas import triton as pl_triton
-except ImportError:  # pragma: no cover - depends on the installed JAX
-    pl_triton = None
+# Optional backend: a JAX without it still runs the others (device.probe says which compile).
 try:  # Pallas-Mosaic TPU
     from jax.experimental.pallas import tpu as pltpu
 except ImportError:  # pragma: no cover
@@ -47,7 +44,7 @@ except ImportError:  # pragma: no cover
 
 f32 = jnp.float32
 DA_NAMES = ("dAqk", "dAkk", "dAqkT", "dAkkT")  # the [C, C] score gradients between the two
-# intra-chunk backward kernels, then, with anchor_mid_bwd's blocks (the diagonal blocks of their
+# intra-chunk backward kernels, then, with cfg.bwd_rows' blocks (the diagonal blocks of their
 # rows scaled: body.stores_scaled_blocks), the [C, 1] powers of two that undo each one's scaling
 DA_DOWN_NAMES = tuple(f"{name}_down" for name in DA_NAMES)
 
@@ -59,11 +56,7 @@ def da_names(cfg: KdaConfig) -> tuple[str, ...]:
 
 def _compiler_params(cfg: KdaConfig, *, warps: int, stages: int | None, dims: tuple[str, ...]):
     if cfg.mode == "gpu":
-        cls = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
-        kw = {"num_warps": warps}
-        if stages is not None:
-            kw["num_stages"] = stages
-        return cls(**kw)
+        return device.triton_compiler_params(warps, stages)
     if cfg.mode in ("tpu", "tpu_interpret"):
         cls = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
         return cls(dimension_semantics=dims)
@@ -224,32 +217,58 @@ def _take_gate(cfg: KdaConfig, refs):
     return (refs[:2], refs[2:]) if cfg.gate != "given" else ((), refs)
 
 
-def hopper_intra_mode(cfg: KdaConfig, q, k, v, g, beta,
-                      kernel: int = body.HOPPER_INTRA_FWD) -> str | None:
-    """How the intra-chunk ``kernel`` (a HOPPER_* bit: intra_fwd by default) runs its Mosaic GPU
-    form for this call: "compiled" (backend "gpu" on a Hopper, sm_90, device), "interpret"
-    (backend "interpret": Mosaic GPU interpret mode), or None for the Triton kernel (its bit
-    not in cfg.hopper, another backend or device, or a config the Mosaic GPU kernels do not
-    implement: kda_mgpu.unsupported_reason)."""
-    if not cfg.hopper & kernel or cfg.mode not in ("gpu", "interpret"):
-        return None
-    # Of the three, intra_bwd_scores alone takes packed segments (the training step's rows),
-    # and the gate in the kernel: it reads the forward's G, never the gate's logits.
-    scores = kernel == body.HOPPER_BWD_SCORES
-    dims = kda_mgpu.WHOLE_DIMS if scores else (kda_mgpu.DIM,)
-    if kda_mgpu.unsupported_reason(cfg, q, k, v, g, beta, segments=scores,
-                                   computes_gate=not scores, dims=dims) is not None:
+def mosaic_gpu_mode(cfg: KdaConfig, kernel: str, unsupported: str | None) -> str | None:
+    """How ``kernel`` (its name, for errors) runs this call, by ``cfg.hopper``
+    (KernelTuning.hopper): "compiled" (its Mosaic GPU form, for sm_90), "interpret" (its Mosaic
+    GPU form in Mosaic GPU interpret mode) or None (the Triton or TPU kernel). ``unsupported``:
+    the Mosaic GPU kernel's ``unsupported_reason`` for the call (None: it implements it).
+
+    hopper = 0: None. -1: "compiled" in "gpu" mode where ``device.probe("gpu")`` finds Mosaic
+    GPU (a Hopper card) and the kernel implements the call, None otherwise ("interpret" mode
+    included). 1: "compiled" in "gpu" mode, "interpret" in "interpret" mode, and ValueError,
+    naming why, where the card, the mode or the call rules the Mosaic GPU kernel out."""
+    if cfg.hopper == 0 or (cfg.hopper == -1 and cfg.mode != "gpu"):
         return None
     if cfg.mode == "gpu":
-        return "compiled" if kda_mgpu.is_hopper() else None
-    return "interpret" if kda_mgpu.interpret_params() is not None else None
+        why = device.probe("gpu").why_not("mosaic_gpu")
+    elif cfg.mode == "interpret":
+        why = (None if kda_mgpu.interpret_params() is not None
+               else f"this JAX ({jax.__version__}) has no Mosaic GPU interpret mode")
+    else:
+        why = f"backend {cfg.mode!r} has no Mosaic GPU kernels (a GPU's only)"
+    why = why or unsupported
+    if why is None:
+        return "compiled" if cfg.mode == "gpu" else "interpret"
+    if cfg.hopper == 1:
+        raise ValueError(f"kda_pallas: KernelTuning.hopper=1 runs the Mosaic GPU {kernel}, "
+                         f"which cannot take this call: {why} (hopper=-1 falls back to Triton "
+                         "where it cannot, 0 runs Triton only)")
+    return None
+
+
+def scores_mode(cfg: KdaConfig, k, v, G, beta, dv_dtype) -> str | None:
+    """``mosaic_gpu_mode`` of intra_bwd_scores for these arguments (arrays or
+    ``jax.ShapeDtypeStruct``, as ``intra_bwd_scores`` takes them)."""
+    why = kda_mgpu_bwd.unsupported_reason(cfg, k, v, G, beta, dv_dtype)
+    return mosaic_gpu_mode(cfg, "intra_bwd_scores", why)
+
+
+def state_mode(cfg: KdaConfig, dtype) -> str | None:
+    """``mosaic_gpu_mode`` of the state passes; dtype: the forward's O, the backward's dO."""
+    return mosaic_gpu_mode(cfg, "state passes", kda_mgpu_state.unsupported_reason(cfg, dtype))
+
+
+def _mosaic_gpu_interpret(mode: str):
+    """The ``interpret`` argument of a Mosaic GPU kernel run in ``mode`` (``mosaic_gpu_mode``):
+    None compiles for sm_90."""
+    return kda_mgpu.interpret_params() if mode == "interpret" else None
 
 
 def _cta_barrier(cfg: KdaConfig):
     """Compiled Triton: a barrier of the program's threads, after which each sees every other's
     stores to memory (bar.sync). Interpret mode runs a program's code in order: nothing."""
     if cfg.mode == "gpu":
-        pl_triton.debug_barrier()
+        device.pallas_triton().debug_barrier()
 
 
 def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
@@ -262,17 +281,11 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
     With the gate in the kernel (``cfg.gate`` not "given"), g holds the gate logits f and
     ``gate_params`` = (A, dt_bias), each [HV, 1, K] float32.
 
-    With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu) computes it where it applies
-    (``hopper_intra_mode``)."""
-    hopper = hopper_intra_mode(cfg, q, k, v, g, beta)
-    if hopper is not None:
-        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
-        return kda_mgpu.intra_fwd(cfg, q, k, v, g, beta, segs, gate_params,
-                                  residuals=residuals, interpret=interpret)
+    In the GPU layout (Triton, interpret mode) W's operand beta k e^G goes from the scores loop
+    to the inverse through W's own buffer, behind a barrier of the program's threads
+    (``kda_body.fwd_intra``); the TPU modes recompute it."""
     # The forward's K slices (KernelTuning.bk_fwd): the body reads them as cfg.bk.
     cfg = dataclasses.replace(cfg, bk=cfg.bk_fwd)
-    if cfg.split_intra:
-        return _intra_fwd_split(cfg, q, k, v, g, beta, segs, gate_params, residuals=residuals)
     BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
@@ -307,7 +320,7 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
         io = SimpleNamespace(
             qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]),
             v=lambda t: v_r[:, vs(t)], beta=b_r[...], seg=seg, put=put, residuals=residuals,
-            handoff="W" if cfg.w_in_place else None, W_in=lambda s: W_r[:, ks(s)],
+            handoff=None if head_major(cfg) else "W", W_in=lambda s: W_r[:, ks(s)],
             sync=functools.partial(_cta_barrier, cfg),
             gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
         body.fwd_intra(io, pl.program_id(1), cfg)
@@ -316,74 +329,6 @@ def intra_fwd(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params=(), *,
     return _call(kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
                  out_shape=out_shape, name="kda_intra_fwd", warps=cfg.warps_intra,
                  stages=cfg.stages_intra)(*args)
-
-
-def _intra_fwd_split(cfg: KdaConfig, q, k, v, g, beta, segs, gate_params, *, residuals: bool):
-    """``intra_fwd`` as two kernels (KernelTuning.split_intra): kda_intra_scores (body.fwd_scores)
-    stores QG, Kg, gam, Aqk, G and two hand-offs, Akk [B*HV, N, C, C] float32 and bKGa = beta k
-    e^G [B*HV, N, C, K] (cfg.cd, the dtype W's dot casts it to); kda_intra_wy (body.fwd_wy)
-    reads them back for Tinv, W and U. The same outputs, in the same order."""
-    BHV, N, C, K, V = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V
-    sp = _chunk_specs(cfg)
-    qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
-    gate_specs = [_gate_param_spec(cfg, K)] * 2 if cfg.gate != "given" else []
-    dt = cfg.dtype
-    ks, vs = _slicers(cfg)
-    # kda_intra_scores -> QG, Kg, Aqk, gam, Akk, bKGa (, G)
-    out_specs = [per_chunk(K), per_chunk(K), per_chunk(C),
-                 pl.BlockSpec((None, None, 1, K), lambda bh, n: (bh, n, 0, 0)),
-                 per_chunk(C), per_chunk(K)]
-    out_shape = [jax.ShapeDtypeStruct((BHV, N, C, x), t)
-                 for x, t in ((K, dt), (K, dt), (C, dt))]
-    out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32),
-                  jax.ShapeDtypeStruct((BHV, N, C, C), f32),
-                  jax.ShapeDtypeStruct((BHV, N, C, K), dt)]
-    if residuals:
-        out_specs.append(per_chunk(K))
-        out_shape.append(jax.ShapeDtypeStruct((BHV, N, C, K), f32))
-
-    def scores_kernel(q_r, k_r, g_r, b_r, *refs):
-        gate_r, refs = _take_gate(cfg, refs)
-        seg, outs = _take_seg(cfg, refs)
-        QG_r, Kg_r, A_r, gam_r, Akk_r, bKGa_r, *G_r = outs
-        by_k = {"QG": QG_r, "Kg": Kg_r, "gam": gam_r, "bKGa": bKGa_r}
-        if residuals:
-            by_k["G"] = G_r[0]
-        put = _writer(ks, vs, by_k=by_k, by_v={}, whole={"Aqk": A_r})
-        io = SimpleNamespace(
-            qkg=lambda s: (q_r[:, ks(s)], k_r[:, ks(s)], g_r[:, ks(s)]), beta=b_r[...],
-            seg=seg, put=put, residuals=residuals, handoff="bKGa",
-            gate_params=lambda s: tuple(r[:, ks(s)] for r in gate_r))
-        Akk_r[...] = body.fwd_scores(io, pl.program_id(1), cfg)
-
-    in_specs = [_tok_spec(cfg, K, qk_head, chunk), _tok_spec(cfg, K, qk_head, chunk),
-                _tok_spec(cfg, K, v_head, chunk), _tok_spec(cfg, 1, v_head, chunk),
-                *gate_specs, *sp.seg]
-    args = (q, k, g, beta, *gate_params) + (tuple(segs) if cfg.has_seg else ())
-    QG, Kg, Aqk, gam, Akk, bKGa, *G = _call(
-        scores_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, name="kda_intra_scores", warps=cfg.warps_intra,
-        stages=cfg.stages_intra)(*args)
-
-    # kda_intra_wy -> W, U (, Tinv)
-    out_specs = [per_chunk(K), per_chunk(V)] + ([per_chunk(C)] if residuals else [])
-    out_shape = [jax.ShapeDtypeStruct((BHV, N, C, x), dt) for x in (K, V)]
-    if residuals:
-        out_shape.append(jax.ShapeDtypeStruct((BHV, N, C, C), dt))
-
-    def wy_kernel(Akk_r, bKGa_r, v_r, b_r, W_r, U_r, *Tinv_r):
-        whole = {"Tinv": Tinv_r[0]} if residuals else {}
-        put = _writer(ks, vs, by_k={"W": W_r}, by_v={"U": U_r}, whole=whole)
-        io = SimpleNamespace(v=lambda t: v_r[:, vs(t)], beta=b_r[...], put=put,
-                             residuals=residuals)
-        body.fwd_wy(io, Akk_r[...], lambda s: bKGa_r[:, ks(s)], cfg)
-
-    in_specs = [per_chunk(C), per_chunk(K), _tok_spec(cfg, V, v_head, chunk),
-                _tok_spec(cfg, 1, v_head, chunk)]
-    W, U, *Tinv = _call(wy_kernel, cfg, grid=(BHV, N), in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, name="kda_intra_wy", warps=cfg.warps_intra,
-                        stages=cfg.stages_intra)(Akk, bKGa, v, beta)
-    return (W, U, QG, Kg, Aqk, gam) + ((G[0], Akk, Tinv[0]) if residuals else ())
 
 
 # ----------------------------------------------------------------------------- state passes
@@ -415,30 +360,16 @@ def _tpu_sequential_call(kernel, cfg: KdaConfig, in_specs, out_specs, out_shape,
                  scratch=[pltpu.VMEM((BV, cfg.K), f32)])
 
 
-def _hopper_state_mode(cfg: KdaConfig, dtype) -> str | None:
-    """How the state passes run their Mosaic GPU form (kda_mgpu_state): "compiled",
-    "interpret" or None (the Triton kernels), as ``hopper_intra_mode`` decides for the
-    intra-chunk kernels. dtype: the forward's O, the backward's dO."""
-    if not cfg.hopper & body.HOPPER_STATE or cfg.mode not in ("gpu", "interpret"):
-        return None
-    if kda_mgpu_state.unsupported_reason(cfg, dtype) is not None:
-        return None
-    if cfg.mode == "gpu":
-        return "compiled" if kda_mgpu.is_hopper() else None
-    return "interpret" if kda_mgpu.interpret_params() is not None else None
-
-
 def state_fwd(cfg: KdaConfig, W, U, QG, Kg, Aqk, gam, h0t, *, out_dtype, residuals: bool):
     """O in the user layout (out_dtype), final St [B*HV, V, K] f32 and, if ``residuals``, the
     state entering every chunk h [B*HV, N, V, K] and V' [B*HV, N, C, V] (both cfg.cd).
 
-    With ``cfg.hopper``'s HOPPER_STATE bit the Mosaic GPU kernel (kda_mgpu_state) computes
-    it where it applies (``_hopper_state_mode``)."""
-    hopper = _hopper_state_mode(cfg, out_dtype)
-    if hopper is not None:
-        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
+    The Mosaic GPU kernel (kda_mgpu_state) computes it where ``state_mode`` says so."""
+    mode = state_mode(cfg, out_dtype)
+    if mode is not None:
         return kda_mgpu_state.state_fwd(cfg, W, U, QG, Kg, Aqk, gam, h0t, out_dtype=out_dtype,
-                                        residuals=residuals, interpret=interpret)
+                                        residuals=residuals,
+                                        interpret=_mosaic_gpu_interpret(mode))
     BHV, N, C, K, V, HV, BV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV, cfg.bv_seq
     nv = V // BV
     dt = cfg.dtype
@@ -511,12 +442,11 @@ def state_bwd(cfg: KdaConfig, dO, W, QG, Kg, Aqk, gam, dSTt):
     """Reverse pass. dO in the user layout, dSTt [B*HV, V, K] (gradient of the final state,
     transposed). Returns dh [B*HV, N, V, K], dV' [B*HV, N, C, V] (cfg.cd) and dS0t [B*HV, V, K].
 
-    With ``cfg.hopper``'s HOPPER_STATE bit the Mosaic GPU kernel (kda_mgpu_state) computes it
-    where it applies (``_hopper_state_mode``)."""
-    hopper = _hopper_state_mode(cfg, dO.dtype)
-    if hopper is not None:
-        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
-        return kda_mgpu_state.state_bwd(cfg, dO, W, QG, Kg, Aqk, gam, dSTt, interpret=interpret)
+    The Mosaic GPU kernel (kda_mgpu_state) computes it where ``state_mode`` says so."""
+    mode = state_mode(cfg, dO.dtype)
+    if mode is not None:
+        return kda_mgpu_state.state_bwd(cfg, dO, W, QG, Kg, Aqk, gam, dSTt,
+                                        interpret=_mosaic_gpu_interpret(mode))
     BHV, N, C, K, V, HV, BV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV, cfg.bv_seq
     nv = V // BV
     dt = cfg.dtype
@@ -587,10 +517,9 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
 
     Two kernels: ``intra_bwd_scores`` per chunk (grid (B*HV, N): dv, dbeta and the chunk's
     [C, C] dAqk, dAkk and their transposes, stored in cfg.cd since their only consumers are
-    fast dots), then ``intra_bwd_channels`` per chunk and K slice (grid (B*HV, N, K/BK)): K/BK
-    times as many programs, each holding one slice's tiles, so more of them fit on an SM.
+    fast dots), then ``intra_bwd_channels`` per chunk and K slice: K/BK times as many
+    programs, each holding one slice's tiles, so more of them fit on an SM.
     """
-    cfg = bwd_config(cfg, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype)
     dv, db, *dA = intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO,
                                    dv_dtype=dv_dtype)
     dq, dk, dg, *dgate = intra_bwd_channels(cfg, q, k, G, segs, dA, h, dh, Vp, dO, dv, f,
@@ -601,18 +530,17 @@ def intra_bwd(cfg: KdaConfig, q, k, v, G, beta, segs, W, U, Akk, Tinv, h, dh, Vp
 def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp, dVp, dO, *,
                      dv_dtype):
     """Backward part 1, grid (B*HV, N): dv, dbeta (user layout) and dAqk, dAkk, dAqk^T, dAkk^T
-    [B*HV, N, C, C] (cfg.cd); where anchor_mid_bwd's blocks take them, with each row's
+    [B*HV, N, C, C] (cfg.cd); where cfg.bwd_rows' blocks take them, with each row's
     diagonal block scaled by a power of two, followed (``da_names``) by the powers of two that
     undo it, dAqk_down, ..., dAkkT_down [B*HV, N, C, 1] float32 (body.scale_diagonal_blocks).
     Akk and Tinv are the forward's (``intra_fwd(..., residuals=True)``), and so is G.
 
-    With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
-    (``hopper_intra_mode``, and dv in bf16)."""
-    hopper = hopper_intra_mode(cfg, k, k, v, G, beta, body.HOPPER_BWD_SCORES)
-    if hopper is not None and jnp.dtype(dv_dtype) == jnp.dtype(jnp.bfloat16):
-        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
+    The Mosaic GPU kernel (kda_mgpu_bwd) computes it where ``scores_mode`` says so."""
+    mode = scores_mode(cfg, k, v, G, beta, dv_dtype)
+    if mode is not None:
         return kda_mgpu_bwd.intra_bwd_scores(cfg, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp,
-                                             dVp, dO, dv_dtype=dv_dtype, interpret=interpret)
+                                             dVp, dO, dv_dtype=dv_dtype,
+                                             interpret=_mosaic_gpu_interpret(mode))
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     sp = _chunk_specs(cfg)
     qk_head, v_head, chunk, per_chunk = sp.qk_head, sp.v_head, sp.chunk, sp.per_chunk
@@ -652,53 +580,22 @@ def intra_bwd_scores(cfg: KdaConfig, k, v, G, beta, segs, W, U, Akk, Tinv, h, Vp
         stages=cfg.stages_intra)(k, v, G, beta, *segs, W, U, Akk, Tinv, h, Vp, dVp, dO)
 
 
-def bwd_config(cfg: KdaConfig, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype) -> KdaConfig:
-    """The config ``intra_bwd`` runs both of its kernels with (callers of the two kernels
-    apart must pass them one config, so that what the first stores is what the second reads):
-    cfg, or without anchor_mid_bwd's blocks (bwd_rows = 0) where the Mosaic GPU
-    intra_bwd_channels takes the call, which has its own sub-chunks and reads the four
-    matrices alone (``da_names``)."""
-    if _channels_on_mosaic(cfg, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype):
-        return dataclasses.replace(cfg, bwd_rows=0)
-    return cfg
-
-
-def _channels_on_mosaic(cfg: KdaConfig, q, k, dO, G, dv_dtype, dqk_dtype, dg_dtype):
-    """``hopper_intra_mode`` of intra_bwd_channels (on the forward's dtypes: dO and dv have v's,
-    G is float32; dv stands in for beta), None where the Mosaic GPU kernel does not take the
-    call."""
-    hopper = hopper_intra_mode(cfg, q, k, dO, G, jax.ShapeDtypeStruct((), dv_dtype),
-                               body.HOPPER_BWD_CHANNELS)
-    if hopper is None or kda_mgpu_bwd.unsupported_reason(cfg, dqk_dtype, dg_dtype) is not None:
-        return None
-    return hopper
-
-
 def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=None,
                        gate_params=(), *, dqk_dtype, dg_dtype):
-    """Backward part 2, grid (K/BK, B*HV, N) (``cfg.slice_first``; else (B*HV, N, K/BK)): dq, dk
-    (per value head) and dg in the user layout.
+    """Backward part 2, per chunk and K slice: dq, dk (per value head) and dg in the user layout.
     dA = (dAqk, dAkk, dAqk^T, dAkk^T[, and the four's scales]) (``da_names``) and dv from
-    ``intra_bwd_scores``. With the gate in the kernel (see ``intra_bwd``) dg holds df, followed
-    by the d(dt_bias) and dA column sums. dv stands in for beta, Tinv and dV'
-    (``kda_body.bwd_intra_channels`` says why).
+    ``intra_bwd_scores`` for the same config. With the gate in the kernel (see ``intra_bwd``)
+    dg holds df, followed by the d(dt_bias) and dA column sums. dv stands in for beta, Tinv and
+    dV' (``kda_body.bwd_intra_channels`` says why).
 
-    With ``cfg.hopper`` the Mosaic GPU kernel (kda_mgpu_bwd) computes it where it applies
-    (``hopper_intra_mode`` on the forward's dtypes: dO and dv have v's, G is float32; no beta
-    here, dv in its place)."""
+    Grid (K/BK, B*HV, N) in the GPU layout: Pallas-Triton launches the first axis as CUDA's x,
+    the index the GPU walks fastest, so the K/BK programs of one chunk run side by side and
+    share the chunk's score gradients, dO, V' and dv through L2 instead of reading them from
+    DRAM again. The TPU modes take (B*HV, N, K/BK): the TPU walks the last axis innermost."""
     names = da_names(cfg)
     if len(dA) != len(names):
         raise ValueError(f"intra_bwd_channels: dA must hold {names} (intra_bwd_scores' outputs "
-                         f"for this config; see bwd_config), got {len(dA)} arrays")
-    hopper = _channels_on_mosaic(cfg, q, k, dO, G, dv.dtype, dqk_dtype, dg_dtype)
-    if hopper is not None:
-        if names != DA_NAMES:  # scaled diagonal blocks: not what the Mosaic GPU kernel reads
-            raise ValueError("intra_bwd_channels: the Mosaic GPU kernel takes cfg.bwd_rows = 0 "
-                             f"(bwd_config), got {cfg.bwd_rows}")
-        interpret = kda_mgpu.interpret_params() if hopper == "interpret" else None
-        return kda_mgpu_bwd.intra_bwd_channels(
-            cfg, q, k, G, segs, dA, h, dh, Vp, dO, dv, f, gate_params,
-            dqk_dtype=dqk_dtype, dg_dtype=dg_dtype, interpret=interpret)
+                         f"for this config), got {len(dA)} arrays")
     BHV, N, C, K, V, HV = cfg.B * cfg.HV, cfg.N, cfg.C, cfg.K, cfg.V, cfg.HV
     nk = K // cfg.bk
     sp = _chunk_specs(cfg)
@@ -724,7 +621,8 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
         out_specs += [pl.BlockSpec((None, None, 1, bk), lambda bh, n, s: (bh, n, 0, s))] * 2
         out_shape += [jax.ShapeDtypeStruct((BHV, N, 1, K), f32)] * 2
     ch_cfg = dataclasses.replace(cfg, K=bk)  # one slice: the body's K loop has one step
-    grid, n_axis = ((nk, BHV, N), 2) if cfg.slice_first else ((BHV, N, nk), 1)
+    slice_first = not head_major(cfg)
+    grid, n_axis = ((nk, BHV, N), 2) if slice_first else ((BHV, N, nk), 1)
 
     def channels_kernel(q_r, k_r, G_r, *refs):
         seg, rest = _take_seg(cfg, refs)
@@ -735,7 +633,7 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
         _, vs = _slicers(cfg)
         by_v = {"Vp": Vp_r, "dO": dO_r, "dv": dv_r}
         dA = dict(zip(names, dA_r, strict=True))  # whole: the unbounded gate's diagonal,
-        # and anchor_mid_bwd's blocks
+        # and cfg.bwd_rows' blocks
         whole = {"dq": dq_r, "dk": dk_r, "dg": dg_r}
         if gated:
             whole.update(dbias=dgate_r[0], dA=dgate_r[1])
@@ -751,22 +649,10 @@ def intra_bwd_channels(cfg: KdaConfig, q, k, G, segs, dA, h, dh, Vp, dO, dv, f=N
             st=lambda name, t, s: (h_r if name == "St" else dh_r)[vs(t), :])
         body.bwd_intra_channels(io, pl.program_id(n_axis), 0, ch_cfg)
 
-    if cfg.slice_first:  # grid (s, bh, n): the specs above take (bh, n, s)
+    if slice_first:  # grid (s, bh, n): the specs above take (bh, n, s)
         in_specs, out_specs = ([_regrid(spec, (1, 2, 0)) for spec in specs]
                                for specs in (in_specs, out_specs))
     return _call(
         channels_kernel, cfg, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="kda_intra_bwd_channels", warps=cfg.warps_chan,
         stages=cfg.stages_intra)(q, k, G, *segs, *dA, h, dh, Vp, dO, dv, *gate_args)
-
-
-@functools.cache
-def triton_available() -> bool:
-    return pl_triton is not None and (
-        hasattr(pl_triton, "CompilerParams") or hasattr(pl_triton, "TritonCompilerParams"))
-
-
-@functools.cache
-def mosaic_available() -> bool:
-    return pltpu is not None and (
-        hasattr(pltpu, "CompilerParams") or hasattr(pltpu, "TPUCompilerParams"))

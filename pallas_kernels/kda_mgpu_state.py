@@ -44,18 +44,18 @@ f32, bf16 = jnp.float32, jnp.bfloat16
 BV = 64  # V columns per CTA (see the module docstring)
 # KernelTuning.mgpu_state: the forms of the passes (see the module docstring); AUTO picks them
 ONE_WG, SPLIT, WIDE, AUTO = 0, 1, 2, 3
-HOPPER_SMS = 132  # H100 and H200 SXM
+HOPPER_SMS = 132  # SMs of the sm_90 SXM cards (H100, H200)
 
 
 def forms(cfg: KdaConfig) -> tuple[int, int]:
     """(forward form, backward form) of the passes for ``cfg.mgpu_state``.
 
-    AUTO, as measured on the H200 (BENCHMARKS.md, session z): when 64-column CTAs of one per
-    SM would take more than one wave (B*HV*V/64 > HOPPER_SMS), the passes are bound by memory and
-    the wide forms read less (8 x 4096 x 16 heads: forward 1.21 against 1.29 ms); otherwise
-    the chain's latency is the time, and the forward takes the two-warpgroup form
-    (1 x 65536 x 16 heads: 3.47 against 4.03 ms) while the backward keeps one warpgroup (its
-    two-warpgroup form was ~1 ms slower there)."""
+    AUTO: when 64-column CTAs of one per SM would take more than one wave
+    (B*HV*V/64 > HOPPER_SMS), the passes are bound by memory and the wide forms, which read
+    less, are the faster; otherwise the chain's latency is the time, and the forward takes the
+    two-warpgroup form while the backward keeps one warpgroup (its two-warpgroup form is the
+    slower there). benchmarks/kda_kernel.py --sweep with --variants "mgpu_state=0;..."
+    measures the forms against each other."""
     if cfg.mgpu_state != AUTO:
         return cfg.mgpu_state, cfg.mgpu_state
     if cfg.B * cfg.HV * (cfg.V // BV) > HOPPER_SMS:  # 64-column CTAs
@@ -73,7 +73,7 @@ def unsupported_reason(cfg: KdaConfig, out_dtype=bf16) -> str | None:
         (cfg.K not in WHOLE_DIMS or cfg.V not in WHOLE_DIMS,
          f"K, V = {cfg.K}, {cfg.V} (want {WHOLE_DIMS})"),
         (cfg.cd != "bfloat16", f"compute dtype {cfg.cd}"),
-        (jnp.dtype(out_dtype) != jnp.dtype(bf16), f"output dtype {out_dtype}"),
+        (jnp.dtype(out_dtype) != jnp.dtype(bf16), f"output dtype {jnp.dtype(out_dtype)}"),
     ]
     for bad, why in checks:
         if bad:

@@ -11,8 +11,8 @@ count as the first token's document, as in the layer. float32 arithmetic, result
 (dw in float32).
 
 Why kernels: XLA:GPU wrote the 1B step's convolutions as fusions far slower than their memory
-traffic (the forward at ~0.6 TB/s, the weight gradient as column reductions fused with the input
-gradient: 20 ms of each 4-row micro-batch where reading and writing the tensors takes ~2).
+traffic (the weight gradient as column reductions fused with the input gradient), many times
+what reading and writing the tensors takes (benchmarks/short_conv_bench.py measures both).
 
     grid (B, T_pad / R, C_pad / BC); program (b, r, j) owns rows [r R, r R + R) of channel tile
     j. It reads the W shifted row windows it needs straight from x, and the backward also the
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.triton_compat import compiler_params, pl_triton
+from pallas_kernels import device
 
 f32 = jnp.float32
 
@@ -62,9 +62,8 @@ class ConvTiles:
 
 
 DEFAULT_TILES = ConvTiles()
-# The backward (x and dy in; dx and W partial weight-gradient rows out per program) measured
-# faster with half the channels at half the warps: short_conv_bench.py on the H200, one
-# [4, 4096, 2048] bf16 convolution, forward+backward 0.191 ms against 0.223 with the forward's.
+# The backward (x and dy in; dx and W partial weight-gradient rows out per program) is faster
+# with half the channels at half the warps (benchmarks/short_conv_bench.py measures it).
 DEFAULT_BWD_TILES = ConvTiles(rows=32, channels=64, warps=2)
 # With an activation (the row form only; with the L2 norm the channels are the norm's group).
 DEFAULT_ACT_TILES = ConvTiles(rows=64, channels=128, warps=1, form="rows", unroll=4)
@@ -79,11 +78,6 @@ def _next_pow2(n: int) -> int:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def available() -> bool:
-    """Whether this JAX can compile the kernels for the GPU (they need Pallas-Triton)."""
-    return pl_triton is not None
 
 
 def _check(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, where: str, activation: str = "none",
@@ -120,7 +114,8 @@ class _Layout:
         self.Tp, self.Cp, self.Wp = _round_up(T, self.R), _round_up(C, self.BC), _next_pow2(W)
         self.grid = (B, self.Tp // self.R, self.Cp // self.BC)
         self.interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-        self.params = None if self.interpret else compiler_params(tiles.warps)
+        self.params = (None if self.interpret
+                       else device.triton_compiler_params(tiles.warps, stages=1))
 
     def pad_c(self, a):
         """a [..., C] with zero channels up to C_pad (nothing when C is whole tiles)."""

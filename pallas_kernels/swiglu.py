@@ -10,9 +10,9 @@ goes back into the same [N, 2, F] layout for the projection's weight and input g
 
 Why a kernel: XLA wrote the two halves as pad + add into [N, 2, F], each output element
 reading g, u and dy, so every input was read twice (gate and up of a row lie F elements
-apart): 0.40 ms per layer of configs/1b.py's 4 x 4096 micro-batch on the H200, where the
-traffic (read h and dy once, write dh) takes ~0.2. Here each program reads its [BN, 2, BF]
-tile of h and [BN, BF] tile of dy once and writes both halves of dh.
+apart): about twice the traffic of reading h and dy once and writing dh
+(benchmarks/swiglu_bench.py measures it). Here each program reads its [BN, 2, BF] tile of h
+and [BN, BF] tile of dy once and writes both halves of dh.
 
     grid (N_pad / BN, F / BF); float32 arithmetic, dh in h's dtype.
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.triton_compat import compiler_params, pl_triton
+from pallas_kernels import device
 
 f32 = jnp.float32
 
@@ -41,11 +41,6 @@ class SwigluTiles:
 
 
 DEFAULT_TILES = SwigluTiles()
-
-
-def available() -> bool:
-    """Whether this JAX can compile the kernel for the GPU (it needs Pallas-Triton)."""
-    return pl_triton is not None
 
 
 def columns_for(F: int, tiles: SwigluTiles = DEFAULT_TILES) -> int | None:
@@ -105,7 +100,7 @@ def swiglu_backward(h_Nx2xF: jax.Array, dy_NxF: jax.Array, *, tiles: SwigluTiles
         out_specs=pl.BlockSpec((BN, 2, BF), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((Np, 2, F), h_Nx2xF.dtype),
         interpret=interpret,
-        compiler_params=None if interpret else compiler_params(tiles.warps),
+        compiler_params=None if interpret else device.triton_compiler_params(tiles.warps, stages=1),
         name="swiglu_bwd",
     )(h_Nx2xF, dy_NxF)
     return dh[:N]

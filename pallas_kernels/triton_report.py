@@ -2,12 +2,12 @@
 
     pip install --target /tmp/tsite triton==3.6.0          # once, outside the project venv
     PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report [--tune bk=16] [--safe] \
-        [--dim 64] [--gate-in-kernel] [--caps 200,168] [--sass]
+        [--dim 64] [--gate_in_kernel] [--caps 200,168] [--sass]
     PYTHONPATH=/tmp/tsite:. python -m pallas_kernels.triton_report --depth_read 1x4/1x4x16 \
         [--dim 2048] [--sources 6]                      # the Attention Residual read kernels
 
 Pallas lowers each kernel to Triton IR in Python (no GPU needed); Triton then compiles it for
-sm_90 and ptxas reports registers and spills. Per kernel this prints shared memory (the H200
+sm_90 and ptxas reports registers and spills. Per kernel this prints shared memory (sm_90
 allows 227 KB per block), registers per thread and spill bytes: what decides occupancy and
 whether a launch fits, without spending device time. The GPU runs JAX's own bundled Triton,
 so numbers can differ a little from what runs there.
@@ -34,9 +34,7 @@ from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels import depth_read
 from pallas_kernels import kda as pk
-
-# The card the report is for (sm_90): its default launch parameters are the starting point.
-DEVICE_KIND = "NVIDIA H200"
+from pallas_kernels.tuning import KernelTuning
 
 
 def as_if_on_h200():
@@ -52,7 +50,7 @@ def as_if_on_h200():
         jax.sharding.AbstractMesh((1,), ("card",), abstract_device=device))
 
 
-def dump_ttir(outdir: str, tuning: pk.KernelTuning, *, B=1, T=256, H=16, D=128, lower_bound=-5.0,
+def dump_ttir(outdir: str, tuning: KernelTuning, *, B=1, T=256, H=16, D=128, lower_bound=-5.0,
               segments=False, gate_in_kernel=False):
     """Lower forward+backward for the GPU with ``tuning`` and write each kernel's Triton IR to
     outdir (``gate_in_kernel``: g holds the gate's logits, the gate computed in intra_fwd).
@@ -121,7 +119,7 @@ def dump_depth_read_ttir(outdir: str, fwd, bwd, *, D=2048, n=6, M=256) -> dict:
     return found
 
 
-def launch_params(name: str, t: pk.KernelTuning) -> tuple[int, int]:
+def launch_params(name: str, t: KernelTuning) -> tuple[int, int]:
     """(warps, stages) of kernel ``name`` under tuning ``t``, as kda_calls launches it."""
     return {"kda_intra_fwd": (t.warps_intra, t.stages_intra),
             "kda_state_fwd": (t.warps_seq, t.stages_seq),
@@ -210,11 +208,11 @@ def report(path: str, warps: int, stages: int, caps=(), sass: bool = False) -> s
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", default="",
-                    help=f"launch parameters changed from {DEVICE_KIND}'s defaults, e.g. "
-                         "bk=16,warps_grad=4 (pallas_kernels.kda.KernelTuning)")
+                    help="launch parameters changed from the defaults, e.g. "
+                         "bk=16,warps_grad=4 (pallas_kernels.tuning.KernelTuning)")
     ap.add_argument("--safe", action="store_true", help="unbounded-gate path")
     ap.add_argument("--segments", action="store_true", help="packed-segment variant")
-    ap.add_argument("--gate-in-kernel", action="store_true",
+    ap.add_argument("--gate_in_kernel", action="store_true",
                     help="g as the gate's logits, the gate computed in intra_fwd")
     ap.add_argument("--dim", type=int, default=None,
                     help="head dim K = V (default 128; configs/small.py's heads are 64), or "
@@ -253,7 +251,7 @@ def main(argv=None):
                 print(f"{name}: {report(path, warps, 1, **extra)}", flush=True)
         return
     args.dim = args.dim or 128
-    tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(DEVICE_KIND), source="--tune")
+    tuning = KernelTuning.parse(args.tune, source="--tune")
     print(f"tuning: {tuning}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         found = dump_ttir(tmp, tuning, D=args.dim, lower_bound=None if args.safe else -5.0,

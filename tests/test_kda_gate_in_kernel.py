@@ -24,6 +24,7 @@ from pallas_kernels import kda as pk
 from pallas_kernels import kda_body as body
 from pallas_kernels import kda_calls as calls
 from pallas_kernels.triton_report import as_if_on_h200
+from pallas_kernels.tuning import KernelTuning
 
 ON_GPU = jax.default_backend() == "gpu"
 GRAD_NAMES = ("q", "k", "v", "f", "beta", "A_log", "dt_bias")
@@ -142,7 +143,7 @@ def test_kernel_gate_derivatives_match_float64_differences(rng, gate):
     C, BK = 16, 16
     cfg = pk.make_config(jnp.zeros((1, C, 1, BK)), jnp.zeros((1, C, 1, BK)), scale=1.0,
                          segment_ids=None, chunk_size=C, lower_bound=lb, mode="interpret",
-                         tuning=pk.default_tuning(), gate_in_kernel=True)
+                         tuning=KernelTuning(), gate_in_kernel=True)
     assert cfg.gate == gate
     f = 3.0 * rng.standard_normal((C, BK))
     A = np.exp(0.5 * rng.standard_normal((1, BK)))
@@ -251,7 +252,7 @@ def test_kernel_gate_stays_within_the_bound_for_extreme_logits(rng):
     q, k, v, f, beta, A_log, dt_bias = make_inputs(rng, B=B, T=T, H=H, HV=HV, K=K, V=V,
                                                    extreme=True)
     cfg = pk.make_config(q, v, scale=K ** -0.5, segment_ids=None, chunk_size=C, lower_bound=-5.0,
-                         mode="interpret", tuning=pk.default_tuning(), gate_in_kernel=True)
+                         mode="interpret", tuning=KernelTuning(), gate_in_kernel=True)
     args = (*pk._prep(q, k, v, f, beta, None, cfg), pk._gate_params(A_log, dt_bias, cfg))
     G = compiled(lambda *a: calls.intra_fwd(cfg, *a, residuals=True), *args)(*args)[-3]
     G = np.asarray(G, np.float64).reshape(HV, cfg.N * C, K)  # [B*HV, N, C, K], B = 1

@@ -1,46 +1,40 @@
-"""The Mosaic GPU intra_fwd (pallas_kernels/kda_mgpu.py), intra_bwd_scores and
-intra_bwd_channels (pallas_kernels/kda_mgpu_bwd.py) against the Triton ones, and their dispatch.
+"""The Mosaic GPU intra_bwd_scores (pallas_kernels/kda_mgpu_bwd.py) and state passes
+(pallas_kernels/kda_mgpu_state.py) against the Triton ones, and their dispatch
+(``KernelTuning.hopper``: automatic, Triton only, or Mosaic GPU that must run).
 
-Where it runs: on CPU the Mosaic GPU kernel runs in Mosaic GPU interpret mode and the Triton
-kernel in Pallas interpret mode (both float32 dots on bf16 operands: they agree to rounding);
-on a Hopper (sm_90) GPU the Mosaic GPU kernel runs compiled (bf16 tensor cores, float32
-accumulation) against the Triton kernel in interpret mode, held to bf16 tolerances. Lowering for CUDA is
-checked on any machine (it needs no GPU).
+Where it runs: on CPU the Mosaic GPU kernels run in Mosaic GPU interpret mode and the Triton
+kernels in Pallas interpret mode (both float32 dots on bf16 operands: they agree to rounding);
+on a Hopper (sm_90) GPU the Mosaic GPU kernels run compiled (bf16 tensor cores, float32
+accumulation) against the Triton kernels in interpret mode, held to bf16 tolerances. Lowering
+for CUDA is checked on any machine (it needs no GPU); a Hopper card is faked where the dispatch
+asks for one (``tests.helpers.fake_device``).
 
 Inputs are fresh random bf16 per run (the ``rng`` fixture prints the seed of a failure). Sizes
-are small: interpret mode runs ~2-5 s per (head, chunk) program on CPU.
+are small: interpret mode is slow on CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import device, kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
-from pallas_kernels import kda_mgpu, kda_mgpu_bwd, kda_mgpu_state
-from pallas_kernels.kda import HOPPER_ALL, HOPPER_BWD_SCORES, HOPPER_STATE, KernelTuning, kda_pallas
+from pallas_kernels.kda import kda_pallas
 from pallas_kernels.kda_body import stores_scaled_blocks
-from tests.compile_options import fast_jit
-from tests.test_kda_pallas import numpy_kda, rel
+from pallas_kernels.tuning import KernelTuning
+from tests.helpers import fake_device, fast_jit
+from tests.kda_numpy import kda_numpy, rel_err
 
 ON_GPU = jax.default_backend() == "gpu"
-HOPPER = ON_GPU and kda_mgpu.is_hopper()
-NAMES = ("W", "U", "QG", "Kg", "Aqk", "gam", "G", "Akk", "Tinv")
-# Relative errors (||x - ref|| / ||ref||). CPU: both interpreters take float32 dots of the same
-# bf16 operands, so only float32 summation order and bf16 re-rounding differ. GPU: bf16 tensor
-# cores against a float32 reference, and outputs stored in bf16.
-# G and gam: float32 sums of up to 64 gates in another order (|G| up to 64 |lower_bound|, so
-# ~1e-5 absolute; more with the tensor cores' accumulation), which e^G turns into relative
-# errors of that size.
-TOL = (dict.fromkeys(NAMES, 1e-2) | {"G": 1e-5, "gam": 1e-3} if ON_GPU
-       else dict.fromkeys(NAMES, 2e-3) | {"G": 1e-5, "gam": 3e-4})
-
+HOPPER = device.probe().mosaic_gpu  # the Mosaic GPU kernels compile for this machine's card
 
 def bf16_inputs(rng, B, T, H, HV, K=128, V=128, lower_bound=-5.0, gate_dtype=jnp.float32):
     """q, k unit rows, v normal (bf16); g in [lower_bound, 0] (K3's bounded gate) and beta in
@@ -63,47 +57,37 @@ def packed_ids(rng, B, T, C=64):
         np.searchsorted(sorted(starts), np.arange(T), side="right") + 1, (B, T)), jnp.int32)
 
 
-def config(q, v, *, mode, lower_bound=-5.0, chunk_size=64, hopper=HOPPER_ALL, seg=None):
+def config(q, v, *, mode, lower_bound=-5.0, chunk_size=64, hopper=1, seg=None):
     return pk.make_config(q, v, scale=q.shape[-1] ** -0.5, segment_ids=seg,
                           chunk_size=chunk_size, lower_bound=lower_bound, mode=mode,
                           tuning=KernelTuning(hopper=hopper))
 
 
-def kernel_args(q, k, v, g, beta, cfg):
-    """The padded kernel-layout arguments intra_fwd takes (as kda._forward builds them)."""
-    return pk._prep(q, k, v, g, beta, None, cfg)[:5]
-
-
-@pytest.fixture
-def mgpu_calls(monkeypatch):
-    """Counts the calls of kda_mgpu.intra_fwd (to see which kernel intra_fwd dispatched to)."""
-    count = []
-    real = kda_mgpu.intra_fwd
-
-    def spy(*args, **kwargs):
-        count.append(kwargs.get("interpret"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kda_mgpu, "intra_fwd", spy)
-    return count
-
-
 @pytest.fixture
 def mgpu_bwd_calls(monkeypatch):
-    """Names of the kda_mgpu_bwd kernels called (which kernels the backward took)."""
+    """Names of the kda_mgpu_bwd kernels called (whether the backward took the Mosaic GPU
+    intra_bwd_scores)."""
     calls_made = []
+    real = kda_mgpu_bwd.intra_bwd_scores
 
-    def spy_on(name):
-        real = getattr(kda_mgpu_bwd, name)
+    def spy(*args, **kwargs):
+        calls_made.append("intra_bwd_scores")
+        return real(*args, **kwargs)
 
-        def spy(*args, **kwargs):
-            calls_made.append(name)
-            return real(*args, **kwargs)
-        monkeypatch.setattr(kda_mgpu_bwd, name, spy)
-
-    for name in ("intra_bwd_scores", "intra_bwd_channels"):
-        spy_on(name)
+    monkeypatch.setattr(kda_mgpu_bwd, "intra_bwd_scores", spy)
     return calls_made
+
+
+@pytest.fixture
+def mgpu_state_calls(monkeypatch):
+    """Names of the kda_mgpu_state passes called (whether the state passes took Mosaic GPU)."""
+    calls_made = []
+    for name in ("state_fwd", "state_bwd"):
+        real = getattr(kda_mgpu_state, name)
+        monkeypatch.setattr(kda_mgpu_state, name, lambda *a, name=name, real=real, **kw:
+                            calls_made.append(name) or real(*a, **kw))
+    return calls_made
+
 
 
 @pytest.fixture(autouse=True)
@@ -120,37 +104,8 @@ def _reset_interpreter():
 # ----------------------------------------------------------------------------- numerics
 
 
-@pytest.mark.parametrize(("B", "T", "H", "HV", "lower_bound", "residuals", "gate_dtype"), [
-    pytest.param(1, 100, 1, 2, -5.0, True, jnp.float32, id="T100-grouped-sub16-residuals-g32"),
-    pytest.param(2, 40, 1, 1, -1.0, False, jnp.bfloat16, id="T40-sub64-no-residuals-g16"),
-])
-def test_intra_fwd_matches_triton(rng, B, T, H, HV, lower_bound, residuals, gate_dtype):
-    """Every output of the Mosaic GPU intra_fwd against the Triton kernel's (interpret mode),
-    T not a multiple of C (a padded last chunk), one and four anchors per chunk, HV > H,
-    float32 g (three bf16 planes) and bf16 g (one)."""
-    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, lower_bound=lower_bound,
-                                   gate_dtype=gate_dtype)
-    cfg = config(q, v, mode="gpu" if HOPPER else "interpret", lower_bound=lower_bound)
-    args = kernel_args(q, k, v, g, beta, cfg)
-    assert kda_mgpu.unsupported_reason(cfg, *args) is None
-    interpret = None if HOPPER else kda_mgpu.interpret_params()
-    got = fast_jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals,
-                                                interpret=interpret))(*args)
-    # the Triton kernel with the Mosaic GPU kernel's score blocks (sub-chunks anchored at their
-    # first row; KernelTuning.anchor_mid's blocks round differently, both to bf16 accuracy)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False,
-                                  fwd_rows=cfg.sub, fwd_mid=0)
-    want = calls.intra_fwd(ref_cfg, *args, (), residuals=residuals)
-    assert len(got) == len(want) == (9 if residuals else 6)
-    for name, a, b in zip(NAMES[:len(got)], got, want, strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
-        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
-        err = rel(a, b)
-        assert err < TOL[name], f"{name}: rel err {err:.2e} > {TOL[name]}"
-
-
-def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
-    """kda_pallas with KernelTuning(hopper=HOPPER_ALL): the Mosaic GPU intra_fwd is the one taken, and the
+def test_forward_with_mgpu_state_pass_matches_recurrence(rng, mgpu_state_calls):
+    """kda_pallas with KernelTuning(hopper=1): the Mosaic GPU state_fwd is the one taken, and the
     output and final state match the float64 recurrence as closely as the Triton path's do."""
     B, T, H, HV = 1, 80, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
@@ -162,25 +117,23 @@ def test_forward_with_mgpu_intra_matches_recurrence(rng, mgpu_calls):
                           segment_ids=None, chunk_size=64, lower_bound=-5.0, backend=backend,
                           tuning=KernelTuning(hopper=hopper), poison=True)
 
-    o, S = run(HOPPER_ALL)
-    assert len(mgpu_calls) == 1, "the Mosaic GPU intra_fwd was not used"
+    o, S = run(1)
+    assert mgpu_state_calls == ["state_fwd"], "the Mosaic GPU state_fwd was not used"
     o_tri, S_tri = run(0)
-    assert len(mgpu_calls) == 1, "hopper=0 must keep the Triton intra_fwd"
-    o_ref, S_ref = numpy_kda(q, k, v, g, beta, 128 ** -0.5, h0)
+    assert mgpu_state_calls == ["state_fwd"], "hopper=0 must keep the Triton state_fwd"
+    o_ref, S_ref = kda_numpy(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0)
     for name, x, tri, ref in (("o", o, o_tri, o_ref), ("S", S, S_tri, S_ref)):
         assert bool(jnp.all(jnp.isfinite(x))), f"{name} not finite"
-        err, err_tri = rel(x, ref), rel(tri, ref)
+        err, err_tri = rel_err(x, ref), rel_err(tri, ref)
         # bf16 inputs and bf16 intermediates: errors of ~4e-3 against float64 are rounding
         assert err < max(2 * err_tri, 1e-2), f"{name}: {err:.2e} (Triton path {err_tri:.2e})"
-        assert rel(x, tri) < 1e-2, f"{name}: Mosaic GPU vs Triton path {rel(x, tri):.2e}"
+        assert rel_err(x, tri) < 1e-2, f"{name}: Mosaic GPU vs Triton path {rel_err(x, tri):.2e}"
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
-def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls, packed):
-    """The backward reads the Mosaic GPU intra_fwd's residuals (G, Akk, Tinv) and runs the
-    Mosaic GPU intra_bwd_scores and intra_bwd_channels: every gradient with HOPPER_ALL matches
-    the all-Triton one's. Packed documents: intra_bwd_scores alone takes them (the forward and
-    intra_bwd_channels stay Triton), with the same gradients."""
+def test_gradient_with_mgpu_kernels(rng, mgpu_bwd_calls, mgpu_state_calls, packed):
+    """KernelTuning(hopper=1) runs the Mosaic GPU state passes and intra_bwd_scores (packed
+    documents too), and every gradient matches the all-Triton one's (hopper=0)."""
     B, T, H, HV = 1, 64, 1, 1
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV)
     seg = packed_ids(rng, B, T) if packed else None
@@ -188,40 +141,39 @@ def test_gradient_with_mgpu_residuals(rng, mgpu_bwd_calls, packed):
     o_w = jnp.asarray(rng.standard_normal((B, T, HV, 128)), jnp.float32)
     backend = "gpu" if HOPPER else "interpret"
 
-    # The Mosaic GPU intra_fwd factors the scores in 16-row sub-chunks: the Triton path here
-    # does too (anchor_mid=0), so the two differ by the backward kernels and rounding only
-    def loss(hopper, anchor_mid=0):
+    def loss(hopper):
         def fn(q, k, v, g, beta, h0):
             o, S = kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
                               segment_ids=seg, chunk_size=64, lower_bound=-5.0,
-                              backend=backend, tuning=KernelTuning(hopper=hopper,
-                                                                   anchor_mid=anchor_mid))
+                              backend=backend, tuning=KernelTuning(hopper=hopper))
             return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S)
         return fast_jit(jax.grad(fn, argnums=range(6)))
 
-    got = loss(HOPPER_ALL)(q, k, v, g, beta, h0)
-    bwd = ["intra_bwd_scores"] if packed else ["intra_bwd_scores", "intra_bwd_channels"]
-    assert mgpu_bwd_calls == bwd, f"Mosaic GPU backward kernels used: {mgpu_bwd_calls}"
+    got = loss(1)(q, k, v, g, beta, h0)
+    assert mgpu_bwd_calls == ["intra_bwd_scores"], f"Mosaic GPU backward: {mgpu_bwd_calls}"
+    assert sorted(mgpu_state_calls) == ["state_bwd", "state_fwd"], mgpu_state_calls
     want = loss(0)(q, k, v, g, beta, h0)
-    assert mgpu_bwd_calls == bwd, "hopper=0 must keep the Triton backward kernels"
-    # GPU: the two paths' Tinv differ (tf32 in Triton's, ~16 bits here) and dg, dbeta take
+    assert mgpu_bwd_calls == ["intra_bwd_scores"], "hopper=0 must keep the Triton kernels"
+    assert len(mgpu_state_calls) == 2, "hopper=0 must keep the Triton state passes"
+    # GPU: the two paths' bf16 products are summed in other orders and dg, dbeta take
     # differences of nearly equal terms (the GPU tests' tolerances are looser for them too).
-    # CPU: both save Tinv in bf16, rounded from slightly different float32 values, so single
-    # entries can differ by one bf16 ulp (2^-8 relative); over one chunk of one head that moved
-    # a gradient by up to 1.5e-3 of its norm (13 seeds; 1e-3 failed about one run in five).
+    # CPU: a bf16 intermediate (V', dv, dA) rounded from slightly different float32 values can
+    # differ by one bf16 ulp (2^-8 relative), which moves a gradient over one chunk of one head
+    # by up to ~1e-3 of its norm.
     names = ("q", "k", "v", "g", "beta", "h0")
     tols = (dict.fromkeys(names, 1e-2) | {"g": 3e-2, "beta": 3e-2} if ON_GPU
             else dict.fromkeys(names, 2.0 ** -8))
     for name, a, b in zip(names, got, want, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
-        assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
+        assert rel_err(a, b) < tols[name], f"d{name}: rel err {rel_err(a, b):.2e} > {tols[name]}"
+
 
 
 def test_gate_in_kernel_takes_the_mgpu_scores_kernel(rng, mgpu_bwd_calls):
     """With the gate in the kernel the forward and intra_bwd_channels compute the gate from its
     logits (Triton), but intra_bwd_scores reads only the forward's G: it takes the Mosaic GPU
-    kernel (the default's HOPPER_BWD_SCORES bit), with every gradient (the gate's parameters
-    included) that of the all-Triton path."""
+    kernel (hopper=1, as the automatic choice does on a Hopper card), with every gradient (the
+    gate's parameters included) that of the all-Triton path."""
     B, T, H, HV = 1, 64, 1, 1
     q, k, v, f, beta = bf16_inputs(rng, B, T, H, HV)
     f = jnp.asarray(rng.standard_normal(f.shape), jnp.float32)  # the gate's logits
@@ -239,7 +191,7 @@ def test_gate_in_kernel_takes_the_mgpu_scores_kernel(rng, mgpu_bwd_calls):
             return jnp.sum(o.astype(jnp.float32) * o_w)
         return fast_jit(jax.grad(fn, argnums=range(7)))(q, k, v, f, beta, A_log, dt_bias)
 
-    got = grads(HOPPER_BWD_SCORES | HOPPER_STATE)
+    got = grads(1)
     assert mgpu_bwd_calls == ["intra_bwd_scores"], mgpu_bwd_calls
     want = grads(0)
     assert mgpu_bwd_calls == ["intra_bwd_scores"], "hopper=0 must keep the Triton kernels"
@@ -249,52 +201,7 @@ def test_gate_in_kernel_takes_the_mgpu_scores_kernel(rng, mgpu_bwd_calls):
             else dict.fromkeys(names, 2.0 ** -8))
     for name, a, b in zip(names, got, want, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
-        assert rel(a, b) < tols[name], f"d{name}: rel err {rel(a, b):.2e} > {tols[name]}"
-
-
-def channels_args(rng, B, T, H, HV, gate_dtype=jnp.float32):
-    """(cfg, the arguments of intra_bwd_channels after cfg): q, k and the forward's G from real
-    inputs (the Triton intra_fwd, interpret mode); the state-pass tensors h, dh, V', dO, part
-    1's dv and the score gradients dAqk (lower triangle), dAkk (strict) and their transposes
-    random bf16."""
-    q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, gate_dtype=gate_dtype)
-    cfg = config(q, v, mode="gpu" if HOPPER else "interpret")
-    qp, kp, vp, gp, bp = kernel_args(q, k, v, g, beta, cfg)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
-    G = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, (), residuals=True)[6]
-    BHV, N, C = B * HV, cfg.N, cfg.C
-
-    def rand(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    dA = [jnp.tril(rand(BHV, N, C, C), -i) for i in (0, 1)]
-    dA += [jnp.swapaxes(x, -1, -2) for x in dA]
-    rest = (rand(BHV, N, 128, 128), rand(BHV, N, 128, 128), rand(BHV, N, C, 128),
-            rand(B, N * C, HV, 128), rand(B, N * C, HV, 128))
-    return cfg, (qp, kp, G, (), dA, *rest)
-
-
-def test_intra_bwd_channels_matches_triton(rng):
-    """dq, dk, dg of the Mosaic GPU intra_bwd_channels against the Triton kernel's (interpret
-    mode): T not a multiple of C (a padded last chunk), two chunks, two K slices, four anchors
-    per chunk (sub 16), float32 dq, dk (as for HV > H) and g. (HV > H: the scores test and
-    the gradient's lowering; the head indexing is the same.)"""
-    cfg, args = channels_args(rng, B=1, T=100, H=1, HV=1)
-    kw = dict(dqk_dtype=jnp.float32, dg_dtype=jnp.float32)
-    assert cfg.sub == 16 and kda_mgpu_bwd.unsupported_reason(cfg, **kw) is None
-    interpret = None if HOPPER else kda_mgpu.interpret_params()
-    got = fast_jit(lambda *a: kda_mgpu_bwd.intra_bwd_channels(cfg, *a, **kw, interpret=interpret),
-                  static_argnums=3)(*args)
-    # the Triton kernel on the four matrices alone, as the Mosaic GPU kernel takes them
-    # (calls.bwd_config: no anchor_mid_bwd blocks)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False, bwd_rows=0)
-    want = calls.intra_bwd_channels(ref_cfg, *args, **kw)
-    # CPU: both take the same bf16 products (hi + lo splits included) in float32
-    tol = 1e-2 if ON_GPU else 1e-5
-    for name, a, b in zip(("dq", "dk", "dg"), got, want, strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
-        assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
-        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+        assert rel_err(a, b) < tols[name], f"d{name}: rel err {rel_err(a, b):.2e} > {tols[name]}"
 
 
 @pytest.mark.parametrize(("packed", "D"), [(False, 128), (True, 128), (True, 64)],
@@ -310,7 +217,7 @@ def test_intra_bwd_scores_matches_triton(rng, packed, D):
     seg = packed_ids(rng, B, T) if packed else None
     cfg = config(q, v, mode="gpu" if HOPPER else "interpret", seg=seg)
     qp, kp, vp, gp, bp, segs = pk._prep(q, k, v, g, beta, seg, cfg)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=0)
     W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, segs,
                                                       residuals=True)
     BHV, N, C = B * HV, cfg.N, cfg.C
@@ -318,7 +225,8 @@ def test_intra_bwd_scores_matches_triton(rng, packed, D):
     def rand(*shape):
         return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
-    assert calls.hopper_intra_mode(cfg, kp, kp, vp, G, bp, pk.HOPPER_BWD_SCORES) is not None
+    assert calls.scores_mode(cfg, kp, vp, G, bp, jnp.bfloat16) == ("compiled" if HOPPER
+                                                                   else "interpret")
     args = (kp, vp, G, bp, segs, W, U, Akk, Tinv, rand(BHV, N, D, D), rand(BHV, N, C, D),
             rand(BHV, N, C, D), rand(B, N * C, HV, D))
     interpret = None if HOPPER else kda_mgpu.interpret_params()
@@ -328,7 +236,7 @@ def test_intra_bwd_scores_matches_triton(rng, packed, D):
     # CPU: the same bf16 products in float32; dAkk (bf16) may differ in the last bit where
     # the two kernels sum dL in another order
     tol = 1e-2 if ON_GPU else 3e-4
-    assert calls.da_names(cfg) == calls.DA_NAMES + calls.DA_DOWN_NAMES  # anchor_mid_bwd's
+    assert calls.da_names(cfg) == calls.DA_NAMES + calls.DA_DOWN_NAMES  # cfg.bwd_rows' blocks
     # the matrices with their scaling undone: on the GPU the two kernels' sums differ by
     # ~1e-2, and a power of two chosen from them by a factor of 2 where they straddle one
     # (each kernel's own scaling is exact: test_scores_scale_the_diagonal_blocks_exactly)
@@ -336,7 +244,7 @@ def test_intra_bwd_scores_matches_triton(rng, packed, D):
     for name, a, b in zip(("dv", "dbeta", *calls.DA_NAMES), got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
         assert bool(np.all(np.isfinite(a))), f"{name} not finite"
-        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+        assert rel_err(a, b) < tol, f"{name}: rel err {rel_err(a, b):.2e} > {tol}"
     # the transposes are exact
     for x, xt in ((got[2], got[4]), (got[3], got[5])):
         np.testing.assert_array_equal(x, np.swapaxes(xt, -1, -2))
@@ -345,7 +253,7 @@ def test_intra_bwd_scores_matches_triton(rng, packed, D):
 def unscaled(dA, r: int):
     """dAqk, dAkk, dAqkT, dAkkT as float64 NumPy arrays with the scaling of the diagonal blocks
     of their rows (r rows) undone; dA: the four and their scales, as intra_bwd_scores stores
-    them for anchor_mid_bwd's blocks (calls.da_names)."""
+    them for cfg.bwd_rows' blocks (calls.da_names)."""
     mats, downs = [[np.asarray(x, np.float64) for x in dA[i:i + 4]] for i in (0, 4)]
     C = mats[0].shape[-1]
     same = (np.arange(C)[:, None] // r) == (np.arange(C)[None, :] // r)
@@ -354,7 +262,7 @@ def unscaled(dA, r: int):
 
 @pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
 def test_scores_scale_the_diagonal_blocks_exactly(rng, impl):
-    """With anchor_mid_bwd's blocks intra_bwd_scores stores the diagonal block of each row of
+    """With cfg.bwd_rows' blocks intra_bwd_scores stores the diagonal block of each row of
     the four score gradients scaled by a power of two (the largest entry there in [1, 2)),
     and the powers of two that undo it: undone, the matrices equal those stored without the
     blocks (bwd_rows = 0) bit for bit. dO is scaled by 2^-100 (a mean loss's cotangents are
@@ -363,10 +271,10 @@ def test_scores_scale_the_diagonal_blocks_exactly(rng, impl):
     first row of each of dAkk's, strictly lower: the least scale, 2^-126)."""
     B, T, H, HV = 1, 100, 1, 2
     q, k, v, g, beta = bf16_inputs(rng, B, T, H, HV, K=64, V=64)
-    cfg = config(q, v, mode="gpu" if HOPPER else "interpret", hopper=pk.HOPPER_BWD_SCORES)
+    cfg = config(q, v, mode="gpu" if HOPPER else "interpret")
     assert cfg.bwd_rows == 32 and stores_scaled_blocks(cfg)
     qp, kp, vp, gp, bp, segs = pk._prep(q, k, v, g, beta, None, cfg)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=0)
     W, U, _, _, _, _, G, Akk, Tinv = calls.intra_fwd(ref_cfg, qp, kp, vp, gp, bp, segs,
                                                       residuals=True)
     BHV, N, C, D = B * HV, cfg.N, cfg.C, 64
@@ -389,8 +297,8 @@ def test_scores_scale_the_diagonal_blocks_exactly(rng, impl):
     scaled, plain = (fast_jit(lambda *a, c=c: run(c, *a))(*args) for c in cfgs)
     assert len(scaled) == 10 and len(plain) == 6
     # Bit for bit but for the Triton kernel in interpret mode on a GPU: there XLA compiles
-    # each config's kernel body apart, and sums may round differently (dbeta by 1e-6 on an
-    # H100); a scale that went wrong would be off by a factor of 2 or more.
+    # each config's kernel body apart, and sums may round differently (dbeta by ~1e-6); a
+    # scale that went wrong would be off by a factor of 2 or more.
     exact = impl == "mosaic_gpu" or not ON_GPU
     for name, a, b in zip(("dv", "dbeta", *calls.DA_NAMES),
                           [*scaled[:2], *unscaled(scaled[2:], 32)], plain, strict=True):
@@ -398,7 +306,7 @@ def test_scores_scale_the_diagonal_blocks_exactly(rng, impl):
         if exact:
             np.testing.assert_array_equal(a, b, err_msg=name)
         else:
-            assert rel(a, b) < 1e-5, (name, rel(a, b))
+            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
     same = (np.arange(C)[:, None] // 32) == (np.arange(C)[None, :] // 32)
     for name, x, down in zip(calls.DA_NAMES, scaled[2:6], scaled[6:], strict=True):
         down = np.asarray(down)[..., 0]
@@ -442,7 +350,7 @@ def test_state_fwd_matches_triton(rng, residuals, D, form):
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = fast_jit(lambda *a: kda_mgpu_state.state_fwd(
         cfg, *a, out_dtype=jnp.bfloat16, residuals=residuals, interpret=interpret))(*args)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=0)
     want = calls.state_fwd(ref_cfg, *args, out_dtype=jnp.bfloat16, residuals=residuals)
     assert len(got) == len(want) == 2 + 2 * residuals
     # CPU: the same bf16 products in float32, summed in another order, so a bf16 output (and
@@ -452,7 +360,7 @@ def test_state_fwd_matches_triton(rng, residuals, D, form):
     for name, a, b in zip(names, got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
         assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
-        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+        assert rel_err(a, b) < tol, f"{name}: rel err {rel_err(a, b):.2e} > {tol}"
 
 
 @pytest.mark.parametrize("form", [1, 2, 3], ids=["two-wg", "wide", "auto"])
@@ -478,7 +386,7 @@ def test_state_pass_forms_give_the_same_gradients(rng, monkeypatch, form):
             o, S = kda_pallas(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0,
                               segment_ids=None, chunk_size=64, lower_bound=-5.0,
                               backend=backend, poison=True,
-                              tuning=KernelTuning(hopper=HOPPER_STATE, mgpu_state=form))
+                              tuning=KernelTuning(hopper=1, mgpu_state=form))
             return jnp.sum(o.astype(jnp.float32) * o_w) + jnp.sum(S), (o, S)
         return fast_jit(jax.grad(fn, argnums=range(6), has_aux=True))(q, k, v, g, beta, h0)
 
@@ -494,7 +402,7 @@ def test_state_pass_forms_give_the_same_gradients(rng, monkeypatch, form):
     names = ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0")
     for name, a, b in zip(names, (o, S, *got), (o0, S0, *want), strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
-        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+        assert rel_err(a, b) < tol, f"{name}: rel err {rel_err(a, b):.2e} > {tol}"
 
 
 def test_automatic_state_pass_forms():
@@ -546,31 +454,35 @@ def test_state_bwd_matches_triton(rng, form, D):
             jnp.asarray(rng.standard_normal((BHV, D, D)), jnp.float32))
     interpret = None if HOPPER else kda_mgpu.interpret_params()
     got = fast_jit(lambda *a: kda_mgpu_state.state_bwd(cfg, *a, interpret=interpret))(*args)
-    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=False)
+    ref_cfg = dataclasses.replace(cfg, mode="interpret", platform="cpu", hopper=0)
     want = calls.state_bwd(ref_cfg, *args)
     tol = 1e-2 if ON_GPU else 1e-3  # as in the forward's test
     for name, a, b in zip(("dh", "dV'", "dS0"), got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.dtype)
         assert bool(jnp.all(jnp.isfinite(a))), f"{name} not finite"
-        assert rel(a, b) < tol, f"{name}: rel err {rel(a, b):.2e} > {tol}"
+        assert rel_err(a, b) < tol, f"{name}: rel err {rel_err(a, b):.2e} > {tol}"
 
 
 def test_state_pass_dispatch():
-    """The state passes take their Mosaic GPU form only with HOPPER_STATE and for what it
-    supports (bf16 intermediates, O and dO, K and V of 128 or 64, C = 64); interpret mode
-    stands in for the card."""
+    """The state passes take their Mosaic GPU form (hopper=1 here) for what it supports (bf16
+    intermediates, O and dO, K and V of 128 or 64, C = 64), interpret mode standing in for the
+    card, and refuse anything else by name; hopper=0 keeps the Triton kernels."""
     bf = jnp.bfloat16
     cfg = config(jax.ShapeDtypeStruct((1, 128, 1, 128), bf),
                  jax.ShapeDtypeStruct((1, 128, 1, 128), bf), mode="interpret")
-    assert calls._hopper_state_mode(cfg, bf) == "interpret"
-    assert calls._hopper_state_mode(cfg, jnp.float32) is None  # output dtype
-    off = dataclasses.replace(cfg, hopper=HOPPER_ALL & ~pk.HOPPER_STATE)
-    assert calls._hopper_state_mode(off, bf) is None
+    assert calls.state_mode(cfg, bf) == "interpret"
+    with pytest.raises(ValueError, match=r"state passes, which cannot take this call: output "
+                                         r"dtype float32"):
+        calls.state_mode(cfg, jnp.float32)
+    assert calls.state_mode(dataclasses.replace(cfg, hopper=0), bf) is None
     for changes in ({"K": 64, "k_dim": 64}, {"K": 64, "V": 64, "k_dim": 64, "v_dim": 64}):
-        assert calls._hopper_state_mode(dataclasses.replace(cfg, **changes), bf) == "interpret"
-    for changes in ({"K": 32, "k_dim": 32}, {"V": 256, "v_dim": 256}, {"C": 32},
-                    {"cd": "float32"}, {"mode": "tpu_interpret"}):
-        assert calls._hopper_state_mode(dataclasses.replace(cfg, **changes), bf) is None, changes
+        assert calls.state_mode(dataclasses.replace(cfg, **changes), bf) == "interpret"
+    for changes, why in (({"K": 32, "k_dim": 32}, "K, V = 32, 128"),
+                         ({"V": 256, "v_dim": 256}, "K, V = 128, 256"), ({"C": 32}, "chunk 32"),
+                         ({"cd": "float32"}, "compute dtype float32"),
+                         ({"mode": "tpu_interpret"}, "backend 'tpu_interpret' has no Mosaic GPU")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            calls.state_mode(dataclasses.replace(cfg, **changes), bf)
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -579,8 +491,7 @@ def test_state_pass_dispatch():
 # sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per block: two blocks per SM (the
 # overlap the kernel relies on) if each takes at most 113 KB.
 SMEM_TWO_BLOCKS = 113 * 1024
-# what a launch took beyond Pallas' estimate (intra_bwd_scores at 64, session ad: 139.4 KB
-# against 136), rounded up
+# what a launch took beyond Pallas' estimate (a profile of intra_bwd_scores at 64), rounded up
 SMEM_LAUNCH_MARGIN = 8 * 1024
 # one block per SM: the backward kernels (227 KB of dynamic shared memory at most)
 SMEM_PER_BLOCK = 227 * 1024
@@ -605,24 +516,6 @@ def smem(monkeypatch):
     except (ImportError, AttributeError):
         pass
     return sizes
-
-
-@pytest.mark.parametrize(("residuals", "gate_dtype"), [
-    (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.float32), (True, jnp.float32)])
-def test_cuda_lowering(residuals, gate_dtype, smem):
-    """The kernel lowers for CUDA (Mosaic GPU's frontend and layout checks) without a GPU, and
-    its shared memory (Pallas' own estimate, where this JAX exposes it) lets two blocks share
-    an sm_90 SM."""
-    bf = jnp.bfloat16
-    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in (  # q, k, v, g, beta; H = 2, HV = 4
-        ((2, 256, 2, 128), bf), ((2, 256, 2, 128), bf), ((2, 256, 4, 128), bf),
-        ((2, 256, 4, 128), gate_dtype), ((2, 256, 4, 1), gate_dtype))]
-    cfg = config(args[0], args[2], mode="gpu")
-    fn = jax.jit(lambda *a: kda_mgpu.intra_fwd(cfg, *a, residuals=residuals))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    if smem:
-        assert 0 < max(smem) <= SMEM_TWO_BLOCKS, f"SMEM {max(smem)} B > {SMEM_TWO_BLOCKS} B"
 
 
 def state_pass_config(D: int, form: int):
@@ -704,27 +597,14 @@ def test_cuda_lowering_of_state_passes_at_64(form, smem):
             assert 0 < max(smem) <= hi, (form, max(smem), hi)
 
 
-@pytest.mark.parametrize(("dqk_dtype", "dg_dtype"), [
-    (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
-def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
-    """intra_bwd_scores (with and without packed segments) and intra_bwd_channels lower for
-    CUDA without a GPU and fit one sm_90 block's SMEM (Pallas' estimate), the latter with bf16
-    and float32 outputs."""
+def test_cuda_lowering_of_intra_bwd_scores(smem):
+    """intra_bwd_scores, with and without packed segments, lowers for CUDA without a GPU and
+    fits one sm_90 block's SMEM (Pallas' estimate)."""
     bf = jnp.bfloat16
     B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
     cfg = config(jax.ShapeDtypeStruct((B, Tp, H, 128), bf),
                  jax.ShapeDtypeStruct((B, Tp, HV, 128), bf), mode="gpu")
-    cc, st, cv = (B * HV, N, C, C), (B * HV, N, 128, 128), (B * HV, N, C, 128)
-    args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
-        ((B, Tp, H, 128), bf), ((B, Tp, H, 128), bf), ((B * HV, N, C, 128), jnp.float32),
-        *[(cc, bf)] * 4, (st, bf), (st, bf), (cv, bf), ((B, Tp, HV, 128), bf),
-        ((B, Tp, HV, 128), bf))]
-
-    def fn(q, k, G, d0, d1, d2, d3, *rest):
-        return kda_mgpu_bwd.intra_bwd_channels(cfg, q, k, G, (), (d0, d1, d2, d3), *rest,
-                                               dqk_dtype=dqk_dtype, dg_dtype=dg_dtype)
-
-    # intra_bwd_scores with and without packed segments (kda_body's a, lm, segc, segr)
+    # with and without packed segments (kda_body's a, lm, segc, segr)
     cfg_seg = dataclasses.replace(cfg, has_seg=True)
     segs = [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in [(B, N, C, 1)] * 3 + [(B, N, 1, C)]]
 
@@ -733,8 +613,7 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
                                              dVp, dO, dv_dtype=bf)
 
     s_args = scores_shapes(B, Tp, H, HV, N, C, 128)
-    for f, a in ((fn, args),
-                 (functools.partial(scores, cfg), s_args[:4] + [()] + s_args[4:]),
+    for f, a in ((functools.partial(scores, cfg), s_args[:4] + [()] + s_args[4:]),
                  (functools.partial(scores, cfg_seg), s_args[:4] + [segs] + s_args[4:])):
         smem.clear()
         text = jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
@@ -746,8 +625,8 @@ def test_cuda_lowering_of_intra_bwd(dqk_dtype, dg_dtype, smem):
 def test_cuda_lowering_of_intra_bwd_scores_at_64(smem):
     """intra_bwd_scores with heads of 64 (configs/small.py: K = V = 64), packed segments or
     not, lowers for CUDA without a GPU, with less SMEM than at 128, and two blocks share an
-    sm_90 SM: Pallas' estimate with room for what the launch adds (139.4 KB launched where the
-    estimate read 136 in session ad's profile, one block per SM then). At 128 one block."""
+    sm_90 SM: Pallas' estimate with room for what the launch adds (SMEM_LAUNCH_MARGIN). At 128
+    one block."""
     bf, f = jnp.bfloat16, jnp.float32
     B, Tp, H, HV, N, C = 2, 256, 2, 4, 4, 64
 
@@ -774,10 +653,13 @@ def test_cuda_lowering_of_intra_bwd_scores_at_64(smem):
             assert at64 + SMEM_LAUNCH_MARGIN <= SMEM_TWO_BLOCKS, (packed, at64)
 
 
-def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
-    """The whole kda_pallas forward and gradient with HOPPER_ALL on backend "gpu", as if on sm_90
-    (the intra_fwd dispatch and the Mosaic GPU backward kernels included), lower for CUDA."""
-    monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: True)
+@pytest.mark.parametrize("mosaic_gpu", [True, False], ids=["hopper", "other-card"])
+def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls, mgpu_state_calls,
+                                               mosaic_gpu):
+    """The whole kda_pallas forward and gradient with the default tuning (hopper=-1) on backend
+    "gpu" lower for CUDA: on a Hopper card (faked) with the Mosaic GPU state passes and
+    intra_bwd_scores, on any other card with the Triton kernels only."""
+    fake_device(monkeypatch, "gpu", mosaic_gpu=mosaic_gpu)
     shapes = ((1, 128, 1, 128), (1, 128, 1, 128), (1, 128, 2, 128), (1, 128, 2, 128),
               (1, 128, 2))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
@@ -785,93 +667,151 @@ def test_cuda_lowering_of_forward_and_gradient(monkeypatch, mgpu_bwd_calls):
     def loss(q, k, v, g, beta):
         o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=None, segment_ids=None,
                           chunk_size=64, lower_bound=-5.0, backend="gpu",
-                          tuning=KernelTuning(hopper=HOPPER_ALL))
+                          tuning=KernelTuning())
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
 
     for fn in (loss, jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
-    assert mgpu_bwd_calls == ["intra_bwd_scores", "intra_bwd_channels"]
+        assert ("mosaic_gpu" in text) == mosaic_gpu
+    assert mgpu_bwd_calls == (["intra_bwd_scores"] if mosaic_gpu else [])
+    want = ["state_fwd", "state_fwd", "state_bwd"] if mosaic_gpu else []
+    assert mgpu_state_calls == want
 
 
 # ----------------------------------------------------------------------------- dispatch
 
 
-def test_hopper_kernels_by_default_only_on_hopper_cards():
-    """default_tuning turns on the Mosaic GPU kernels measured faster on the H200 (the backward's
-    intra_bwd_scores and both state passes) for Hopper device kinds only; KernelTuning() itself
-    keeps Triton."""
-    assert KernelTuning().hopper == 0
-    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", "NVIDIA H800"):
-        assert pk.default_tuning(kind).hopper == HOPPER_BWD_SCORES | HOPPER_STATE, kind
-    for kind in ("cpu", "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "TPU v5 lite", None):
-        assert pk.default_tuning(kind).hopper == 0, kind
-    for bad in (-1, HOPPER_ALL + 1, True):
-        with pytest.raises(ValueError, match="KernelTuning.hopper must be a sum of HOPPER_"):
+def dispatch(cfg, dv_dtype=jnp.bfloat16, kernels=("intra_bwd_scores", "state passes")):
+    """calls.scores_mode and calls.state_mode (the ``kernels`` named) of ``cfg`` for arguments
+    of its shapes and compute dtype (float32 G and beta), as a tuple."""
+    B, T, N, C, K, V = cfg.B, cfg.T, cfg.N, cfg.C, cfg.K, cfg.V
+    dt = jnp.dtype(cfg.cd)
+    k, v = jax.ShapeDtypeStruct((B, T, cfg.H, K), dt), jax.ShapeDtypeStruct((B, T, cfg.HV, V), dt)
+    G = jax.ShapeDtypeStruct((B * cfg.HV, N, C, K), jnp.float32)
+    beta = jax.ShapeDtypeStruct((B, T, cfg.HV, 1), jnp.float32)
+    modes = {"intra_bwd_scores": lambda: calls.scores_mode(cfg, k, v, G, beta, dv_dtype),
+             "state passes": lambda: calls.state_mode(cfg, dt)}
+    return tuple(modes[name]() for name in kernels)
+
+
+def test_mosaic_gpu_kernels_by_default_only_on_hopper_cards(monkeypatch):
+    """KernelTuning() (hopper=-1, automatic) takes the Mosaic GPU kernels in compiled "gpu" mode
+    where device.probe finds Mosaic GPU (a Hopper card), and the Triton kernels on any other
+    card and in interpret mode; hopper=0 keeps Triton everywhere, hopper=1 takes the Mosaic GPU
+    interpreter in interpret mode. Bad values are named."""
+    assert KernelTuning().hopper == -1
+    x = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.bfloat16)
+    for mosaic_gpu in (True, False):
+        fake_device(monkeypatch, "gpu", mosaic_gpu=mosaic_gpu)
+        want = "compiled" if mosaic_gpu else None
+        assert dispatch(config(x, x, mode="gpu", hopper=-1)) == (want, want), mosaic_gpu
+        assert dispatch(config(x, x, mode="gpu", hopper=0)) == (None, None)
+        assert dispatch(config(x, x, mode="interpret", hopper=-1)) == (None, None)
+    assert dispatch(config(x, x, mode="interpret", hopper=1)) == ("interpret", "interpret")
+    for bad in (-2, 2, True):
+        with pytest.raises(ValueError, match=r"KernelTuning.hopper must be -1 \(automatic\), 0"):
             KernelTuning(hopper=bad)
 
 
-@pytest.mark.parametrize("case", [
-    "hopper_off", "segments", "gate_in_kernel", "unbounded", "chunk32", "K64", "float32",
-    "tpu_interpret", "gpu_not_sm90",
-])
-def test_fallback_for_unsupported_configs(case, monkeypatch):
-    """hopper_intra_mode (intra_fwd's dispatch) gives None (the Triton kernel) for every config
-    the Mosaic GPU kernel does not implement, and "interpret" for the supported one."""
-    B, T, H, HV, K, V, dt = 1, 64, 1, 1, 128, 128, jnp.bfloat16
-    if case == "K64":
-        K = 64
+@pytest.mark.parametrize("case", ["supported", "unbounded", "chunk32", "K32", "float32",
+                                  "dv_float32", "segments", "gate_in_kernel", "tpu_interpret",
+                                  "gpu_not_sm90"])
+def test_unsupported_calls_fall_back_or_raise(case, monkeypatch):
+    """Where a Mosaic GPU kernel cannot take a call (one it does not implement, a mode without
+    Mosaic GPU, a card without it), hopper=-1 takes the Triton kernel silently and hopper=1
+    raises ValueError naming the kernel and why; where it can (packed segments and the gate in
+    the kernel included: neither kernel computes the gate), both take it. Compiled "gpu" mode
+    on a Hopper card (faked)."""
+    fake_device(monkeypatch, "gpu", mosaic_gpu=case != "gpu_not_sm90")
+    B, T, H, D, dt = 1, 64, 1, 32 if case == "K32" else 128, jnp.bfloat16
     if case == "float32":
         dt = jnp.float32
-    q = jax.ShapeDtypeStruct((B, T, H, K), dt)
-    v = jax.ShapeDtypeStruct((B, T, HV, V), dt)
-    kw = dict(mode="interpret", lower_bound=-5.0, chunk_size=64, hopper=HOPPER_ALL, seg=None)
-    kw.update({"hopper_off": dict(hopper=HOPPER_ALL & ~1), "segments": dict(seg=jnp.zeros((B, T), jnp.int32)),
-               "unbounded": dict(lower_bound=None), "chunk32": dict(chunk_size=32),
-               "tpu_interpret": dict(mode="tpu_interpret"),
-               "gpu_not_sm90": dict(mode="gpu")}.get(case, {}))
-    cfg = config(q, v, **kw)
+    x = jax.ShapeDtypeStruct((B, T, H, D), dt)
+    kw = dict(mode="gpu", lower_bound=-5.0, chunk_size=64, seg=None)
+    kw.update({"unbounded": dict(lower_bound=None), "chunk32": dict(chunk_size=32),
+               "segments": dict(seg=jnp.zeros((B, T), jnp.int32)),
+               "tpu_interpret": dict(mode="tpu_interpret")}.get(case, {}))
+    cfg = config(x, x, hopper=1, **kw)
     if case == "gate_in_kernel":
         cfg = dataclasses.replace(cfg, gate="bounded", gate_bound=-5.0)
-    if case == "gpu_not_sm90":
-        monkeypatch.setattr(kda_mgpu, "is_hopper", lambda: False)
-    x_k = jax.ShapeDtypeStruct((B, T, H, cfg.K), dt)
-    x_v = jax.ShapeDtypeStruct((B, T, HV, cfg.V), dt)
-    x_g = jax.ShapeDtypeStruct((B, T, HV, cfg.K), dt)
-    b = jax.ShapeDtypeStruct((B, T, HV, 1), dt)
-    assert calls.hopper_intra_mode(cfg, x_k, x_k, x_v, x_g, b) is None
-    supported = config(jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((B, T, HV, 128), jnp.bfloat16), mode="interpret")
-    x_k, x_v = (jax.ShapeDtypeStruct((B, T, n, 128), jnp.bfloat16) for n in (H, HV))
-    b = jax.ShapeDtypeStruct((B, T, HV, 1), jnp.bfloat16)
-    assert calls.hopper_intra_mode(supported, x_k, x_k, x_v, x_v, b) == "interpret"
+    both = {"chunk32": "chunk 32 != 64", "K32": "K, V = 32, 32", "float32":
+            "compute dtype float32", "tpu_interpret": "backend 'tpu_interpret' has no Mosaic GPU",
+            "gpu_not_sm90": device.probe("gpu").why_not("mosaic_gpu")}
+    why = {"intra_bwd_scores": {"unbounded": "unbounded gate", "dv_float32": "dv dtype float32",
+                                **both}.get(case),
+           "state passes": both.get(case)}
+    dv_dtype = jnp.float32 if case == "dv_float32" else jnp.bfloat16
+    for hopper in (-1, 1):
+        c = dataclasses.replace(cfg, hopper=hopper)
+        for kernel, reason in why.items():
+            if reason is None:
+                assert dispatch(c, dv_dtype, (kernel,)) == ("compiled",), (case, kernel, hopper)
+            elif hopper == -1:
+                assert dispatch(c, dv_dtype, (kernel,)) == (None,), (case, kernel)
+            else:
+                with pytest.raises(ValueError, match=rf"hopper=1 runs the Mosaic GPU {kernel}, "
+                                                     rf"which cannot take this call: "
+                                                     rf"{re.escape(reason)}"):
+                    dispatch(c, dv_dtype, (kernel,))
 
 
-def test_fallback_runs_the_triton_kernel(mgpu_calls):
-    """An unsupported call with HOPPER_ALL (float32, K = 16, unbounded gate) runs end to end on the
-    Triton intra_fwd and never enters the Mosaic GPU one."""
-    rng = np.random.default_rng(0)
-    B, T, H, K = 1, 40, 1, 16
-    q, k, v = (jnp.asarray(rng.standard_normal((B, T, H, K)) / 4, jnp.float32) for _ in range(3))
-    g = jnp.asarray(-rng.random((B, T, H, K)), jnp.float32)
-    beta = jnp.asarray(rng.random((B, T, H)), jnp.float32)
-    o, S = kda_pallas(q, k, v, g, beta, scale=K ** -0.5, initial_state=None, segment_ids=None,
-                      chunk_size=64, lower_bound=None, backend="interpret",
-                      tuning=KernelTuning(hopper=HOPPER_ALL))
-    assert not mgpu_calls
-    o_ref, S_ref = numpy_kda(q, k, v, g, beta, K ** -0.5)
-    assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
+@pytest.mark.parametrize("case", ["other_card", "unsupported_call", "tpu_mode"])
+def test_explicit_hopper_that_cannot_run_raises(case, monkeypatch):
+    """kda_pallas with KernelTuning(hopper=1) raises ValueError, naming why, where the Mosaic GPU
+    kernels cannot run: compiled "gpu" mode on a card without Mosaic GPU (device.probe's
+    reason), a call they do not implement (float32 inputs), a TPU mode; hopper=-1 runs the same
+    call on the Triton (or TPU) kernels. Forward and gradient, traced (jax.eval_shape)."""
+    dt = jnp.float32 if case == "unsupported_call" else jnp.bfloat16
+    x = jax.ShapeDtypeStruct((1, 128, 1, 128), dt)
+    g = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.float32)
+    beta = jax.ShapeDtypeStruct((1, 128, 1), jnp.float32)
+    backend = {"other_card": "gpu", "unsupported_call": "interpret",
+               "tpu_mode": "tpu_interpret"}[case]
+    fake_device(monkeypatch, "gpu", mosaic_gpu=False)
+    why = {"other_card": device.probe("gpu").why_not("mosaic_gpu"),
+           "unsupported_call": "compute dtype float32",
+           "tpu_mode": "backend 'tpu_interpret' has no Mosaic GPU"}[case]
+
+    def grads(hopper):
+        def loss(q, k, v, g, beta):
+            o, S = kda_pallas(q, k, v, g, beta, scale=0.1, initial_state=None,
+                              segment_ids=None, chunk_size=64, lower_bound=-5.0,
+                              backend=backend, tuning=KernelTuning(hopper=hopper))
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
+        return jax.eval_shape(jax.grad(loss, argnums=range(5)), x, x, x, g, beta)
+
+    with pytest.raises(ValueError, match=rf"KernelTuning.hopper=1 runs the Mosaic GPU .*: "
+                                         rf"{re.escape(why)}"):
+        grads(1)
+    assert [a.shape for a in grads(-1)] == [x.shape] * 4 + [beta.shape]
 
 
-@pytest.mark.parametrize("hopper", [pk.HOPPER_BWD_SCORES, HOPPER_ALL], ids=["triton", "mosaic_gpu"])
-def test_channels_refuse_score_gradients_of_another_config(hopper):
+def test_explicit_hopper_is_refused_before_the_forward_runs():
+    """A call the backward's Mosaic GPU scores kernel cannot take (an unbounded gate: the state
+    passes can) is refused by the forward already, naming that kernel and why."""
+    x = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.float32)
+    beta = jax.ShapeDtypeStruct((1, 128, 1), jnp.float32)
+
+    def forward(hopper, lower_bound):
+        return jax.eval_shape(lambda q, k, v, g, beta: kda_pallas(
+            q, k, v, g, beta, scale=0.1, initial_state=None, segment_ids=None, chunk_size=64,
+            lower_bound=lower_bound, backend="interpret", tuning=KernelTuning(hopper=hopper)),
+            x, x, x, g, beta)
+
+    with pytest.raises(ValueError, match="Mosaic GPU intra_bwd_scores, .*unbounded gate"):
+        forward(1, None)
+    assert forward(-1, None)[0].shape == x.shape
+    assert forward(1, -5.0)[0].shape == x.shape
+
+
+def test_channels_refuse_score_gradients_of_another_config():
     """intra_bwd_channels takes what intra_bwd_scores stored for the same config
-    (calls.da_names, calls.bwd_config): the four matrices without their scales are refused
-    with the names it expects, and where the Mosaic GPU kernel takes the call, which reads the
-    matrices unscaled, so are scaled ones (anchor_mid_bwd's blocks left on)."""
+    (calls.da_names): the four matrices without their scales are refused with the names it
+    expects, and the four with their scales (cfg.bwd_rows' blocks) taken."""
     B, T, H, D = 1, 64, 1, 128
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
-    cfg = config(x, x, mode="interpret", hopper=hopper)
+    cfg = config(x, x, mode="interpret", hopper=0)
     assert cfg.bwd_rows == 32 and calls.da_names(cfg) == calls.DA_NAMES + calls.DA_DOWN_NAMES
     N, C = cfg.N, cfg.C
 
@@ -888,33 +828,23 @@ def test_channels_refuse_score_gradients_of_another_config(hopper):
 
     with pytest.raises(ValueError, match=r"dA must hold .*dAqk_down.* got 4 arrays"):
         channels((cc,) * 4)
-    if hopper == HOPPER_ALL:
-        with pytest.raises(ValueError, match=r"Mosaic GPU kernel takes cfg.bwd_rows = 0"):
-            channels((cc,) * 4 + (down,) * 4)
-    else:
-        channels((cc,) * 4 + (down,) * 4)  # the Triton kernel takes them
+    channels((cc,) * 4 + (down,) * 4)
 
 
-@pytest.mark.parametrize("case", ["supported", "hopper_off", "scores_only", "channels_only",
-                                  "K64", "segments", "out_dtypes", "gate_in_kernel"])
-def test_bwd_dispatch(case, mgpu_bwd_calls):
-    """intra_bwd_scores and intra_bwd_channels (traced only: jax.eval_shape) take the Mosaic GPU
-    kernels for the supported config and the Triton kernels otherwise: their HOPPER_* bit not
-    set (only intra_fwd's; only one of the two: that one alone switches), any config
-    hopper_intra_mode turns down (the forward's checks: K = 64, ...; packed segments and K = 64
-    for intra_bwd_channels, which intra_bwd_scores takes), or output dtypes they do not write (dv
-    not bf16; dq, dk or dg not bf16 / float32). With the gate in the kernel intra_bwd_scores
-    still takes it (it reads the forward's G) and intra_bwd_channels, which computes df, not."""
+@pytest.mark.parametrize("case", ["supported", "hopper_off", "K64", "segments", "out_dtypes",
+                                  "gate_in_kernel", "unbounded"])
+def test_bwd_dispatch(case, monkeypatch, mgpu_bwd_calls):
+    """calls.intra_bwd_scores (traced only: jax.eval_shape) takes the Mosaic GPU kernel on a
+    Hopper card (faked, compiled "gpu" mode, the default hopper=-1) for the calls it
+    implements (heads of 64 or 128, packed segments, the gate in the kernel: it reads the
+    forward's G) and the Triton kernel otherwise: hopper=0, dv not bf16, an unbounded gate."""
+    fake_device(monkeypatch, "gpu", mosaic_gpu=True)
     B, T, H, D = 1, 64, 1, 64 if case == "K64" else 128
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     seg = jnp.zeros((B, T), jnp.int32) if case == "segments" else None
-    bits = {"hopper_off": pk.HOPPER_INTRA_FWD, "scores_only": pk.HOPPER_BWD_SCORES,
-            "channels_only": pk.HOPPER_BWD_CHANNELS}.get(case, HOPPER_ALL)
-    # the four matrices alone, as intra_bwd hands them where the Mosaic GPU intra_bwd_channels
-    # runs (calls.bwd_config)
-    cfg = dataclasses.replace(config(x, x, mode="interpret", hopper=bits, seg=seg), bwd_rows=0)
-    gated = case == "gate_in_kernel"
-    if gated:
+    cfg = config(x, x, mode="gpu", hopper=0 if case == "hopper_off" else -1, seg=seg,
+                 lower_bound=None if case == "unbounded" else -5.0)
+    if case == "gate_in_kernel":
         cfg = dataclasses.replace(cfg, gate="bounded", gate_bound=-5.0)
     N, C, K, V = cfg.N, cfg.C, cfg.K, cfg.V
 
@@ -931,15 +861,5 @@ def test_bwd_dispatch(case, mgpu_bwd_calls):
         cfg, *a[:4], segs, *a[4:], dv_dtype=jnp.float32 if odd else jnp.bfloat16),
         k, v, G, beta, sds(B * H, N, C, K), cv, sds(B * H, N, C, C, dt=jnp.float32), cc, st, cv,
         cv, v)
-    gate = ((sds(B, T, H, K, dt=jnp.float32), (sds(H, 1, K, dt=jnp.float32),) * 2) if gated
-            else (None, ()))
-    jax.eval_shape(lambda *a: calls.intra_bwd_channels(
-        cfg, *a[:3], segs, a[3:7], *a[7:], *gate, dqk_dtype=jnp.float16 if odd else jnp.float32,
-        dg_dtype=jnp.float32), k, k, G, cc, cc, cc, cc, st, st, cv, v, v)
-    want = {"supported": ["intra_bwd_scores", "intra_bwd_channels"],
-            "scores_only": ["intra_bwd_scores"], "segments": ["intra_bwd_scores"],
-            "K64": ["intra_bwd_scores"],
-            "channels_only": ["intra_bwd_channels"],
-            "gate_in_kernel": ["intra_bwd_scores"]}.get(case, [])
-    assert mgpu_bwd_calls == want, case
-
+    taken = case in ("supported", "K64", "segments", "gate_in_kernel")
+    assert mgpu_bwd_calls == (["intra_bwd_scores"] if taken else []), case

@@ -10,30 +10,10 @@ import pytest
 
 from kimi_k3.dispatch import choose_kda_impl as resolve_impl
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
+from pallas_kernels import device
 from pallas_kernels.triton_report import as_if_on_h200
-from tests.compile_options import fast_jit
+from tests.helpers import fake_device, fast_jit, make_inputs
 from tests.kda_numpy import kda_numpy, rel_err
-
-
-def make_inputs(rng, B=2, T=100, H=2, HV=4, K=16, V=8, gate="normal", dtype=np.float32):
-    """Random KDA inputs: L2-normalised q, k (as the layer makes them), gates in the bounded
-    range, or extreme gates (some channels near -1000 per step, the rest near 0)."""
-    q = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, HV, V))
-    if gate == "normal":
-        g = -5.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV, K)) - 2.0))
-    else:
-        g = -rng.uniform(1e-6, 1e-3, (B, T, HV, K))
-        fast = rng.random(K) < 0.5
-        g[..., fast] = -rng.uniform(900.0, 1100.0, (B, T, HV, int(fast.sum())))
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV))))
-    arrs = [x.astype(np.float32) for x in (q, k, v, g, beta)]
-    if dtype != np.float32:
-        arrs = [jnp.asarray(x, dtype) for x in arrs[:3]] + [jnp.asarray(x) for x in arrs[3:]]
-    return [jnp.asarray(x) for x in arrs]
 
 
 def as64(x):
@@ -217,19 +197,17 @@ def test_auto_is_pallas_on_accelerators(backend, monkeypatch):
     # then takes it, and falls back to "xla" where it cannot lower.
     import importlib
 
-    import pallas_kernels.kda as pk
-
-    # The probe itself (before default_backend is patched below: it asks the backend), not an
-    # answer cached earlier: newer JAX lowers Triton kernels on a CPU machine only for a card
-    # named by the abstract mesh, and a False cached without one would stay.
+    family = {"gpu": "triton", "tpu": "mosaic_tpu"}[backend]
+    # The probe itself, uncached: newer JAX lowers Triton kernels on a CPU machine only for a
+    # card named by the abstract mesh, and an answer cached without one would say no.
     with as_if_on_h200():
-        supported = pk.pallas_supported.__wrapped__(backend)
-    assert supported
+        assert device._probe.__wrapped__(backend).why_not(family) is None
+    device.probe(backend)  # cached before default_backend is patched below: the probe asks it
     dispatch = importlib.import_module("kimi_k3.dispatch")
-    monkeypatch.setattr(dispatch, "pallas_supported", lambda b: b == backend and supported)
+    fake_device(monkeypatch, backend, **{family: True})
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
     assert resolve_impl("auto") == "pallas"
-    monkeypatch.setattr(dispatch, "pallas_supported", lambda b: False)
+    fake_device(monkeypatch, backend, **{family: False})
     assert resolve_impl("auto") == "xla"
 
 
