@@ -1,4 +1,4 @@
-"""Kimi Linear import and export (kimi_k3/hf.py) held to transformers' numbers without torch.
+"""Kimi Linear import and export (the package kimi_k3/hf/) held to transformers' numbers without torch.
 
 The fixtures in tests/fixtures/kimi_linear/<case>/ were written by ``benchmarks/hf_parity.py
 --write_fixtures``: a random tiny ``KimiLinearForCausalLM`` saved with ``save_pretrained``
@@ -154,7 +154,7 @@ def test_import_command_gives_a_run_that_exports_back(tmp_path):
     run = tmp_path / "run"
     step_dir = import_to_workdir(src, run)
     assert (run / "config.py").is_file() and (run / "hf_config.json").is_file()
-    from configs import load_config
+    from tests.helpers import load_config
 
     config = load_config(str(run / "config.py"))
     assert config.data.tokenizer == str(run / "tokenizer.json")
@@ -258,7 +258,7 @@ def test_published_dense_names(tmp_path):
 def test_defaults_are_configs_kimi_linear_48b():
     """KimiLinearConfig's defaults with the published layer lists give configs/kimi_linear_48b.py
     (but for the numerics that config chooses: float32 parameters, remat)."""
-    from configs import load_config
+    from tests.helpers import load_config
 
     hf = {"model_type": "kimi_linear", "linear_attn_config": {
         "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],

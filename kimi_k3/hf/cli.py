@@ -1,0 +1,178 @@
+r"""``python -m kimi_k3.hf import|export``: a Kimi Linear folder -> a run folder, and back.
+
+    python -m kimi_k3.hf import --hf_dir=DIR --workdir=RUN [--dtype=...] [--param_dtype=...]
+    python -m kimi_k3.hf export --workdir=RUN --hf_dir=OUT [--checkpoint=STEP] [--config=FILE]
+
+import (``import_to_workdir``) writes the run folder the trainer, eval.py and generate.py read:
+RUN/config.py (its model section from RUN/hf_config.json, a copy of config.json, through
+``run_config_from_hf``), RUN/tokenizer.json when the folder has one, and an Orbax checkpoint
+at step 0 in the trainer's layout: the weights, the routing biases and a fresh optimizer state,
+on the trainer's mesh and shardings (``kimi_k3.train_state.state_layout``; the trainer itself,
+kimi_k3.train_lib, is not imported). Every field and tensor is checked before anything is
+written, and a workdir that already holds checkpoints is refused.
+
+export (``export_from_workdir``) loads the run's config file with
+``kimi_k3.config_files.load_config`` (``path[:arg]``; default RUN/config.py), restores a step
+as eval.py does (default the newest) and writes it in the released layout
+(``save_hf_checkpoint``) with the token ids of RUN/hf_config.json (else ``data.eos_id``) and the
+run's tokenizer.
+
+``build_parser()`` returns the argparse parser, so documented commands can be parsed without
+running them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+
+from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3 import mesh as mesh_lib
+from kimi_k3.config import DTYPES, run_spec
+from kimi_k3.config_files import load_config
+from kimi_k3.hf.config_map import hf_config_from_model, run_config_from_hf
+from kimi_k3.hf.files import load_hf_params, open_checked, read_hf_config, save_hf_checkpoint
+from kimi_k3.run_dir import check_workdir
+from kimi_k3.runtime import quiet_library_logs
+from kimi_k3.train_state import state_layout
+
+_RUN_CONFIG = '''"""Kimi Linear imported from {hf_dir} by ``python -m kimi_k3.hf import``.
+
+    python train.py --config={workdir}/config.py --workdir={workdir}    # fine-tunes from step 0
+    python eval.py --config={workdir}/config.py --workdir={workdir}/eval --checkpoint={workdir}
+    python generate.py --config={workdir}/config.py --workdir={workdir} --prompt_ids=1,2,3
+    python -m kimi_k3.hf export --workdir={workdir} --hf_dir=OUT
+
+The model section comes from hf_config.json beside this file (kimi_k3.hf.model_config_from_hf),
+the rest from the trainer's defaults (kimi_k3.hf.run_config_from_hf); override fields with
+--config.<section>.<field>=... . Step 0 holds a fresh optimizer state for the opt section as
+it was at import: changing opt.name afterwards makes that step unreadable.
+"""
+
+import json
+import pathlib
+
+from kimi_k3.hf import run_config_from_hf
+
+
+def get_config(arg=None):
+    if arg:
+        raise ValueError(f"this config takes no argument, got {{arg!r}}")
+    hf = json.loads((pathlib.Path(__file__).parent / "hf_config.json").read_text())
+    return run_config_from_hf(hf, dtype={dtype!r}, tokenizer={tokenizer!r},
+                              param_dtype={param_dtype!r})
+'''
+
+
+def import_to_workdir(hf_dir, workdir, dtype: str = "float32",
+                      param_dtype: str = "float32") -> str:
+    """``hf_dir`` (a Kimi Linear folder) -> ``workdir``: ``config.py`` (with ``hf_config.json``
+    and, when the folder has one, ``tokenizer.json``) and an Orbax checkpoint at step 0 in the
+    trainer's layout (parameters in ``param_dtype``, routing biases, a fresh optimizer state,
+    on the trainer's mesh and shardings); the run computes in ``dtype``. Refuses a workdir that
+    already holds checkpoints. Returns the step folder."""
+    hf_dir = pathlib.Path(hf_dir)
+    hf = read_hf_config(hf_dir)
+    # Every field and tensor checked before anything is written.
+    open_checked(hf_dir, run_config_from_hf(hf, dtype, "", param_dtype).model)
+    workdir = pathlib.Path(check_workdir(os.fspath(workdir)))
+    ckpt_dir = workdir / "checkpoints"
+    if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        raise ValueError(f"--workdir: {str(workdir)!r} already holds checkpoints; import into "
+                         f"a new folder")
+    tokenizer = ""
+    if (hf_dir / "tokenizer.json").is_file():
+        shutil.copy(hf_dir / "tokenizer.json", workdir / "tokenizer.json")
+        tokenizer = os.fspath(workdir / "tokenizer.json")
+    config = run_config_from_hf(hf, dtype, tokenizer, param_dtype)
+    spec = run_spec(config)
+    layout = state_layout(spec, mesh_lib.make_mesh(spec.mesh))
+    shardings = layout.state_shardings
+    params, biases = load_hf_params(hf_dir, config.model, shardings)
+    with layout.context():
+        opt_state = jax.jit(layout.tx.init, out_shardings=shardings["opt_state"])(params)
+    state = {"params": params, "opt_state": opt_state,
+             "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"]),
+             "rng": jax.device_put(jax.random.PRNGKey(spec.seed + 1), shardings["rng"])}
+    if "model_state" in shardings:
+        state["model_state"] = biases
+    ckpt = ckpt_lib.Checkpointer(os.fspath(ckpt_dir), spec.checkpoint)
+    try:
+        ckpt.save(0, state, {"position": 0})
+    finally:
+        ckpt.close()
+    shutil.copy(hf_dir / "config.json", workdir / "hf_config.json")
+    (workdir / "config.py").write_text(_RUN_CONFIG.format(
+        hf_dir=os.fspath(hf_dir), workdir=os.fspath(workdir), dtype=dtype, tokenizer=tokenizer,
+        param_dtype=param_dtype))
+    return os.fspath(ckpt_dir / "0")
+
+
+def export_from_workdir(workdir, hf_dir, checkpoint: str | None = None,
+                        config_path: str | None = None) -> list[str]:
+    """A run's checkpoint (``checkpoint``, default the newest under ``workdir``) -> a Kimi
+    Linear folder ``hf_dir``. The config: ``config_path`` (``path[:arg]``, loaded by
+    ``kimi_k3.config_files.load_config``), default ``workdir/config.py`` (what ``import``
+    writes). Token ids come from ``workdir/hf_config.json`` when there is one, else
+    ``data.eos_id``. Returns the files written."""
+    workdir = pathlib.Path(workdir)
+    config_spec = os.fspath(config_path) if config_path else os.fspath(workdir / "config.py")
+    path = pathlib.Path(config_spec.partition(":")[0])
+    if not path.is_file():
+        raise FileNotFoundError(f"--config: {str(path)!r} does not exist (import writes "
+                                f"workdir/config.py; give --config for another run)")
+    config = load_config(config_spec)
+    hf_config_from_model(config.model)  # a model transformers cannot run fails before reading
+    model, _ = ckpt_lib.restore_model_for_eval(config, checkpoint or os.fspath(workdir),
+                                               config_name=config_spec)
+    extra = {}
+    original = workdir / "hf_config.json"
+    if original.is_file():
+        hf = json.loads(original.read_text())
+        extra = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+    elif "data" in config and config.data.eos_id >= 0:
+        extra = {"eos_token_id": config.data.eos_id}
+    files = save_hf_checkpoint(model, config.model, hf_dir, extra_config=extra)
+    tok = config.data.tokenizer if "data" in config else ""
+    if tok and os.path.isfile(tok):
+        shutil.copy(tok, pathlib.Path(hf_dir) / "tokenizer.json")
+        files.append("tokenizer.json")
+    return files
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m kimi_k3.hf``: subcommands ``import`` and ``export``."""
+    parser = argparse.ArgumentParser(prog="python -m kimi_k3.hf",
+                                     description="Kimi Linear checkpoints: import and export.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="a transformers folder -> a workdir (config.py + step 0)")
+    imp.add_argument("--hf_dir", required=True, help="config.json + *.safetensors")
+    imp.add_argument("--workdir", required=True, help="the run folder to create")
+    imp.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                     help="the run's compute dtype (model.dtype)")
+    imp.add_argument("--param_dtype", default="float32", choices=tuple(DTYPES),
+                     help="the parameters' dtype in the checkpoint and in training")
+    exp = sub.add_parser("export", help="a workdir's checkpoint -> a transformers folder")
+    exp.add_argument("--workdir", required=True)
+    exp.add_argument("--hf_dir", required=True, help="the folder to write")
+    exp.add_argument("--checkpoint", default=None, help="a step folder (default: the newest)")
+    exp.add_argument("--config", default=None, help="the run's config file, path[:arg] "
+                                                    "(default: WORKDIR/config.py)")
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    quiet_library_logs()  # Orbax's INFO lines and its harmless metadata warning
+    if args.command == "import":
+        step = import_to_workdir(args.hf_dir, args.workdir, args.dtype, args.param_dtype)
+        print(f"imported {args.hf_dir} -> {step}; config: {args.workdir}/config.py")
+    else:
+        files = export_from_workdir(args.workdir, args.hf_dir, args.checkpoint, args.config)
+        print(f"exported to {args.hf_dir}: {', '.join(files)}")
