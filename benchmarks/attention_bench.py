@@ -6,7 +6,8 @@ against the blockwise "xla" path and timed, at the MLA layer's training shapes.
 
 Heads 16, query/key head dim 192 (128 + 64 shared), value head dim 128, bf16 on GPU, documents
 of random lengths packed into each row. Prints, per implementation, the relative error of the
-output and of dq, dk, dv against "xla", and the median forward+backward time; ``IMPL:rows``
+output and of dq, dk, dv against "xla", and the median forward and forward+backward times
+(benchmarks/timing.py); ``IMPL:rows``
 times IMPL with one document per row instead (no segment masks), for what the masks cost;
 ``cudnn:mask`` is cuDNN with the documents as a [B, 1, T, T] mask instead of its packed layout;
 ``cudnn:runs=N`` is the packed layout with room for N documents per row only (the model takes
@@ -21,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+
+from benchmarks import timing
 from kimi_k3.layers.attention import attention
 
 # The module itself (kimi_k3.layers re-exports the function under the module's name).
@@ -42,16 +46,6 @@ def packed_segments(rng, B: int, T: int, mean_len: int) -> np.ndarray:
             out[b, t:t + n] = s
             t, s = t + n, s + 1
     return out
-
-
-def timed(fn, *args, reps: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
 
 
 def rel(a, b) -> float:
@@ -108,7 +102,7 @@ def main(argv=None):
         try:
             o = fwd(q, k, v)
             _, g = both(q, k, v)
-            t_f, t_b = timed(fwd, q, k, v), timed(both, q, k, v)
+            t_f, t_b = timing.time_jax(fwd, q, k, v).ms, timing.time_jax(both, q, k, v).ms
         except Exception as err:  # a kernel this machine cannot run
             print(f"| {impl} | failed: {str(err).splitlines()[0][:120]} |||||")
             continue

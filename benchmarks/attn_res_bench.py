@@ -7,9 +7,10 @@
 A stack shaped like configs/1b.py's (40 sublayers, blocks of 10, width 2048, bf16) in which
 every sublayer is a read, its RMSNorm and one width x width matmul, each layer (two
 sublayers) under the model's remat policy ("dots_kernels"), unrolled. It times forward +
-backward of the whole stack with the depth mixing of each variant below, and with the plain
-residual stream ("none"); the difference is what the reads (with their norms) and writes
-cost. Every variant's loss and gradients are checked against the first variant's.
+backward of the whole stack (benchmarks/timing.py: median ms per call) with the depth mixing
+of each variant below, and with the plain residual stream ("none"); the difference is what
+the reads (with their norms) and writes cost. Every variant's loss and gradients are checked
+against the first variant's.
 
 Variants of the unrolled read (``DepthResidual._read_list``, then the norm):
   model        the read as kimi_k3.layers.attn_res writes it for XLA: the logits as matmuls
@@ -20,7 +21,7 @@ Variants of the unrolled read (``DepthResidual._read_list``, then the norm):
                programs take S steps of R rows)
   dot          matmuls, every source's RMS recomputed by each read
   sum          the logits as float32 sums over the width, every source's RMS recomputed by
-               each read (the model's read before 2026-12-02)
+               each read (an earlier form of the model's read)
   barrier      model, with the read's output gradient behind a second optimisation barrier
   dot_barrier  dot, with the barrier
 """
@@ -41,7 +42,8 @@ from kimi_k3.layers.norms import _scaled_rms_norm
 from pallas_kernels import depth_read
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
-from benchmarks.attention_bench import rel, timed
+from benchmarks import timing
+from benchmarks.attention_bench import rel
 
 
 @jax.custom_vjp
@@ -144,7 +146,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--block", type=int, default=10, help="sublayers per block")
     ap.add_argument("--variants", default="model,fused")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10,
+                    help="timed batches of calls per row (benchmarks/timing.py)")
     args = ap.parse_args(argv)
     dtype = jnp.bfloat16
     key = jax.random.PRNGKey(0)
@@ -153,8 +156,8 @@ def main(argv=None):
                           jnp.float32).astype(dtype)
     print(f"{args.layers} layers, width {args.width}, blocks of {args.block} sublayers, "
           f"{args.batch} x {args.seq}, {jax.devices()[0].device_kind}, JAX {jax.__version__}")
-    base = timed(build(args.layers, args.width, args.block, "none", dtype), params, x,
-                 reps=args.reps)
+    base = timing.time_jax(build(args.layers, args.width, args.block, "none", dtype), params, x,
+                           batches=args.reps).ms
     print("| variant | fwd+bwd ms | minus plain residual ms | loss rel err | grad rel err |")
     print("|---|---|---|---|---|")
     print(f"| none (plain residual) | {base:.2f} | 0 | | |")
@@ -176,7 +179,7 @@ def main(argv=None):
                                    for g in jax.tree.leaves(grads)])
             if ref is None:
                 ref = (loss, flat)
-            ms = timed(fn, params, x, reps=args.reps)
+            ms = timing.time_jax(fn, params, x, batches=args.reps).ms
             print(f"| {name} | {ms:.2f} | {ms - base:.2f} | {rel(loss, ref[0]):.1e} | "
                   f"{rel(flat, ref[1]):.1e} |", flush=True)
             DepthResidual._read_list = _model_read

@@ -11,7 +11,8 @@ Rows (batch 1, H heads, key/query head dim dn + ds, value head dim dv, T queries
 - ``piece at pos``: ``cache_attention`` for one piece after ``--blocks`` earlier blocks: the
   expansion of every block from the latent, the blocks and their merging.
 
-TF/s counts the useful FLOPs, 2 H (dn + ds + dv) per visible (query, key) pair.
+ms is the median per call (benchmarks/timing.py); TF/s counts the useful FLOPs, 2 H (dn + ds + dv)
+per visible (query, key) pair.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +27,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import timing
 from kimi_k3.layers.attention import attention_lse, cache_attention
 
 
-def timed(f, *args, repeats=3):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def timed(f, *args, batches: int = 3) -> float:
+    """Median seconds per call of ``f(*args)`` (benchmarks/timing.py, ``batches`` batches)."""
+    return timing.time_jax(f, *args, batches=batches).seconds
 
 
 def main(argv=None):

@@ -44,7 +44,6 @@ import argparse
 import csv
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,19 +70,21 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from configs import load_config
+    from benchmarks import timing
     from kimi_k3 import mesh as mesh_lib
     from kimi_k3 import train_lib
     from kimi_k3.config import DEFAULT_RULES, model_spec
+    from kimi_k3.config_files import load_config
 
     n = args.devices
     counts = [int(x) for x in args.tokens_per_device.split(",")]
     name = Path(args.config).name
+    path = args.config if Path(args.config).is_file() else str(ROOT / args.config)
     rows, fits = [], {}
     for layout in args.layouts.split(","):
         points = []
         for tokens in counts:
-            config = load_config(name)
+            config = load_config(path)
             config.model.kda.impl = "xla"  # CPU: the Pallas kernel would run interpreted
             config.checkpoint.enabled = False
             if layout == "fsdp":
@@ -100,8 +101,7 @@ def main(argv=None):
             setup = train_lib.build(config, mesh)
             batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=setup.batch_sharding)
                      for k in ("tokens", "segment_ids")}
-            t0 = time.time()
-            with setup.context():
+            with timing.stopwatch() as compiling, setup.context():
                 compiled = setup.train_step.lower(setup.abstract_state, batch).compile()
             m = compiled.memory_analysis()
             total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -110,7 +110,7 @@ def main(argv=None):
             rows.append({"layout": layout, "tokens_per_device": tokens, "seq_len": T, "rows": B,
                          "arguments": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes,
                          "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes,
-                         "total": total, "compile_s": round(time.time() - t0, 1)})
+                         "total": total, "compile_s": round(compiling.seconds, 1)})
             print(rows[-1], flush=True)
         (t1, m1), (t2, m2) = points[0], points[-1]
         per_token = (m2 - m1) / (t2 - t1)
@@ -120,7 +120,7 @@ def main(argv=None):
         fits[layout] = {"state": state, "per_token": per_token, "tokens_per_device": longest,
                         "seq_len": longest * (n if layout == "context" else 1)}
 
-    spec = model_spec(load_config(name).model)
+    spec = model_spec(load_config(path).model)
     table = render(args, name, n, rows, fits, comm_model(spec, n, fits.get("context")))
     print(table)
     if args.out_dir:

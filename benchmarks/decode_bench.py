@@ -1,6 +1,6 @@
 r"""Decoding speed against context length: time per output token, all-MLA vs 3:1 (issue #15).
 
-    # the lent H200 at the 1B shapes (the defaults, spelled out): batch 1 and the largest
+    # a GPU at the 1B shapes (the defaults, spelled out): batch 1 and the largest
     # power-of-two batch that fits, found from a memory estimate (--search=jump); the
     # compilation cache lets every worker after a variant's first skip the model's init compile
     JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache python benchmarks/decode_bench.py \
@@ -74,6 +74,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks import long_context_memory as lcm  # noqa: E402
+from benchmarks import timing  # noqa: E402
 
 # JAX and the model are imported inside the functions that run in each point's own worker
 # process: the driver only spawns them and gathers their rows, so it never holds a device.
@@ -298,23 +299,21 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
             token_B = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch,)), jnp.int32)
             cache = random_cache(model, batch, max_len, context, args.seed)
             cache = step_ready_cache(decoder, token_B, cache)
-            t0 = time.perf_counter()
-            logits_BxV, cache = run_steps(decoder, token_B, cache, 1)
-            jax.block_until_ready(logits_BxV)
-            row["first_call_s"] = time.perf_counter() - t0
+            # benchmarks/timing.py's pieces: the cache threads through the steps (donated),
+            # so the warm-up steps and the one timed batch of n steps are called here
+            (logits_BxV, cache), row["first_call_s"] = timing.first_call(
+                run_steps, decoder, token_B, cache, 1)
             one_step = None
             for _ in range(args.warmup - 1):
-                t0 = time.perf_counter()
-                logits_BxV, cache = run_steps(decoder, token_B, cache, 1)
-                jax.block_until_ready(logits_BxV)
-                one_step = time.perf_counter() - t0
+                (logits_BxV, cache), one_step = timing.first_call(
+                    run_steps, decoder, token_B, cache, 1)
             n = args.steps
             if one_step:  # what is left of the budget bounds the timed steps
                 n = max(1, min(n, int((deadline - time.perf_counter()) / one_step)))
-            t0 = time.perf_counter()
-            logits_BxV, cache = run_steps(decoder, token_B, cache, n)
-            jax.block_until_ready((logits_BxV, cache))
-            seconds = (time.perf_counter() - t0) / n
+            with timing.stopwatch() as timed:
+                logits_BxV, cache = run_steps(decoder, token_B, cache, n)
+                jax.block_until_ready((logits_BxV, cache))
+            seconds = timed.seconds / n
             row.update(status="ok", steps=n, ms_per_step=1e3 * seconds,
                        tokens_per_s=batch / seconds, peak_bytes=lcm.peak_bytes_in_use())
             if not np.isfinite(np.asarray(logits_BxV)).all():

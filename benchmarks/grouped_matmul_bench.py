@@ -7,29 +7,24 @@ layer's shapes, forward and forward + backward, against a batched einsum of the 
 
 Rows A are the token-expert assignments (tokens x top-k), split over G groups at random (some
 empty); K x N is one expert matrix (2048 x 1024 is moe_1b's input projection, gate and up).
-Compilation and run times are printed per row as they finish (a slow compile shows itself).
+Compilation and run times (benchmarks/timing.py: median ms per call) are printed per row as
+they finish (a slow compile shows itself).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+
+from benchmarks import timing
 from kimi_k3.ops.grouped_matmul import GROUPED_MATMULS, grouped_matmul
-
-
-def _median_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def bench(impl: str, A: int, G: int, K: int, N: int, reps: int, seed: int = 0) -> dict:
@@ -52,12 +47,11 @@ def bench(impl: str, A: int, G: int, K: int, N: int, reps: int, seed: int = 0) -
         return out, vjp(dout)
 
     row = {"impl": impl, "rows": A, "groups": G, "K": K, "N": N}
-    t = time.perf_counter()
-    f = jax.jit(fwd).lower(lhs, rhs).compile()
-    b = jax.jit(both).lower(lhs, rhs).compile()
-    row["compile_s"] = time.perf_counter() - t
-    row["fwd_ms"] = _median_ms(f, lhs, rhs, reps=reps)
-    row["fwd_bwd_ms"] = _median_ms(b, lhs, rhs, reps=reps)
+    f, f_s = timing.compile_jax(jax.jit(fwd), lhs, rhs)
+    b, b_s = timing.compile_jax(jax.jit(both), lhs, rhs)
+    row["compile_s"] = f_s + b_s
+    row["fwd_ms"] = timing.time_jax(f, lhs, rhs, batches=reps).ms
+    row["fwd_bwd_ms"] = timing.time_jax(b, lhs, rhs, batches=reps).ms
     flops = 2 * A * K * N
     row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
     row["fwd_bwd_tflops"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
@@ -71,7 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="2048x1024,512x2048", help="K x N of an expert matrix")
     ap.add_argument("--impls", default="mosaic_gpu,einsum",
                     help=f"of {','.join((*GROUPED_MATMULS, 'einsum'))}")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed batches of calls per row")
     a = ap.parse_args(argv)
     print(f"# grouped matmul: {jax.devices()[0].device_kind}, JAX {jax.__version__}\n")
     print("| impl | rows x groups | K x N | compile s | fwd ms | fwd TFLOP/s | fwd+bwd ms "

@@ -1,7 +1,9 @@
 r"""Logit parity with transformers' ``KimiLinearForCausalLM``: import, export, both weight layouts.
 
-    python benchmarks/hf_parity.py --torch_python=/work/hfvenv/bin/python --out_dir=/tmp/hf_parity
-    python benchmarks/hf_parity.py --torch_python=... --out_dir=... \
+    python3 -m venv runs/hfvenv && runs/hfvenv/bin/pip install torch "transformers>=5.23" \
+        safetensors numpy                                  # once: the torch side's interpreter
+    python benchmarks/hf_parity.py --torch_python=runs/hfvenv/bin/python --out_dir=runs/hf_parity
+    python benchmarks/hf_parity.py --torch_python=runs/hfvenv/bin/python --out_dir=runs/hf_parity \
         --write_fixtures=tests/fixtures/kimi_linear        # also refresh the CPU test fixtures
 
 ``--torch_python`` is an interpreter with torch and transformers (>= 5.23); this one (the
@@ -173,6 +175,7 @@ def jax_side(out_dir: pathlib.Path, names) -> dict:
     """Step 2: import both layouts, compare, export."""
     import jax.numpy as jnp
 
+    from benchmarks import timing
     from kimi_k3.generate import generate
     from kimi_k3.hf import load_hf_checkpoint, save_hf_checkpoint
 
@@ -183,10 +186,10 @@ def jax_side(out_dir: pathlib.Path, names) -> dict:
         tokens = jnp.asarray(ref["tokens"], jnp.int32)
         row = {"B x T": "x".join(map(str, ref["tokens"].shape))}
         for layout, folder in (("released", "hf"), ("modules", "hf_modules")):
-            t0 = time.perf_counter()
-            model_config, model = load_hf_checkpoint(case / folder)
-            row[f"import {layout}"] = rel_err(model(tokens), ref["logits"])
-            row["import s"] = time.perf_counter() - t0
+            with timing.stopwatch() as importing:
+                model_config, model = load_hf_checkpoint(case / folder)
+                row[f"import {layout}"] = rel_err(model(tokens), ref["logits"])
+            row["import s"] = importing.seconds
         # Greedy decoding: our prefill + cached steps against transformers' generate().
         out = generate(model, [ref["tokens"][0].tolist()], GREEDY_TOKENS)
         row["greedy"] = bool(np.array_equal(np.asarray(out.tokens[0]), ref["greedy"]))
@@ -228,6 +231,7 @@ def memory_load(out_dir: pathlib.Path) -> None:
     import jax
     from flax import nnx
 
+    from benchmarks import timing
     from kimi_k3.hf import load_hf_checkpoint
 
     def anon() -> int:
@@ -244,11 +248,11 @@ def memory_load(out_dir: pathlib.Path) -> None:
     base = anon()
     thread = threading.Thread(target=watch)
     thread.start()
-    t0 = time.perf_counter()
-    _, model = load_hf_checkpoint(out_dir / "hf", dtype="bfloat16")
-    arrays = jax.tree.leaves(nnx.state(model))
-    jax.block_until_ready(arrays)
-    seconds = time.perf_counter() - t0
+    with timing.stopwatch() as loading:
+        _, model = load_hf_checkpoint(out_dir / "hf", dtype="bfloat16")
+        arrays = jax.tree.leaves(nnx.state(model))
+        jax.block_until_ready(arrays)
+    seconds = loading.seconds
     done.set()
     thread.join()
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -20,7 +20,6 @@ differ at all): a run-once program may trade kernel speed for compile time, neve
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -31,9 +30,10 @@ from ml_collections import config_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import timing
 from kimi_k3.config import model_spec
 from kimi_k3.model import HybridLM
-from kimi_k3.train_lib import RUN_ONCE_COMPILER_OPTIONS, run_once_compiler_options
+from kimi_k3.runtime import RUN_ONCE_COMPILER_OPTIONS, run_once_compiler_options
 
 config_flags.DEFINE_config_file("config", "configs/1b.py", "Config file.", lock_config=False)
 flags.DEFINE_bool("options", False, "Compare XLA compiler options instead of scan / unrolled.")
@@ -58,11 +58,11 @@ def _initialiser(model_cfg, scan_layers: bool | None = None):
 def init_compile_seconds(model_cfg, scan_layers: bool) -> tuple[float, float]:
     """(trace + lower, compile) seconds of the initialiser with ``scan_layers``."""
     init = _initialiser(model_cfg, scan_layers)
-    t0 = time.perf_counter()
-    lowered = init.lower()
-    t1 = time.perf_counter()
-    lowered.compile()
-    return t1 - t0, time.perf_counter() - t1
+    with timing.stopwatch() as lowering:
+        lowered = init.lower()
+    with timing.stopwatch() as compiling:
+        lowered.compile()
+    return lowering.seconds, compiling.seconds
 
 
 def compare_options(model_cfg) -> None:
@@ -75,11 +75,10 @@ def compare_options(model_cfg) -> None:
     print("|---|---|---|---|---|")
     reference = None
     for name, options in {"XLA defaults": None, **INIT_OPTION_SETS}.items():
-        t0 = time.perf_counter()
-        compiled = lowered.compile(options)
-        t1 = time.perf_counter()
-        leaves = [np.asarray(x) for x in jax.tree.leaves(jax.block_until_ready(compiled()))]
-        t2 = time.perf_counter()
+        with timing.stopwatch() as compiling:
+            compiled = lowered.compile(options)
+        with timing.stopwatch() as running:
+            leaves = [np.asarray(x) for x in jax.tree.leaves(jax.block_until_ready(compiled()))]
         if reference is None:
             reference, diff = leaves, "(reference)"
         else:
@@ -89,7 +88,7 @@ def compare_options(model_cfg) -> None:
             differ = sum(int(np.sum(a != r)) for a, r in zip(leaves, reference, strict=True))
             diff = f"{worst / scale:.1e} | {differ / sum(r.size for r in reference):.1e}"
         diff = diff if "|" in diff else f"{diff} | "
-        print(f"| {name} | {t1 - t0:.1f} | {t2 - t1:.1f} | {diff} |", flush=True)
+        print(f"| {name} | {compiling.seconds:.1f} | {running.seconds:.1f} | {diff} |", flush=True)
         del leaves
 
 

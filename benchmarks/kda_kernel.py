@@ -1,27 +1,29 @@
 """KDA kernel speed: forward and forward+backward, ours (the Pallas kernel) vs impl="xla", fla, jla.
 
     python benchmarks/kda_kernel.py                      # the table of BENCHMARKS.md (GPU)
-    python benchmarks/kda_kernel.py --shapes 8x4096,small --no-xla   # + configs/small.py's
-    python benchmarks/kda_kernel.py --shapes 8x4096 --no-xla --breakdown --sweep 8x4096
+    python benchmarks/kda_kernel.py --shapes 8x4096,small --no_xla   # + configs/small.py's
+    python benchmarks/kda_kernel.py --shapes 8x4096 --no_xla --breakdown --sweep 8x4096
     python benchmarks/kda_kernel.py --sweep 8x4096 --variants "bk=64;bv_intra=128" --adopt
     python benchmarks/kda_kernel.py --tune bk=16,warps_grad=8 --shapes 8x4096
     python benchmarks/kda_kernel.py --shapes 8x4096 --documents 3000 --sweep 8x4096 \
         --variants "hopper=0"   # rows of ~1.3 documents, as configs/1b.py trains on: ours only
-    python benchmarks/kda_kernel.py --no-xla --fla-tuning benchmarks/results/fla_autotune_h200.tgz
+    python benchmarks/kda_kernel.py --no_xla --fla_tuning benchmarks/results/fla_autotune_h200.tgz
         # fla's autotuning results from earlier runs (copy the file back from the card after)
 
 Ours is ``pallas_kernels.kda.kda_pallas``, what ``kda(..., impl="pallas")`` runs for these
-inputs, called with an explicit ``tuning=``: the card's ``default_tuning`` changed by --tune;
+inputs, called with an explicit ``tuning=``: ``KernelTuning()`` changed by --tune (on a Hopper
+card its default takes the Mosaic GPU kernels; --variants "hopper=0" times the Triton ones);
 --sweep times variants of it, and --adopt measures the table with the fastest.
 
 Inputs: bf16 q, k (L2-normalised), v, beta (sigmoid); float32 bounded gate g = -5 sigmoid(x)
 (K3's gate); H = HV = 16, K = V = 128 (configs/1b.py's; 8 x 4096 is its micro-batch of 8 rows),
 and for "small" configs/small.py's 32 x 2048 with H = 12, K = V = 64. Forward+backward is o
 and the gradients of the cotangent do with respect to all five inputs, as fla's
-``torch.autograd.grad(o, inputs, do)`` (--sum-loss: sum(o * do) and its gradients, as before
-session ad). Each JAX time (ours, jla, xla) is the
-median over batches of calls enqueued back to back (``time_jax``), fla's is
-``triton.testing.do_bench``'s median: both keep the card busy between calls.
+``torch.autograd.grad(o, inputs, do)`` (--sum_loss: sum(o * do) and its gradients instead).
+Every time (ours, jla, xla and fla) is benchmarks/timing.py's: compilation (fla: autotuning) and
+warm-up left out, then the median over batches of calls enqueued back to back, one wait per
+batch (``jax.block_until_ready``; fla's ``torch.cuda.synchronize``), so the card stays busy
+between calls.
 
 "ours, gate in kernel" is the same kernel fed the gate's logits f and its parameters (A_log,
 dt_bias) instead of g: the kernel computes g = -5 sigmoid(exp(A_log) (f + dt_bias)) itself
@@ -44,11 +46,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -57,9 +57,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import timing
 from kimi_k3.ops.kda import kda
 from pallas_kernels import kda as pk
 from pallas_kernels import kda_calls as calls
+from pallas_kernels.tuning import KernelTuning
 
 # name -> (B, T, H, D): batch, tokens, heads (HV = H), head dim (K = V = D).
 SHAPES = {"8x4096": (8, 4096, 16, 128), "2x16384": (2, 16384, 16, 128),
@@ -98,33 +100,12 @@ def document_ids(B: int, T: int, mean_len: int, seed: int = 2):
     return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-def time_jax(fn, args, *, batches=7, batch_s=0.05):
-    """Median ms per call of ``fn(*args)``, calls enqueued back to back in batches.
-
-    Each batch dispatches enough calls to keep the card busy for ~``batch_s`` and waits once at
-    its end, so the GPU never idles between calls (as in a training step, and as
-    triton.testing.do_bench times fla); waiting after every call let the clocks drop between
-    calls and made the same kernel read up to 20% apart within one process (2026-12-04)."""
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    reps = max(1, min(200, int(batch_s / max(time.perf_counter() - t0, 1e-5))))
-    times = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(reps)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / reps)
-        del outs
-    return statistics.median(times) * 1e3
-
-
 def xla_fwd(q, k, v, g, beta):
     """o [B, T, H, D] of impl="xla"."""
     return kda(q, k, v, g, beta, lower_bound=LOWER, impl="xla")[0]
 
 
-def ours_fwd(tuning: pk.KernelTuning, segs=None):
+def ours_fwd(tuning: KernelTuning, segs=None):
     """(q, k, v, g, beta) -> o [B, T, H, D] of the Pallas kernel launched with ``tuning``, over
     the documents ``segs`` [B, T] (None: one document per row)."""
     return functools.partial(_ours, tuning=tuning, segs=segs)
@@ -146,7 +127,7 @@ def gate_inputs(arrays, seed=1):
     return f, A_log, dt_bias
 
 
-def ours_gate_in_kernel(tuning: pk.KernelTuning, A_log, dt_bias, segs=None):
+def ours_gate_in_kernel(tuning: KernelTuning, A_log, dt_bias, segs=None):
     """(q, k, v, f, beta) -> o of the Pallas kernel computing the bounded gate from f itself."""
     def fwd(q, k, v, f, beta):
         return pk.kda_pallas(q, k, v, f, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
@@ -171,9 +152,8 @@ def jax_fns(fwd, sum_loss: bool = False):
 
     o is returned, as a training step uses it: with gradients alone XLA drops whatever computes
     only o (a kernel that makes nothing else), and the time would leave it out. ``sum_loss``
-    (--sum-loss): the value and gradients of sum(o * do) instead, this script's measurement
-    until 2026-12-05 (session ad). That adds an XLA reduction over o and do that fla's time
-    does not hold: 0.067 ms at configs/small.py's shape on an H100 (Nsight Compute)."""
+    (--sum_loss): the value and gradients of sum(o * do) instead, which adds an XLA reduction
+    over o and do that fla's time does not hold."""
     if sum_loss:
         def loss(q, k, v, g, beta, do):
             o = fwd(q, k, v, g, beta)
@@ -192,8 +172,8 @@ def bench_jax(fwd, arrays, sum_loss: bool = False):
     """(forward, forward+backward) median ms of ``fwd(q, k, v, g, beta) -> o`` (``jax_fns``)."""
     fwd, fwdbwd = jax_fns(fwd, sum_loss)
     q, k, v, g, beta, do = arrays
-    t_f = time_jax(fwd, (q, k, v, g, beta))
-    t_fb = time_jax(fwdbwd, (q, k, v, g, beta, do))
+    t_f = timing.time_jax(fwd, q, k, v, g, beta).ms
+    t_fb = timing.time_jax(fwdbwd, q, k, v, g, beta, do).ms
     return t_f, t_fb
 
 
@@ -203,7 +183,7 @@ def restore_fla_tuning(path: str) -> str:
 
     fla autotunes each kernel on first use and, with Triton's ``cache_results``, keeps the
     winner as ``<hash>/<kernel>.autotune.json`` in that cache; on a fresh machine the tuning
-    took ~250 s per head shape (2026-12-04). The hash covers Triton's and fla's versions, the
+    takes minutes per head shape. The hash covers Triton's and fla's versions, the
     card and the tuning key, so results from the same software on the same card are reused and
     anything else is tuned anew. Call before fla (and so Triton) first runs."""
     cache = tempfile.mkdtemp(prefix="triton_cache_")
@@ -216,7 +196,7 @@ def restore_fla_tuning(path: str) -> str:
                 safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
                 tar.extractall(cache, members=members, **safe)
         except (tarfile.TarError, OSError) as err:
-            raise SystemExit(f"--fla-tuning: {path} is not a readable .tgz of autotuning "
+            raise SystemExit(f"--fla_tuning: {path} is not a readable .tgz of autotuning "
                              f"results ({err}); give another path, or none to tune afresh") from None
         print(f"fla tuning: {len(members)} results from {path}", flush=True)
     os.environ["TRITON_CACHE_DIR"] = cache
@@ -255,20 +235,21 @@ def fla_fns(arrays):
 
 
 def bench_fla(arrays):
+    """(forward, forward+backward) median ms of fla's chunk_kda, or None (printed why) if fla
+    cannot be imported."""
     try:  # optional: torch, triton and fla-core are not project dependencies
         import torch
-        import triton
         fwd, fwdbwd = fla_fns(arrays)
     except Exception as err:
         print(f"fla unavailable: {err}")
         return None
-    t_f = triton.testing.do_bench(fwd, warmup=100, rep=500, return_mode="median")
-    t_fb = triton.testing.do_bench(fwdbwd, warmup=100, rep=500, return_mode="median")
+    t_f = timing.time_torch(fwd).ms
+    t_fb = timing.time_torch(fwdbwd).ms
     torch.cuda.empty_cache()
     return t_f, t_fb
 
 
-def breakdown(name, arrays, tuning: pk.KernelTuning):
+def breakdown(name, arrays, tuning: KernelTuning):
     """Median ms of each kernel of ours, launched with ``tuning`` (printed as each finishes)."""
     q, k, v, g, beta, do = arrays
     B, _, H, D = q.shape
@@ -279,11 +260,9 @@ def breakdown(name, arrays, tuning: pk.KernelTuning):
     dop = do.astype(v.dtype)
 
     def timed(label, fn, *a):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*a))
-        first = time.perf_counter() - t0
-        print(f"  {name} {label}: {time_jax(fn, a):.3f} ms (first call {first:.1f} s)",
-              flush=True)
+        out, first = timing.first_call(fn, *a)  # compiles; its outputs feed the next kernels
+        t = timing.time_jax(fn, *a, warmup=1)
+        print(f"  {name} {label}: {t.ms:.3f} ms (first call {first:.1f} s)", flush=True)
         return out
 
     W, U, QG, Kg, Aqk, gam = timed("intra_fwd", jax.jit(
@@ -299,11 +278,10 @@ def breakdown(name, arrays, tuning: pk.KernelTuning):
     timed("intra_bwd", jax.jit(lambda *a: calls.intra_bwd(
         cfg, qp, kp, vp, G, bp, (), *a, dqk_dtype=q.dtype, dv_dtype=v.dtype,
         dg_dtype=g.dtype)), W, U, Akk, Tinv, h, dh, Vp, dVp, dop)
-    bcfg = calls.bwd_config(cfg, qp, kp, dop, G, v.dtype, q.dtype, g.dtype)  # intra_bwd's
     dv, _, *dA = timed("  intra_bwd_scores", jax.jit(lambda *a: calls.intra_bwd_scores(
-        bcfg, kp, vp, G, bp, (), *a, dv_dtype=v.dtype)), W, U, Akk, Tinv, h, Vp, dVp, dop)
+        cfg, kp, vp, G, bp, (), *a, dv_dtype=v.dtype)), W, U, Akk, Tinv, h, Vp, dVp, dop)
     timed("  intra_bwd_channels", jax.jit(lambda dA, *a: calls.intra_bwd_channels(
-        bcfg, qp, kp, G, (), dA, *a, dqk_dtype=q.dtype, dg_dtype=g.dtype)),
+        cfg, qp, kp, G, (), dA, *a, dqk_dtype=q.dtype, dg_dtype=g.dtype)),
         dA, h, dh, Vp, dop, dv)
 
 
@@ -311,31 +289,31 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8x4096,2x16384,1x65536,1x262144",
                     help="comma list of keys of SHAPES")
-    ap.add_argument("--no-xla", action="store_true", help="skip impl='xla'")
-    ap.add_argument("--no-fla", action="store_true", help="skip fla")
-    ap.add_argument("--no-jla", action="store_true", help="skip jla")
-    ap.add_argument("--no-gate-in-kernel", action="store_true",
+    ap.add_argument("--no_xla", action="store_true", help="skip impl='xla'")
+    ap.add_argument("--no_fla", action="store_true", help="skip fla")
+    ap.add_argument("--no_jla", action="store_true", help="skip jla")
+    ap.add_argument("--no_gate_in_kernel", action="store_true",
                     help="skip ours with the gate computed in the kernel")
     ap.add_argument("--breakdown", action="store_true",
                     help="per-kernel times of ours (first shape)")
-    ap.add_argument("--breakdown-only", action="store_true", help="only the per-kernel times")
+    ap.add_argument("--breakdown_only", action="store_true", help="only the per-kernel times")
     ap.add_argument("--sweep", default="", help="a shape key: try launch parameters there")
     ap.add_argument("--variants", default=SWEEP,
                     help="';'-separated launch-parameter changes from --tune's, each like "
                          "--tune, for --sweep (default: %(default)s)")
     ap.add_argument("--tune", default="",
-                    help="launch parameters changed from the card's defaults, e.g. "
-                         "bv_seq=16,warps_seq=4 (pallas_kernels.kda.KernelTuning)")
+                    help="launch parameters changed from the defaults, e.g. "
+                         "bv_seq=16,warps_seq=4 (pallas_kernels.tuning.KernelTuning)")
     ap.add_argument("--adopt", action="store_true",
                     help="run --sweep first and measure the table with its fastest forward+backward "
                          "(the defaults included)")
     ap.add_argument("--documents", type=int, default=0,
                     help="pack the rows with documents of about this many tokens (ours only)")
-    ap.add_argument("--sum-loss", action="store_true",
-                    help="JAX forward+backward as the value and gradients of sum(o * do), as "
-                         "before session ad (an XLA reduction more than fla's time holds)")
+    ap.add_argument("--sum_loss", action="store_true",
+                    help="JAX forward+backward as the value and gradients of sum(o * do) (an "
+                         "XLA reduction more than fla's time holds)")
     ap.add_argument("--out", default="", help="write the markdown table here")
-    ap.add_argument("--fla-tuning", default="",
+    ap.add_argument("--fla_tuning", default="",
                     help="a .tgz of fla's autotuning results: read before fla runs (if it "
                          "exists), written back after each shape (see restore_fla_tuning)")
     args = ap.parse_args(argv)
@@ -347,8 +325,7 @@ def main(argv=None):
     packed = args.documents > 0
     segs_of = lambda name: (document_ids(*SHAPES[name][:2], args.documents) if packed else None)
     dev = jax.devices()[0]
-    tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(dev.device_kind),
-                                   source="--tune")
+    tuning = KernelTuning.parse(args.tune, source="--tune")
     variants = parse_variants(args.variants, tuning) if args.sweep else []
     print(f"device: {dev.device_kind}, jax {jax.__version__}, tuning {tuning}", flush=True)
 
@@ -398,7 +375,7 @@ def main(argv=None):
         if jla is not None:
             measure(name, "jla", jax_times, jla, arrays)
         # fla last of the peers: it autotunes its kernels on first use, which on a fresh
-        # machine ran past 200 s at 8 x 4096 (2026-12-04), so a run cut short keeps jla's cells
+        # machine takes minutes, so a run cut short keeps jla's cells
         if not args.no_fla and not packed:
             measure(name, "fla", bench_fla, arrays)
             if triton_cache:
@@ -413,14 +390,13 @@ def main(argv=None):
 
 
 # The default --variants: one launch parameter changed at a time.
-SWEEP = ("inverse_x3=1;rcumsum_x3=1;bv_seq=32;bv_seq=64;warps_seq=8;bk=64;bk_fwd=32;warps_grad=8;"
-         "stages_seq=3;split_intra=1;hopper=0")
+SWEEP = "bv_seq=32;bv_seq=64;warps_seq=8;bk=64;bk_fwd=32;warps_grad=8;stages_seq=3;hopper=0"
 
 
-def parse_variants(spec: str, base: pk.KernelTuning) -> list[tuple[str, pk.KernelTuning]]:
+def parse_variants(spec: str, base: KernelTuning) -> list[tuple[str, KernelTuning]]:
     """"bk=64;bv_intra=128" -> [("bk=64", base with bk=64), ("bv_intra=128", ...)], each
     item checked like --tune (before anything is timed)."""
-    return [(item, pk.KernelTuning.parse(item, base=base, source="--variants"))
+    return [(item, KernelTuning.parse(item, base=base, source="--variants"))
             for item in spec.split(";") if item]
 
 
@@ -447,7 +423,7 @@ HEADERS = {"ours": "ours", "ours_gk": "ours, gate in kernel", "fla": "fla", "jla
            "xla": "xla"}
 
 
-def format_table(dev, results, tuning: pk.KernelTuning, documents: int = 0):
+def format_table(dev, results, tuning: KernelTuning, documents: int = 0):
     """Markdown: per shape, forward / forward+backward ms of every column, and the speed-ups of
     ours (and ours with the gate in the kernel) over fla and jla: peer time / our time."""
     rows = (f"rows of packed documents of ~{documents} tokens (ours only)" if documents

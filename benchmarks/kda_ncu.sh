@@ -1,34 +1,33 @@
 #!/usr/bin/env bash
-# Nsight Compute over one KDA forward+backward (benchmarks/kda_profile.py) on the lent H200
-# (Firecracker: ncu reads the counters there; the clocks are left alone). One call:
+# Nsight Compute over one KDA forward+backward (benchmarks/kda_profile.py) on a GPU where ncu
+# reads the counters (the clocks are left alone). From the repository root:
 #
-#   run(carry=[".whl"], command="bash benchmarks/kda_ncu.sh [full|sum|sweep]")
+#   python3 benchmarks/run.py kda_ncu --wheels=.whl --out_dir=$OUT   # sum, small, ours fla jla
+#   bash benchmarks/kda_ncu.sh [full|sum|sweep]     # with fla and jla importable (PYTHONPATH)
 #
 # full (default):
 # 1. Nsight Compute's full set (warp stalls, sampled stall locations, pipes, memory) over ours:
-#    full_ours.txt, and the stall samples by SASS line: src_ours.csv. With HOPPER_FWD=1 the same
-#    for the forward with the Mosaic GPU intra_fwd (hopper=7): full_mgpu_fwd.*.
+#    full_ours.txt, and the stall samples by SASS line: src_ours.csv.
 # 2. Per kernel time, registers, shared memory and occupancy of each implementation in IMPLS
 #    (ours, jla, fla: their wheels in .whl/), XLA's own kernels included: sum_IMPL.txt/.csv.
 #    fla's autotuning under ncu takes minutes: FLA_TUNING=path.tgz (kda_kernel.py's
-#    --fla-tuning) skips it; else give fla a call of its own (IMPLS=fla; ours' full set runs
+#    --fla_tuning) skips it; else give fla a call of its own (IMPLS=fla; ours' full set runs
 #    first in every full call).
 # sum: step 2 alone (no full set).
 # sweep: per kernel times of ours under each launch-parameter change in TUNES (';' between
 #    them, "" for the defaults), one process each: sweep.md (benchmarks/ncu_table.py).
 #    TREES="dir ..." adds the defaults of other checkouts of the code (kda_profile.py is
 #    copied there), to compare code in one call.
-# Everything is packed into $OUT/ncu.tgz; the text reports are also copied to $OUT.
+# Everything is packed into $OUT/ncu.tgz; the text reports are also copied to $OUT. W is the
+# scratch folder (the .ncu-rep reports).
 set -u
 OUT=${OUT:-/tmp/ncu_out}
-W=/tmp/ncu
+W=${W:-/tmp/ncu}
 SHAPE=${SHAPE:-8x4096}
 IMPLS=${IMPLS:-ours jla fla}
 mkdir -p "$OUT" "$W"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
 # Command buffers off: each kernel is launched (and so profiled) on its own.
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS=--xla_gpu_enable_command_buffer=
 NCU=(ncu --clock-control none --profile-from-start off --target-processes all -f)
 METRICS=gpu__time_duration.sum,launch__registers_per_thread,launch__shared_mem_per_block,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem
@@ -47,7 +46,7 @@ profile() {  # NAME LIMIT NCU-ARGS -- PROFILE-ARGS  (run in $DIR, default .)
     local ncu_args=()
     while [ "$1" != -- ]; do ncu_args+=("$1"); shift; done
     shift
-    (cd "${DIR:-.}" && PYTHONPATH=/tmp/site:. timeout "$limit" "${NCU[@]}" "${ncu_args[@]}" \
+    (cd "${DIR:-.}" && PYTHONPATH=.:$PYTHONPATH timeout "$limit" "${NCU[@]}" "${ncu_args[@]}" \
         -o "$W/$name" python3 benchmarks/kda_profile.py --shape "$SHAPE" "$@") \
         > "$W/$name.log" 2>&1
     echo "$name: rc $? ($(grep -c '^window' "$W/$name.log") windows; $(tail -n 1 "$W/$name.log"))"
@@ -81,17 +80,12 @@ if [ "$MODE" != sum ]; then
         > "$W/src_ours.csv" 2> "$W/src_ours.err"
 fi
 for impl in $IMPLS; do
-    # fla autotunes its Triton kernels in the warm-up calls, which ncu slows down: 110 s was
-    # not enough for it (2026-12-04)
+    # fla autotunes its Triton kernels in the warm-up calls, which ncu slows down: it needs
+    # more time than the others
     limit=110
     [ "$impl" = fla ] && limit=300
     tuning=()
-    [ "$impl" = fla ] && [ -n "${FLA_TUNING:-}" ] && tuning=(--fla-tuning "$FLA_TUNING")
+    [ "$impl" = fla ] && [ -n "${FLA_TUNING:-}" ] && tuning=(--fla_tuning "$FLA_TUNING")
     profile "sum_$impl" "$limit" --section SpeedOfLight --section LaunchStats --section Occupancy \
         -- --impl "$impl" "${tuning[@]}"
 done
-if [ "${HOPPER_FWD:-0}" = 1 ]; then
-    profile full_mgpu_fwd 200 --set full -- --impl ours --forward --tune hopper=7
-    ncu --import "$W/full_mgpu_fwd.ncu-rep" --page source --csv --print-source sass \
-        > "$W/src_mgpu_fwd.csv" 2> "$W/src_mgpu_fwd.err"
-fi

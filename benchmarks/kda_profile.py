@@ -7,16 +7,16 @@ per kernel (ours, fla or jla; the inputs of benchmarks/kda_kernel.py).
     ncu --import ours.ncu-rep --page details          # per kernel: time, registers, occupancy
     python3 benchmarks/kda_profile.py --tune "stages_intra=2;bv_seq=128"  # a window each (*)
     python3 benchmarks/kda_profile.py --impl ours --smoke   # CPU: the window opens and closes
-    python3 benchmarks/kda_profile.py --impl fla --fla-tuning fla.tgz  # fla's tuning from a .tgz
+    python3 benchmarks/kda_profile.py --impl fla --fla_tuning fla.tgz  # fla's tuning from a .tgz
 
 The function runs twice first (compilation, fla's autotuning), then ``--reps`` times between
 cuProfilerStart and cuProfilerStop, so the report holds the kernels of those calls alone, XLA's
-own (layout changes, casts, reductions) with ours. "ours" is ``impl="pallas"`` with the card's
+own (layout changes, casts, reductions) with ours. "ours" is ``impl="pallas"`` with the
 default launch parameters (--tune changes them, as in kda_kernel.py).
 
-(*) Under ncu on the H200 (2026-12-04) a second window in the same process once ended in a
-segmentation fault, where the same launch parameters profiled alone did not; kda_ncu.sh's
-sweep therefore runs one process per --tune value.
+(*) Under ncu a second window in the same process once ended in a segmentation fault, where
+the same launch parameters profiled alone did not; kda_ncu.sh's sweep therefore runs one
+process per --tune value.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ import ctypes
 import sys
 from pathlib import Path
 
-import jax
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import kda_kernel as kk
-from pallas_kernels import kda as pk
+from benchmarks import timing
+from pallas_kernels.tuning import KernelTuning
 
 IMPLS = ("ours", "ours_gate", "jla", "fla")
 
@@ -92,10 +91,8 @@ def jax_step(impl: str, arrays, tuning, backward: bool):
 
 def fla_step(arrays, backward: bool):
     """fla's chunk_kda on the same buffers (PyTorch): (() -> outputs, sync)."""
-    import torch
-
     fwd, fwdbwd = kk.fla_fns(arrays)
-    return (fwdbwd if backward else fwd), lambda _out: torch.cuda.synchronize()
+    return (fwdbwd if backward else fwd), timing.torch_sync
 
 
 def main(argv=None):
@@ -107,8 +104,8 @@ def main(argv=None):
     ap.add_argument("--tune", default="",
                     help="KernelTuning changes, as kda_kernel.py's; several separated by ';' "
                          "are profiled one after the other, each in its own window")
-    ap.add_argument("--fla-tuning", default="",
-                    help="fla's autotuning results (.tgz, kda_kernel.py's --fla-tuning): fla's "
+    ap.add_argument("--fla_tuning", default="",
+                    help="fla's autotuning results (.tgz, kda_kernel.py's --fla_tuning): fla's "
                          "warm-up then skips autotuning, which under ncu takes minutes")
     ap.add_argument("--smoke", action="store_true",
                     help="the smoke shape (on CPU the kernels run in interpret mode)")
@@ -117,15 +114,14 @@ def main(argv=None):
         ap.error(f"--reps must be at least 1, got {args.reps}")
     if args.fla_tuning:
         if not Path(args.fla_tuning).is_file():  # kda_kernel.py would create it; this only reads
-            ap.error(f"--fla-tuning: no file {args.fla_tuning!r} (a .tgz of fla's autotuning "
+            ap.error(f"--fla_tuning: no file {args.fla_tuning!r} (a .tgz of fla's autotuning "
                      "results, e.g. benchmarks/results/fla_autotune_h200.tgz)")
         kk.restore_fla_tuning(args.fla_tuning)
     shape = "smoke" if args.smoke else args.shape
     B, T, H, D = kk.SHAPES[shape]
     arrays = kk.make_inputs(B, T, H, D)
-    base = pk.default_tuning(jax.devices()[0].device_kind)
     try:
-        tunings = [(spec, pk.KernelTuning.parse(spec, base=base, source="--tune"))
+        tunings = [(spec, KernelTuning.parse(spec, source="--tune"))
                    for spec in args.tune.split(";")]
     except ValueError as err:
         ap.error(str(err))
@@ -136,9 +132,9 @@ def main(argv=None):
             step, sync = fla_step(arrays, not args.forward)
         else:
             step = jax_step(args.impl, arrays, tuning, not args.forward)
-            sync = jax.block_until_ready
-        for _ in range(2):  # compile, autotune, warm up
-            sync(step())
+            sync = timing.jax_sync
+        for _ in range(timing.WARMUP):  # compile, autotune, warm up (as the timer does)
+            timing.first_call(step, sync=sync)
         with ProfilerWindow():
             for _ in range(args.reps):
                 out = step()

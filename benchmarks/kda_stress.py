@@ -6,7 +6,7 @@ the kernel in interpret mode: use a small --shape there).
 
     python benchmarks/kda_stress.py                  # GPU
     python benchmarks/kda_stress.py --shape 2,128,2,32
-    python benchmarks/kda_stress.py --poison --tune inverse_x3=1 --cases 4
+    python benchmarks/kda_stress.py --poison --tune hopper=0 --cases 4
 
 The kernel is called directly (``pallas_kernels.kda.kda_pallas``, what ``kda(...,
 impl="pallas")`` runs on finite inputs) so that --tune (launch parameters, ``tuning=``) and
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kimi_k3.ops.kda import kda
 from pallas_kernels import kda as pk
+from pallas_kernels.tuning import KernelTuning
 
 LB = -5.0
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
@@ -88,13 +89,12 @@ def main(argv=None):
     ap.add_argument("--poison", action="store_true",
                     help="every kernel output starts as NaN (an unwritten element shows)")
     ap.add_argument("--tune", default="",
-                    help="launch parameters changed from the card's defaults, e.g. "
-                         "inverse_x3=1 (pallas_kernels.kda.KernelTuning)")
+                    help="launch parameters changed from the defaults, e.g. "
+                         "hopper=0 (pallas_kernels.tuning.KernelTuning)")
     args = ap.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
     dev = jax.devices()[0]
-    tuning = pk.KernelTuning.parse(args.tune, base=pk.default_tuning(dev.device_kind),
-                                   source="--tune")
+    tuning = KernelTuning.parse(args.tune, source="--tune")
     print(f"device {dev.device_kind}, jax {jax.__version__}, B,T,H,D = {B},{T},{H},{D}, "
           f"tuning {tuning}, poison {args.poison}")
     cases = [("random", 0, "random", "plain", 1.0), ("random", 100, "random", "plain", 1.0),

@@ -1,6 +1,6 @@
 r"""Forward time and peak device memory against sequence length: all-MLA vs 3:1 vs all-KDA.
 
-    # the lent H200 (bf16, 8 layers, d_model 512): 8K ... 1M tokens, where it fits
+    # on a GPU (bf16, 8 layers, d_model 512): 8K ... 1M tokens, where it fits
     python benchmarks/long_context_memory.py --out_dir=benchmarks/results/long_context
     # CPU, toy sizes, seconds (what the tests run)
     python benchmarks/long_context_memory.py --smoke --out_dir=/tmp/lcm
@@ -16,7 +16,7 @@ Two modes per model, batch 1:
 
 Columns of ``long_context_memory.csv``: variant, pattern, mode, seq_len, status (ok | oom |
 too_slow | error), seconds (median of the timed passes after the first, compilation excluded;
-the only pass when there is one), tokens_per_s,
+the only pass when there is one; ``time_passes``), tokens_per_s,
 peak_bytes (the allocator's high-water mark, ``memory_stats()['peak_bytes_in_use']``, where the
 backend reports it: GPU/TPU; blank on CPU), xla_bytes (XLA's compiled estimate: arguments +
 outputs + temporaries - aliases, of the one compiled call; every backend), cache_bytes (prefill:
@@ -36,10 +36,8 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 # JAX and the model are imported inside the functions that run in each series' own child
 # process: the parent only spawns them and gathers their results, so it never holds a device.
@@ -125,6 +123,22 @@ def _xla_bytes(compiled):
                - m.alias_size_in_bytes)
 
 
+def time_passes(one_pass, repeats: int, budget_s: float) -> float:
+    """Seconds of one pass (compiled ahead: no compilation in it), by benchmarks/timing.py:
+    with ``repeats`` > 1 the first pass is a warm-up (it may hold one-time runtime work) and
+    the median of up to ``repeats`` - 1 more, each waited for, is returned; no further pass
+    starts once ``budget_s`` has passed (then, or with ``repeats`` = 1, one pass is timed)."""
+    from benchmarks import timing
+
+    if repeats <= 1:
+        return timing.time_jax(one_pass, warmup=0, calls=1, batches=1).seconds
+    _, first_s = timing.first_call(one_pass)
+    if first_s >= budget_s:
+        return first_s
+    return timing.time_jax(one_pass, warmup=0, calls=1, batches=repeats - 1,
+                           budget_s=budget_s - first_s).seconds
+
+
 def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
     """Measure one variant in one mode at every length, in increasing order; stop early on OOM
     or when a pass exceeds ``args.max_seconds``. Emits and returns one row per length tried."""
@@ -161,7 +175,7 @@ def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
                 row["xla_bytes"] = _xla_bytes(compiled)
 
                 def one_pass(compiled=compiled, tokens=tokens):
-                    return compiled(state, tokens).block_until_ready()
+                    return compiled(state, tokens)
             else:
                 P = min(args.piece_len, T)
                 if T % P:
@@ -180,17 +194,9 @@ def run_series(args, variant: str, mode: str, emit=print) -> list[dict]:
                     out = None
                     for i in range(T // P):
                         out, cache = compiled(state, tokens[:, i * P : (i + 1) * P], cache)
-                    jax.block_until_ready((out, cache))
+                    return out, cache
 
-            times = []
-            while len(times) < args.repeats:
-                t0 = time.perf_counter()
-                one_pass()
-                times.append(time.perf_counter() - t0)
-                if sum(times) > args.max_seconds / 2:
-                    break
-            # The first pass may include one-time runtime work: when there are more, drop it.
-            row["seconds"] = statistics.median(times[1:] if len(times) > 1 else times)
+            row["seconds"] = time_passes(one_pass, args.repeats, args.max_seconds / 2)
             row["tokens_per_s"] = T / row["seconds"]
             row["peak_bytes"] = peak_bytes_in_use()
             if row["seconds"] > args.max_seconds:

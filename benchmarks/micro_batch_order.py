@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -28,10 +27,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs import load_config
+from benchmarks import timing
 from kimi_k3 import data as data_lib
 from kimi_k3 import train_lib
+from kimi_k3.config_files import load_config
 from kimi_k3.layers.attention import attention, documents_per_row
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def global_batches(config, steps: int, seq: int) -> list[np.ndarray]:
@@ -59,9 +61,13 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=0, help="tokens per row (0: the config's)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--impl", default="auto", help="attention impl (auto: cuDNN on the GPU)")
-    ap.add_argument("--reps", type=int, default=3, help="timed passes over the batches")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="timed passes over the batches (benchmarks/timing.py: the median)")
     a = ap.parse_args(argv)
-    config = load_config(a.config.removeprefix("configs/"))
+    path, sep, arg = a.config.partition(":")
+    if not Path(path).is_file() and (REPO / path).is_file():  # configs/... from elsewhere
+        path = str(REPO / path)
+    config = load_config(path + sep + arg)
     B, T = config.data.global_batch_size, a.seq or config.data.seq_len
     if a.microbatch_size <= 0 or B % a.microbatch_size:
         ap.error(f"--microbatch_size must divide data.global_batch_size={B}, got "
@@ -96,14 +102,15 @@ def main(argv=None):
         one_doc = np.mean([int(jnp.max(documents_per_row(s))) == 1 for s in mbs])
         for s in mbs:  # every branch compiled, each kind of batch run once
             jax.block_until_ready(step(q, k, v, s))
-        times = []
-        for _ in range(a.reps):
-            t0 = time.perf_counter()
+
+        def one_pass(mbs=mbs):  # every micro-batch back to back; the last one's outputs
+            out = None
             for s in mbs:
                 out = step(q, k, v, s)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - t0)
-        ms = 1e3 * float(np.median(times)) / a.steps
+            return out
+
+        t = timing.time_jax(one_pass, warmup=0, calls=1, batches=a.reps)
+        ms = t.ms / a.steps
         print(f"| {name} | {one_doc:.1%} | {ms:.2f} |", flush=True)
 
 

@@ -9,7 +9,7 @@ einsum of the same layer, and the ~1B-active MoE's training step against the den
 
 The first (both modes, the defaults: configs/moe_1b.py against configs/1b.py, the layer at
 1 x 4096 and 8 x 4096 tokens, training at 8 x 4096 for 10 timed steps) ends within
-``--budget_s`` = 520 s (and a few seconds of tables), so one 10-minute call holds it.
+``--budget_s`` (default 520 s) and a few seconds of tables.
 
 Layer (``--mode=layer``): the MoE FFN of ``--moe_config`` (its d_model, experts, top-k, expert
 width, shared expert, compute and parameter dtypes) on B x ``--seq`` tokens of random input for
@@ -46,8 +46,9 @@ subprocess per config, ``--dense_config`` then ``--moe_config`` at the same ``--
 per step), micro-batches ``--microbatch`` (0: the trainer's automatic choice); tokens/s, s/step,
 MFU from ``model.flops_per_token`` (a mixture's active FLOPs) against the device's dense bf16
 peak, parameters and ``count_params(active=True)``, peak memory. The MoE run uses its config's
-``expert_matmul`` ("auto": "mosaic_gpu" on an H200); ``moe_dense`` in ``--train_runs`` adds it
-with ``expert_matmul="dense"``, ``moe_cudnn`` with "ragged" and the cuDNN ragged-dot flag.
+``expert_matmul`` ("auto": "mosaic_gpu" on a Hopper GPU); ``moe_dense`` in ``--train_runs``
+adds it with ``expert_matmul="dense"``, ``moe_cudnn`` with "ragged" and the cuDNN ragged-dot
+flag.
 
 Every measurement runs in a subprocess of its own (``--jobs`` at a time; ``--isolate``: each
 layer variant alone), inside ``--budget_s`` seconds overall, in this order: the ragged, onehot
@@ -70,7 +71,6 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,15 +84,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs import load_config
+from benchmarks import timing
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3.config import ModelSpec, model_spec
-from kimi_k3.dispatch import hopper_gpu
+from kimi_k3.config_files import load_config as _load_config
 from kimi_k3.layers.mlp import SwiGLU
 from kimi_k3.layers.moe import MoE, route
 from kimi_k3.model import count_params, flops_per_token
+from pallas_kernels import device
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_config(spec: str):
+    """A config file ``path[:arg]``, the path taken from the working folder, else from the
+    repository (the defaults name ``configs/...``)."""
+    path, sep, arg = spec.partition(":")
+    if not Path(path).is_file() and (REPO / path).is_file():
+        path = str(REPO / path)
+    return _load_config(path + sep + arg)
+
 LAYER_VARIANTS = ("mosaic_gpu", "ragged", "onehot", "dense", "capacity", "dense_equiv",
                   "ragged_cudnn")
 EXTRA_VARIANTS = ("dense_equiv", "ragged_cudnn")  # measured after the training runs
@@ -241,8 +252,10 @@ def _analysis(compiled) -> tuple[float | None, float | None, str]:
 
 def time_layer(variant: str, spec: ModelSpec, B: int, T: int, reps: int,
                capacity_factor: float, seed: int = 0) -> dict:
-    """Forward + backward of one variant on B x T tokens: median ms over ``reps`` runs, with
-    XLA's FLOPs and scratch memory of the compiled program and the device's peak memory."""
+    """Forward + backward of one variant on B x T tokens: median ms over ``reps`` runs after a
+    warm-up run, each waited for (benchmarks/timing.py, one call per batch: the layer's
+    gradients at its largest batches are GBs), with XLA's FLOPs and scratch memory of the
+    compiled program and the device's peak memory."""
     module = _module(variant, spec, capacity_factor, seed)
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     kx, kr = jax.random.split(jax.random.key(seed + 1))
@@ -256,15 +269,11 @@ def time_layer(variant: str, spec: ModelSpec, B: int, T: int, reps: int,
         return jnp.sum(y.astype(jnp.float32) * r.astype(jnp.float32)), dropped
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    compiled = step.lower(params, x_BxTxD, r_BxTxD).compile()
+    compiled, _ = timing.compile_jax(step, params, x_BxTxD, r_BxTxD)
     xla_flops, temp_bytes, hlo = _analysis(compiled)
-    (_, dropped), _ = jax.block_until_ready(compiled(params, x_BxTxD, r_BxTxD))  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, x_BxTxD, r_BxTxD))
-        times.append(time.perf_counter() - t0)
-    ms = 1e3 * statistics.median(times)
+    ((_, dropped), _), _ = timing.first_call(compiled, params, x_BxTxD, r_BxTxD)  # warm-up
+    ms = timing.time_jax(compiled, params, x_BxTxD, r_BxTxD, warmup=0, calls=1,
+                         batches=reps).ms
     useful = useful_flops(variant, spec, B * T)
     peak = metrics_lib.peak_memory_bytes()
     return {
@@ -302,7 +311,7 @@ def layer_worker(job: dict) -> None:
             if variant == "ragged_cudnn" and jax.default_backend() != "gpu":
                 _emit({**row, "status": "skipped: GPU only"})
                 continue
-            if variant == "mosaic_gpu" and not hopper_gpu():
+            if variant == "mosaic_gpu" and not device.probe().mosaic_gpu:
                 _emit({**row, "status": "skipped: sm_90+ GPU only"})
                 continue
             try:

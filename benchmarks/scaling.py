@@ -32,7 +32,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from absl import app, flags
@@ -43,6 +42,8 @@ from ml_collections import config_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks import timing  # noqa: E402  (no JAX: the parent never imports it)
 
 LAYOUTS = ("fsdp", "data", "hybrid", "config")
 
@@ -134,8 +135,8 @@ def run_worker(n: int) -> None:
     workdir = Path(FLAGS.out_dir) / f"run_{n}"
     if workdir.exists():
         shutil.rmtree(workdir)
-    t0 = time.perf_counter()
-    train_lib.train(config, str(workdir))
+    with timing.stopwatch() as wall:
+        train_lib.train(config, str(workdir))
     summary = metrics_lib.throughput_summary(workdir / "metrics.jsonl")
     summary.update(
         devices=n, device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -143,7 +144,7 @@ def run_worker(n: int) -> None:
         seq_len=config.data.seq_len, params=count_params(config.model),
         flops_per_token=flops_per_token(config.model, config.data.seq_len),
         peak_memory_bytes=metrics_lib.peak_memory_bytes(),
-        wall_s=time.perf_counter() - t0,
+        wall_s=wall.seconds,
     )
     (workdir / "result.json").write_text(json.dumps(summary, indent=1))
 
@@ -162,18 +163,18 @@ def run_count(n: int, platform: str, out_dir: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, f"--worker={n}"]
     log = out_dir / f"log_{n}.txt"
     print(f"[scaling] {n} device(s): running, log in {log}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        with open(log, "w") as f:
-            proc = subprocess.run(cmd, env=child_env(platform, n), stdout=f,
-                                  stderr=subprocess.STDOUT, timeout=FLAGS.timeout, cwd=ROOT)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        rc = f"timed out after {FLAGS.timeout} s"
+    with timing.stopwatch() as wall:
+        try:
+            with open(log, "w") as f:
+                proc = subprocess.run(cmd, env=child_env(platform, n), stdout=f,
+                                      stderr=subprocess.STDOUT, timeout=FLAGS.timeout, cwd=ROOT)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {FLAGS.timeout} s"
     if rc == 0 and result_file.exists():
         r = json.loads(result_file.read_text())
         print(f"[scaling] {n} device(s): {r['tokens_per_s']:,.0f} tokens/s "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+              f"({wall.seconds:.0f} s)", flush=True)
         return r
     lines = [x for x in log.read_text().splitlines() if x.strip()] if log.exists() else []
     errors = [x for x in lines if "Error" in x or "error" in x] or lines or [""]

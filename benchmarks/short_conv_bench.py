@@ -23,37 +23,29 @@ channels) every row applies it too, and one more row shows the kernels without i
                 ran before the kernels took the activation in).
 
 Rows of packed documents (~1500 tokens: the mask matters), bf16 on the GPU. Prints the median
-forward and forward + backward ms, the bandwidth that time means for the tensors the step must
-read and write (forward: x in, y out; backward: x, dy in, dx out), and the largest error of
-each output and gradient against ``xla`` (``copy``'s are meaningless).
+forward and forward + backward ms (benchmarks/timing.py: calls back to back, one wait per
+batch), the bandwidth that time means for the tensors the step must read and write (forward:
+x in, y out; backward: x, dy in, dx out), and the largest error of each output and gradient
+against ``xla`` (``copy``'s are meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+
+from benchmarks import timing
 from kimi_k3.layers import ShortConv
 from kimi_k3.layers.short_conv import apply_activation
 from pallas_kernels import short_conv as kernels
-
-
-def _median_ms(fn, *args, reps: int = 10, calls: int = 20) -> float:
-    """Median over ``reps`` of the mean time of ``calls`` calls dispatched back to back (one
-    wait each: a wait per call would add the host's round trip, ~0.1 ms, to a ~0.1 ms op)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(calls)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / calls)
-    return 1e3 * float(np.median(times))
 
 
 def _layer_fns(layer_impl: str, C: int, W: int, seg, activation: str = "none", group: int = 0,
@@ -147,7 +139,7 @@ def main(argv=None):
         err = [float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))
                      / (float(jnp.max(jnp.abs(r.astype(jnp.float32)))) + 1e-30))
                for o, r in zip(out, want, strict=True)]
-        t_fwd, t_all = _median_ms(fwd, x, w), _median_ms(fwd_bwd, x, w, dy)
+        t_fwd, t_all = timing.time_jax(fwd, x, w).ms, timing.time_jax(fwd_bwd, x, w, dy).ms
         print(f"| {name} | {t_fwd:.3f} | {2 * nbytes / t_fwd / 1e6:.0f} | {t_all:.3f} | "
               f"{5 * nbytes / t_all / 1e6:.0f} | {err[0]:.1e}, {err[1]:.1e}, {err[2]:.1e} |",
               flush=True)

@@ -36,14 +36,17 @@ import gzip
 import json
 import os
 import re
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+
+from benchmarks import timing
 from kimi_k3 import data as data_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
@@ -179,25 +182,23 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     # Compiled once, ahead of the first step: the trace's kernel names then match this very
     # executable's HLO text (a second compile may number its fusions differently), and the
     # 1B step is not compiled twice.
-    t0 = time.perf_counter()
-    with setup.context():
+    with timing.stopwatch() as compiling, setup.context():
         step_fn = setup.train_step.lower(state, batches[0]).compile()
-    compile_s = time.perf_counter() - t0
+    compile_s = compiling.seconds
     hlo = step_fn.as_text()
+    calls = 0
 
-    def run(n):
-        nonlocal state
-        times = []
-        for i in range(n):
-            t0 = time.perf_counter()
-            with setup.context():
-                state, m = step_fn(state, batches[i % len(batches)])
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t0)
-        return times
+    def one_step():
+        """One training step on the next of the batches (the state carried): its metrics."""
+        nonlocal state, calls
+        with setup.context():
+            state, m = step_fn(state, batches[calls % len(batches)])
+        calls += 1
+        return m
 
-    run(2)
-    step_s = statistics.median(run(steps))
+    # Two warm-up steps, then each step a batch of its own, waited for (the state threads
+    # through the steps; benchmarks/timing.py).
+    step_s = timing.time_jax(one_step, warmup=2, calls=1, batches=steps).seconds
     result = {"step_s": step_s, "compile_s": compile_s, "tokens": B * T,
               "flops_per_token": flops_per_token(spec.model, T),
               "peak_bytes": metrics_lib.peak_memory_bytes(), "parts": {}, "top": []}
@@ -207,7 +208,8 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     with open(os.path.join(trace_dir, "step.hlo.txt"), "w") as f:  # to read a kernel's fusion
         f.write(hlo)
     jax.profiler.start_trace(trace_dir)
-    run(trace_steps)
+    for _ in range(trace_steps):
+        jax.block_until_ready(one_step())
     jax.profiler.stop_trace()
     op_names = op_names_from_hlo(hlo)
     per = collections.defaultdict(float)

@@ -11,9 +11,9 @@ Rows timed (the gradient of y = SiLU(h[:, 0]) * h[:, 1] for a given dy, h [N, 2,
     pallas      ``swiglu_backward`` with the default tiles.
     BN,BF,warps the kernel with other launch parameters (SwigluTiles).
 
-bf16 on the GPU. Prints the median ms, the bandwidth that means for the tensors the backward
-must move (h and dy in, dh out) and the largest error against ``xla`` relative to its largest
-element.
+bf16 on the GPU. Prints the median ms (benchmarks/timing.py), the bandwidth that means for the
+tensors the backward must move (h and dy in, dh out) and the largest error against ``xla``
+relative to its largest element.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
-from benchmarks.short_conv_bench import _median_ms
+from benchmarks import timing
 from pallas_kernels import swiglu as kernels
 
 
@@ -61,7 +61,7 @@ def main(argv=None):
     for name, fn in rows.items():
         got = np.asarray(fn(h, dy), np.float32)
         err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-        ms = _median_ms(fn, h, dy)
+        ms = timing.time_jax(fn, h, dy).ms
         print(f"| {name} | {ms:.3f} | {moved / ms / 1e6:.0f} | {err:.1e} |", flush=True)
 
 

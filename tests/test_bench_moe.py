@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from flax import nnx, traverse_util
 
-from configs import load_config
 from kimi_k3.config import MoeSpec, model_spec
 from kimi_k3.layers.moe import MoE
 from kimi_k3.model import _matmul_params
+from tests.helpers import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 B, T, D, E, F = 2, 12, 16, 8, 12

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import sys
 import tarfile
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import load_config
+from tests.helpers import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def load(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -89,7 +91,7 @@ def test_attn_res_bench_checks_every_read_against_the_models(capsys, monkeypatch
     """Each variant of the Attention Residual read gives the model's loss and gradients (to
     bf16 rounding: some take w in bf16), and the model's read is put back afterwards."""
     from kimi_k3.layers.attn_res import DepthResidual
-    from tests.compile_options import fast_jit
+    from tests.helpers import fast_jit
 
     model_read = DepthResidual._read_list
     bench = load("attn_res_bench")
@@ -175,33 +177,109 @@ def test_kda_kernel_table_gives_each_peer_its_ratio_and_dashes_for_the_missing()
     assert cells[7:] == ["1.20x / 1.20x", "—", "1.50x / 1.50x", "—"]
 
 
-def test_kda_kernel_timer_reports_the_time_of_one_call_over_batches(monkeypatch):
-    """kda_kernel.time_jax: two calls to warm up, then batches of back-to-back calls sized to
-    ~batch_s each with one wait per batch, and the median time of one call in ms. On a clock
-    that only the calls advance (a real one, on a loaded 2-core machine, stretched the second
-    warm-up call and the batch size with it)."""
-    kk = load("kda_kernel")
+@pytest.fixture(scope="module")
+def timing():
+    return load("timing")
+
+
+def test_the_timer_leaves_the_first_call_out_and_times_batches_of_calls(timing, monkeypatch):
+    """benchmarks/timing.py on a clock that only the calls advance: the warm-up calls, each
+    waited for, the first (compilation) reported alone; then batches of back-to-back calls
+    sized from the last warm-up call to at least min_batch_s, one wait per batch; the median
+    and the minimum of the seconds per call."""
     rng = np.random.default_rng()
-    call_s, batches = float(rng.uniform(0.002, 0.004)), int(rng.integers(2, 5))
+    call_s, compile_s = float(rng.uniform(0.002, 0.004)), float(rng.uniform(1, 5))
+    batches, min_batch_s = int(rng.integers(2, 6)), 0.03
     now, calls, waits = [100.0], [], []
-    monkeypatch.setattr(kk.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(kk.jax, "block_until_ready", lambda x: waits.append(len(calls)) or x)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
 
     def fn(x):
+        now[0] += call_s + (compile_s if not calls else 0.0)
         calls.append(x)
-        now[0] += call_s
         return x
 
-    ms = kk.time_jax(fn, (1.0,), batches=batches, batch_s=0.03)
-    reps = int(0.03 / call_s)
-    assert len(calls) == 2 + batches * reps, (len(calls), reps)
-    # a wait after each warm-up call, then one at the end of each batch
-    assert waits == [1, 2] + [2 + reps * (i + 1) for i in range(batches)], waits
-    assert ms == pytest.approx(1e3 * call_s), (ms, call_s)
+    def sync(out):
+        waits.append(len(calls))
+        if len(waits) == 4:  # the second batch runs slower: the median is not the minimum
+            now[0] += 0.5 * call_s * calls_per_batch
+
+    calls_per_batch = int(np.ceil(min_batch_s / call_s))
+    t = timing.time_calls(fn, 1.0, sync=sync, batches=batches, min_batch_s=min_batch_s)
+    assert t.first_call_s == pytest.approx(compile_s + call_s)
+    assert (t.batches, t.calls_per_batch) == (batches, calls_per_batch), t
+    assert len(calls) == 2 + t.calls
+    # a wait after each warm-up call, then one at the end of each batch (on all its outputs)
+    assert waits == [1, 2] + [2 + calls_per_batch * (i + 1) for i in range(batches)], waits
+    assert t.min_seconds == pytest.approx(call_s) and t.min_ms == pytest.approx(1e3 * call_s)
+    assert t.seconds == pytest.approx(call_s if batches > 2 else 1.25 * call_s)
+    # a budget stops the batches (at least one runs); calls given: no warm-up needed to size
+    calls.clear()
+    t = timing.time_calls(fn, 1.0, sync=lambda out: None, warmup=0, calls=3, batches=100,
+                          budget_s=compile_s + 10 * call_s)
+    # the first batch holds the "compilation": batches end at 3, 6, 9, 12 calls past it
+    assert t.calls_per_batch == 3 and t.batches == 4, t
+    assert np.isnan(t.first_call_s)
+    for bad in (dict(batches=0), dict(warmup=0), dict(calls=0)):
+        with pytest.raises(ValueError):
+            timing.time_calls(fn, 1.0, sync=sync, **bad)
+
+
+def test_the_timer_measures_a_known_sleep_and_keeps_compilation_out(timing):
+    """Real clocks: a call that sleeps a known time (ten times longer the first time, as a
+    compilation) is timed at that time or a little more, the first call apart; a jitted JAX
+    function is traced and compiled once, in the first call, which takes longer than the
+    median call."""
+    import time
+
+    n = []
+
+    def sleepy():
+        time.sleep(0.05 if not n else 0.005)
+        n.append(1)
+
+    t = timing.time_calls(sleepy, sync=lambda out: None, batches=3, min_batch_s=0.02)
+    assert t.first_call_s >= 0.05
+    assert 0.005 <= t.min_seconds <= t.seconds < 0.02, t
+    assert t.batches == 3 and 1 <= t.calls_per_batch <= 4 and len(n) == 2 + t.calls
+
+    traced = []
+
+    @jax.jit
+    def f(x):
+        traced.append(1)
+        return jnp.tanh(x @ x).sum()
+
+    t = timing.time_jax(f, jnp.ones((64, 64)), batches=3)
+    assert len(traced) == 1 and t.first_call_s > t.seconds > 0, t
+    with timing.stopwatch() as sw:
+        time.sleep(0.01)
+    assert 0.01 <= sw.seconds < 0.5
+    compiled, seconds = timing.compile_jax(jax.jit(lambda x: x * 2), jnp.ones(3))
+    assert seconds > 0 and float(compiled(jnp.ones(3))[0]) == 2.0
+
+
+def test_the_timer_waits_for_torch_through_cuda_synchronize_and_imports_it_lazily(
+        timing, monkeypatch):
+    """time_torch: the same policy, every wait ``torch.cuda.synchronize()``; importing the
+    timer imports neither torch nor JAX."""
+    import subprocess
+    import types
+
+    syncs = []
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(synchronize=lambda: syncs.append(1))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    t = timing.time_torch(lambda: None, batches=2, calls=5)
+    assert len(syncs) == 2 + 2 and t.calls == 10
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import benchmarks.timing; "
+            "print(sorted({'torch', 'jax'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_kda_kernel_keeps_fla_tuning_results_across_machines(tmp_path, monkeypatch):
-    """--fla-tuning: the autotuning results Triton left in its cache go into one .tgz and come
+    """--fla_tuning: the autotuning results Triton left in its cache go into one .tgz and come
     back in a fresh cache directory that TRITON_CACHE_DIR points to; nothing else is kept, and
     a member reaching outside the cache is not extracted."""
     kk = load("kda_kernel")
@@ -233,7 +311,7 @@ def test_kda_kernel_keeps_fla_tuning_results_across_machines(tmp_path, monkeypat
     assert got == want and not (Path(second).parent / "outside.autotune.json").exists()
     corrupt = tmp_path / "corrupt.tgz"
     corrupt.write_bytes(b"not a tar archive")
-    with pytest.raises(SystemExit, match=r"--fla-tuning: .*corrupt.tgz is not a readable"):
+    with pytest.raises(SystemExit, match=r"--fla_tuning: .*corrupt.tgz is not a readable"):
         kk.restore_fla_tuning(str(corrupt))
 
 
@@ -269,9 +347,9 @@ def test_micro_batch_order_bench_counts_one_document_micro_batches_on_cpu(tmp_pa
     (tmp_path / "eval.txt").write_bytes(b"held out " * 100)
     cfg = tmp_path / "rows.py"
     cfg.write_text(
-        "from configs import load_config\n\n\n"
+        "from kimi_k3.config_files import load_config\n\n\n"
         "def get_config(arg=None):\n"
-        "    config = load_config('tiny.py')\n"
+        f"    config = load_config({str(REPO / 'configs' / 'tiny.py')!r})\n"
         "    config.data.source = 'text'\n"
         f"    config.data.paths = {str(docs / '*.txt')!r}\n"
         f"    config.data.eval_paths = {str(tmp_path / 'eval.txt')!r}\n"
@@ -295,7 +373,7 @@ def test_micro_batch_order_bench_counts_one_document_micro_batches_on_cpu(tmp_pa
 def test_kda_profile_opens_a_window_per_tuning_and_names_bad_arguments(capsys, tmp_path):
     """benchmarks/kda_profile.py on CPU (no CUDA driver: the profiler window does nothing): one
     window per --tune value, in order; --reps below 1, an unknown tuning key and a missing
-    --fla-tuning file are refused by name."""
+    --fla_tuning file are refused by name."""
     kp = load("kda_profile")
     kp.main(["--smoke", "--forward", "--tune", "bk=16;"])
     windows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("window")]
@@ -303,7 +381,7 @@ def test_kda_profile_opens_a_window_per_tuning_and_names_bad_arguments(capsys, t
     assert "tune 'bk=16'" in windows[0] and "tune 'defaults'" in windows[1]
     for argv, named in ((["--smoke", "--reps", "0"], "--reps"),
                         (["--smoke", "--tune", "blocks=2"], "--tune"),
-                        (["--smoke", "--fla-tuning", str(tmp_path / "none.tgz")], "none.tgz")):
+                        (["--smoke", "--fla_tuning", str(tmp_path / "none.tgz")], "none.tgz")):
         with pytest.raises(SystemExit):
             kp.main(argv)
         assert named in capsys.readouterr().err
@@ -374,7 +452,7 @@ def test_ncu_sass_shares_add_up_and_loops_show_as_runs(tmp_path, capsys):
 def test_kda_kernel_times_the_work_of_fla_backward():
     """kda_kernel.jax_fns: forward+backward returns o and the gradients of the cotangent do in
     all five inputs (fla's torch.autograd.grad(o, inputs, do)), equal to those of the old
-    measurement, sum(o * do) (--sum-loss), on a small function of the five inputs."""
+    measurement, sum(o * do) (--sum_loss), on a small function of the five inputs."""
     kk = load("kda_kernel")
     rng = np.random.default_rng()
     shape = (2, 8, 3, 4)
@@ -395,3 +473,104 @@ def test_kda_kernel_times_the_work_of_fla_backward():
     for a, b in zip(grads, grads_sum, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert float(jnp.max(jnp.abs(grads[4]))) > 0  # beta's gradient is not dropped
+
+
+def test_every_runner_command_parses_with_its_scripts_flags(capsys):
+    """benchmarks/run.py's registry: every command line, placeholders filled, names a script of
+    the repository and parses with that script's own flags (tests/test_docs.py's parser); the
+    groups name entries; --print shows the commands."""
+    import dataclasses
+
+    from tests import test_docs
+
+    run = load("run")
+    values = {"python": "python3", "out": "runs/bench/x", "work": "runs/bench/work",
+              "anchor": "runs/anchor.py", "fla_tuning": run.FLA_TUNING}
+    problems, jobs, scripts = [], [], set()
+    for name, b in run.REGISTRY.items():
+        assert b.commands and b.what, name
+        for cmd in b.commands:
+            line = run.command_line(dataclasses.replace(cmd, stdout=""), values)
+            assert "{" not in line, line  # every placeholder known
+            if "{anchor}" in cmd.argv or cmd.argv[0] == "bash":
+                assert (REPO / cmd.argv[1]).is_file() or "{anchor}" in cmd.argv, line
+                continue
+            found = test_docs.commands(line, f"run.py:{name}")
+            assert len(found) == 1, line
+            scripts.add(found[0].target)
+            bad, job = test_docs.static_problems(found[0])
+            problems += bad
+            script = Path(found[0].target)
+            if job and "def parse_args(argv" in (REPO / script).read_text():
+                try:  # a parser of its own: parsed here (its module holds dataclasses)
+                    load(script.stem).parse_args(job["argv"])
+                except SystemExit:
+                    problems.append(f"{job['where']}: refused")
+                continue
+            jobs += [job] if job else []
+    assert {"benchmarks/kda_kernel.py", "benchmarks/train_throughput.py", "eval.py"} <= scripts
+    problems += [f"{job['where']}: {message}" for job, message
+                 in zip(jobs, test_docs.parse_in_subprocess(jobs), strict=True) if message]
+    assert not problems, "\n".join(problems)
+    assert all(n in run.REGISTRY for names in run.GROUPS.values() for n in names)
+    assert set(run.GROUPS).isdisjoint(run.REGISTRY)
+    run.main(["kda", "--print", "--out_dir=$OUT"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == ["# kda_kernel: " + run.REGISTRY["kda_kernel"].what, run.command_line(
+        run.REGISTRY["kda_kernel"].commands[0],
+        {**values, "out": "$OUT/kda_kernel", "work": "/tmp/bench_work/kda_kernel"})]
+    assert "--no_xla" in printed[1] and len(printed) == 6, printed
+
+
+def test_the_runner_runs_each_entry_in_its_folder_with_a_time_limit(tmp_path, monkeypatch, capsys):
+    """benchmarks/run.py with a registry of small commands: an entry's output and files land in
+    its folder (a command's stdout in the file it names), a command past its limit is killed
+    and says so, an entry needing --anchor or a missing wheel is skipped with the reason,
+    summary.md lists them all, --pack moves the folders into results.tgz; names are checked,
+    and ``all`` takes the GPU entries this host has the GPUs for."""
+    import time
+
+    run = load("run")
+    Command, Benchmark = run.Command, run.Benchmark
+    registry = {
+        "table": Benchmark("prints a table, writes a file", (Command(
+            ("{python}", "-c", "print('| a |'); open('{out}/x.md', 'w').write('{work}')"),
+            stdout="table.md"),), gpus=0, wheels=()),
+        "slow": Benchmark("sleeps past its limit", (Command(
+            ("{python}", "-c", "import time; print('started', flush=True); time.sleep(60)"),
+            timeout_s=2),), wheels=()),
+        "anchored": Benchmark("the anchor", (Command(("{python}", "{anchor}")),),
+                              needs_anchor=True, wheels=()),
+        "wheeled": Benchmark("needs a missing wheel", (Command(("{python}", "-c", "pass")),),
+                             gpus=2, wheels=("no-such-distribution",)),
+    }
+    monkeypatch.setattr(run, "REGISTRY", registry)
+    monkeypatch.setattr(run, "GROUPS", {"pair": ("table", "slow")})
+    assert run.select(["pair", "table", "anchored"], gpus=0, have_anchor=False) == [
+        "table", "slow", "anchored"]
+    assert run.select(["all"], gpus=1, have_anchor=False) == ["slow"]
+    assert run.select(["all"], gpus=2, have_anchor=True) == ["slow", "anchored", "wheeled"]
+    with pytest.raises(ValueError, match="no benchmark or group 'nope'"):
+        run.select(["nope"], gpus=1, have_anchor=True)
+    t0 = time.monotonic()
+    rows = run.main(["pair", "anchored", "wheeled", f"--out_dir={tmp_path}", "--pack"])
+    assert time.monotonic() - t0 < 30  # the sleeper was killed at its limit
+    status = {r["name"]: r["status"] for r in rows}
+    assert status["table"] == "ok", rows
+    assert status["slow"] == "timed out after 2 s"
+    assert status["anchored"] == "skipped: needs --anchor=PATH"
+    assert status["wheeled"].startswith("skipped: no-such-distribution not importable")
+    assert sorted(os.listdir(tmp_path)) == ["results.tgz", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| table | ok |" in summary and "table.md, x.md" in summary
+    with tarfile.open(tmp_path / "results.tgz") as tar:
+        names = set(tar.getnames())
+        assert {"table/log.txt", "table/table.md", "table/x.md", "slow/log.txt"} <= names
+        assert tar.extractfile("table/table.md").read() == b"| a |\n"
+        work = tar.extractfile("table/x.md").read().decode()
+        log = tar.extractfile("slow/log.txt").read().decode()
+    assert work.endswith("table") and not work.startswith(str(tmp_path))  # scratch elsewhere
+    assert "started" in log and "timed out after 2 s" in log and "$ " in log
+    with pytest.raises(SystemExit):
+        run.main(["nope", f"--out_dir={tmp_path}"])
+    assert "no benchmark or group 'nope'" in capsys.readouterr().err

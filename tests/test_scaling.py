@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kimi_k3.plots import is_png
-from tests.test_train import SUBPROCESS_XLA_FLAGS, env
+from tests.helpers import SUBPROCESS_XLA_FLAGS, env
 
 REPO = Path(__file__).resolve().parents[1]
 
