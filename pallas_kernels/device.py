@@ -87,13 +87,22 @@ def probe(platform: str | None = None) -> Device:
 
 @functools.cache
 def _probe(platform: str) -> Device:
-    present = platform == jax.default_backend()
-    dev = jax.devices(platform)[0] if present else None
+    return describe(platform, jax.devices(platform)[0] if platform == jax.default_backend()
+                    else None)
+
+
+def describe(platform: str, dev) -> Device:
+    """The ``Device`` of ``platform`` given its first device ``dev`` (a ``jax.Device``, or None
+    for the platform asked about without its device). ``probe`` is this on the real device,
+    remembered; tests give it stand-in devices."""
+    present = dev is not None
     kind = dev.device_kind if dev is not None else ""
     cc = str(getattr(dev, "compute_capability", "") or "") if platform == "gpu" else ""
     lowering = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda"}[platform]
     if dev is not None and platform == "gpu":
-        lowering = dev.client.platform  # "cuda" or "rocm"
+        # JAX names both runtimes' backend "gpu"; the client's version string tells them apart
+        version = str(getattr(dev.client, "platform_version", "")).lower()
+        lowering = "rocm" if "rocm" in version or "hip" in version else "cuda"
     reasons = {}
 
     def family(name: str, why: str | None) -> bool:

@@ -439,6 +439,23 @@ def test_readme_is_short_and_links_every_guide():
     assert not [g.name for g in GUIDES if g.resolve() not in linked], "guides the README does not link"
 
 
+BENCHMARKS_MAX_LINES = 400
+RESULTS_MAX_BYTES = 4 << 20
+
+
+def test_benchmarks_is_a_reference_of_current_figures():
+    """BENCHMARKS.md stays a reference (one current table per benchmark), and
+    benchmarks/results/ holds only what it quotes: small, and every file linked from it."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= BENCHMARKS_MAX_LINES
+    results = REPO / "benchmarks" / "results"
+    files = [f for f in results.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= RESULTS_MAX_BYTES
+    unquoted = [str(f.relative_to(REPO)) for f in files
+                if str(f.relative_to(REPO)) not in text and f.name not in text]
+    assert not unquoted, f"results BENCHMARKS.md does not quote: {unquoted}"
+
+
 def test_relative_links_lead_to_files_and_headings():
     bad = [problem for path in LINKED for problem in broken_links(path)]
     assert not bad, "\n".join(bad)

@@ -471,3 +471,33 @@ def test_no_timings_in_the_code():
     # and the check can see them
     assert len(timings('"""Runs in 3.2 ms on the H200."""\nx = 1  # 41.7% MFU\n')) == 2
     assert not timings('"""Shapes [B, T, H, K]; 2 FLOPs per weight."""\n')
+
+
+class _StandInClient:
+    platform = "gpu"  # what JAX 0.11 reports for CUDA and ROCm alike
+
+    def __init__(self, version):
+        self.platform_version = version
+
+
+class _StandInGpu:
+    def __init__(self, kind, cc, version="cuda 12090"):
+        self.device_kind, self.compute_capability = kind, cc
+        self.client = _StandInClient(version)
+
+
+@pytest.mark.parametrize("kind,cc,version,mosaic", [
+    ("NVIDIA H100 80GB HBM3", "9.0", "cuda 12090", True),
+    ("NVIDIA H200", "9.0", "PJRT C API\ncuda 12090", True),
+    ("NVIDIA A100-SXM4-80GB", "8.0", "cuda 12090", False),
+    ("NVIDIA B200", "10.0", "cuda 12090", False),
+    ("AMD Instinct MI300X", "", "rocm 60342", False),
+])
+def test_the_probe_finds_hopper_cards_by_compute_capability(kind, cc, version, mosaic):
+    """The Mosaic GPU kernels apply on an sm_90 card of a CUDA runtime, whatever the client
+    calls its platform; the reason names the card otherwise."""
+    dev = device.describe("gpu", _StandInGpu(kind, cc, version))
+    assert dev.kind == kind and dev.mosaic_gpu is mosaic, dev
+    assert dev.lowering == ("rocm" if "rocm" in version else "cuda")
+    if not mosaic:
+        assert kind.split()[0] in dev.why_not("mosaic_gpu") or "rocm" in dev.why_not("mosaic_gpu")
