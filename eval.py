@@ -15,10 +15,10 @@ eval_loss_by_position.png to --workdir, and prints the perplexity table. All log
 ``kimi_k3.eval_report`` (the files).
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-from kimi_k3 import compile_cache, eval_scoring, evaluation
+from kimi_k3 import cli, compile_cache, eval_scoring, evaluation
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (model + held-out data), e.g. configs/tiny.py.", lock_config=True
@@ -65,7 +65,10 @@ _CACHE = compile_cache.define_flag()
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # the command prints its own lines; -v 0 for library logs
+        logging.set_verbosity(logging.WARNING)
     compile_cache.enable(_CACHE.value)
     evaluation.main(
         _CONFIG.value,
@@ -82,4 +85,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

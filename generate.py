@@ -7,19 +7,23 @@ r"""Continue a prompt with a trained model: greedy by default, or temperature / 
     python generate.py --config=configs/tiny.py --checkpoint=init --prompt_ids=100,101,102 \
         --stop_ids=10
 
-Text goes through the config's tokenizer (``config.data.tokenizer``; bytes without one) and
-the continuation is printed as text; ``--prompt_ids`` takes token ids and prints ids. Repeat
+Text goes through the config's tokenizer (``config.data.tokenizer``; bytes without one) and the
+continuation is printed as text; ``--prompt_ids`` takes token ids and prints ids. Repeat
 ``--prompt`` / ``--prompt_ids`` for a batch (prompts of different lengths decode exactly as
-they would alone). The weights: ``--checkpoint`` (a step, checkpoints or run folder, or
-``init``), else the newest step under ``--workdir/checkpoints``. A Kimi Linear checkpoint of
-transformers runs after ``python -m kimi_k3.hf import --hf_dir=DIR --workdir=RUN`` with
+they would alone); without a tokenizer a ``--prompt``'s bytes go in as given, UTF-8 or not. A
+``--max_new_tokens`` whose cache would not fit in memory is refused before anything is loaded,
+with the most that fits. A checkpoint of another model is refused with the flag that passes the
+run's own config (``--config=RUN``). The weights: ``--checkpoint`` (a step, checkpoints or run
+folder, or ``init``), else the newest step under ``--workdir/checkpoints``. A Kimi Linear
+checkpoint of transformers runs after
+``python -m kimi_k3.hf import --hf_dir=DIR --workdir=RUN`` with
 ``--config=RUN/config.py --workdir=RUN``. All logic lives in ``kimi_k3.generate``.
 """
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from kimi_k3 import compile_cache, generate
+from kimi_k3 import cli, compile_cache, generate
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (the model and its tokenizer), e.g. configs/tiny.py.",
@@ -29,10 +33,14 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run folder: its newest checkpoint is used when --checkpoint is not given.")
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "A checkpoint step, checkpoints or run folder, or 'init' (untrained).")
-_PROMPT = flags.DEFINE_multi_string("prompt", [], "Prompt text; repeat for a batch.")
+_PROMPT = flags.DEFINE_multi_string(
+    "prompt", [], "Prompt text; repeat for a batch. Without a tokenizer (bytes) its bytes go in as "
+    "given, UTF-8 or not; a tokenizer takes UTF-8 text only.")
 _PROMPT_IDS = flags.DEFINE_multi_string(
     "prompt_ids", [], "Prompt as comma-separated token ids (ids are printed back); repeat for a batch.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt, at most.", lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer(
+    "max_new_tokens", 64, "New tokens per prompt, at most; refused (with the most that fits) when "
+    "the cache for the prompts plus these would not fit in memory.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float(
     "temperature", None, "Sampling temperature; 0 or unset: greedy (unset with --top_p: 1).")
 _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus sampling: keep the most probable tokens "
@@ -68,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -8,6 +8,11 @@ Multi-host: on a TPU pod slice, SLURM or Open MPI, add ``--multihost`` (JAX read
 from the environment); elsewhere give ``--coordinator_address=HOST:PORT --num_processes=N
 --process_id=I`` (or set JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID).
 All logic lives in ``kimi_k3.train_lib``.
+
+Exit codes (``kimi_k3.runtime``): 0 done (train.steps reached); 1 failed (bad data, a failed
+checkpoint save, a non-finite step, a run folder in use by another trainer); 2 a bad flag or
+config; 75 stopped by SIGTERM or Ctrl-C after saving the step it reached: run the same command
+again to resume (a second Ctrl-C stops at once, without saving).
 """
 
 import os
@@ -15,7 +20,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from kimi_k3 import compile_cache, train_lib
+from kimi_k3 import cli, compile_cache, train_lib
 from kimi_k3 import mesh as mesh_lib
 
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py[:arg].",
@@ -44,4 +49,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -26,7 +26,7 @@ from ml_collections import config_flags
 # The repository root, for ``configs`` (configs/mqar.py imports ``configs.parse_arg``).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kimi_k3 import eval_scoring, passkey
+from kimi_k3 import cli, eval_scoring, passkey
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (the model and its tokenizer), e.g. configs/tiny.py.",
@@ -109,4 +109,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 import math
 from collections.abc import Callable
 
@@ -483,14 +485,20 @@ def _is_number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class ConfigError(ValueError):
+    """A config field out of range, or fields that do not fit together: the message names the
+    field (``config.<section>.<field>``, as ``--config.`` overrides name it), the value given and
+    what is allowed. The entry points print it as one line and exit with code 2."""
+
+
 class _Fields:
-    """Reads one section's fields, raising ValueError naming ``<prefix><field>``."""
+    """Reads one section's fields, raising ConfigError naming ``<prefix><field>``."""
 
     def __init__(self, section, prefix: str):
         self.section, self.prefix = section, prefix
 
     def fail(self, field: str, got, allowed: str):
-        raise ValueError(f"{self.prefix}{field}: {got!r} {allowed}")
+        raise ConfigError(f"{self.prefix}{field}: {got!r} {allowed}")
 
     def get(self, field: str, ok: Callable[[object], bool], allowed: str):
         value = getattr(self.section, field)
@@ -510,6 +518,12 @@ class _Fields:
         if allowed is None:
             allowed = (f"must be in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else
                        f"must be >= {lo:g}" if lo is not None else "must be a finite number")
+        value = getattr(self.section, field)
+        if isinstance(value, int | float) and not isinstance(value, bool) \
+                and not math.isfinite(value):  # "inf must be >= 0" would puzzle
+            bounds = (f" in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else
+                      f" >= {lo:g}" if lo is not None else "")
+            self.fail(field, value, f"is not a finite number; allowed: a finite number{bounds}")
         return float(self.get(field, ok, allowed))
 
     def bool(self, field: str) -> bool:
@@ -714,17 +728,17 @@ def data_spec(cfg) -> DataSpec:
     """``config.data`` checked (the fields that need no file reading)."""
     if isinstance(cfg, DataSpec):
         return cfg
-    f = _Fields(cfg, "data.")
+    f = _Fields(cfg, "config.data.")
     seq_len = f.int("seq_len", 1)
     if seq_len < 2:
         f.fail("seq_len", seq_len, "leaves no next token to predict inside a row; it must be >= 2")
     source = f.choice("source", SOURCES)
     paths = f.strings("paths")
     if source == "stdlib" and paths:
-        raise ValueError(
-            f"data.paths: {cfg.paths!r} is given, but data.source is 'stdlib' (the default: the "
-            f"Python standard library), which reads no files; set data.source='text' (or "
-            f"'tokens') to train on them")
+        raise ConfigError(
+            f"config.data.paths: {cfg.paths!r} is given, but config.data.source is 'stdlib' (the "
+            f"default: the Python standard library), which reads no files; set "
+            f"--config.data.source=text (or tokens) to train on them")
     eval_fraction = f.number("eval_fraction", 0.0, allowed="must be in [0, 1)")
     if eval_fraction >= 1:
         f.fail("eval_fraction", cfg.eval_fraction, "must be in [0, 1)")
@@ -742,7 +756,7 @@ def opt_spec(cfg) -> OptSpec:
     """``config.opt`` checked."""
     if isinstance(cfg, OptSpec):
         return cfg
-    f = _Fields(cfg, "opt.")
+    f = _Fields(cfg, "config.opt.")
     name, schedule = f.choice("name", OPTIMIZERS), f.choice("schedule", SCHEDULES)
     decay_fraction = f.number("decay_fraction", 0.0, 1.0)
     if schedule == "wsd" and decay_fraction == 0:
@@ -765,8 +779,8 @@ def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ..
     out = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ValueError(
-                f"mesh.axis_rules[{i}]: {rule!r} must be (logical_name, mesh_axis | "
+            raise ConfigError(
+                f"config.mesh.axis_rules[{i}]: {rule!r} must be (logical_name, mesh_axis | "
                 f"(mesh_axis, ...) | None)"
             )
         name, target = rule
@@ -776,8 +790,8 @@ def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ..
         axes = (target,) if isinstance(target, str) else tuple(target)
         bad = [a for a in axes if a not in MESH_AXES]
         if bad:
-            raise ValueError(
-                f"mesh.axis_rules[{i}] ({name!r}): mesh axes {bad} are not among {MESH_AXES}"
+            raise ConfigError(
+                f"config.mesh.axis_rules[{i}] ({name!r}): mesh axes {bad} are not among {MESH_AXES}"
             )
         out.append((name, axes[0] if len(axes) == 1 else axes))
     return tuple(out)
@@ -787,13 +801,13 @@ def mesh_sizes(cfg) -> tuple[int, int, int, int, int]:
     """The (data, fsdp, expert, context, tensor) sizes of ``config.mesh`` (or a MeshSpec),
     checked; at most one is -1 ("the rest of the devices", resolved in kimi_k3/mesh.py). A mesh
     section without ``expert`` or ``context`` (written before those existed) has them = 1."""
-    f = _Fields(cfg, "mesh.")
+    f = _Fields(cfg, "config.mesh.")
     ok = lambda v: _is_int(v) and (v >= 1 or v == -1)
     sizes = tuple(1 if a in ("expert", "context") and not hasattr(cfg, a) else
                   f.get(a, ok, "must be a positive integer or -1 (the rest)") for a in MESH_AXES)
     rest = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     if len(rest) > 1:
-        raise ValueError(f"mesh: only one axis may be -1, got {rest}")
+        raise ConfigError(f"config.mesh: only one axis may be -1, got {rest}")
     return sizes
 
 
@@ -805,26 +819,26 @@ def mesh_spec(cfg) -> MeshSpec:
 
 
 def check_context(seq_len: int, context: int, chunk_size: int | None,
-                  field: str = "data.seq_len") -> None:
+                  field: str = "config.data.seq_len") -> None:
     """A sequence split over ``context`` devices: each shard must hold whole KDA chunks
     (``chunk_size``; None for a model without KDA layers: whole tokens). Raises ValueError
-    naming ``field``."""
+    naming ``field`` (a ConfigError)."""
     if context <= 1:
         return
     unit = context * (chunk_size or 1)
     if seq_len % unit:
-        what = (f"mesh.context x model.kda.chunk_size = {context} x {chunk_size}"
-                if chunk_size else f"mesh.context = {context}")
-        raise ValueError(f"{field}: {seq_len} must be a multiple of {what} = {unit} (each "
+        what = (f"config.mesh.context x config.model.kda.chunk_size = {context} x {chunk_size}"
+                if chunk_size else f"config.mesh.context = {context}")
+        raise ConfigError(f"{field}: {seq_len} must be a multiple of {what} = {unit} (each "
                          f"device of the context axis holds whole chunks); allowed: multiples "
-                         f"of {unit}, or a smaller mesh.context")
+                         f"of {unit}, or a smaller config.mesh.context")
 
 
 def ckpt_spec(cfg) -> CkptSpec:
     """``config.checkpoint`` checked."""
     if isinstance(cfg, CkptSpec):
         return cfg
-    f = _Fields(cfg, "checkpoint.")
+    f = _Fields(cfg, "config.checkpoint.")
     return CkptSpec(enabled=f.bool("enabled"), every_steps=f.int("every_steps", 1),
                     keep=f.int("keep", 1), async_save=f.bool("async_save"),
                     dir=f.get("dir", lambda v: isinstance(v, str), "must be a path or ''"))
@@ -834,7 +848,7 @@ def train_spec(cfg) -> TrainSpec:
     """``config.train`` checked."""
     if isinstance(cfg, TrainSpec):
         return cfg
-    f = _Fields(cfg, "train.")
+    f = _Fields(cfg, "config.train.")
     return TrainSpec(
         steps=f.int("steps", 1), log_every=f.int("log_every", 1),
         microbatch_size=f.int("microbatch_size", 0, "must be an integer >= 0 (0 = automatic)"),
@@ -850,6 +864,13 @@ def kda_chunk(model: ModelSpec | None) -> int | None:
     return model.kda.chunk_size if model is not None and "K" in model.pattern else None
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    """A config that runs but likely not as meant: said once per process, however often the
+    config is checked."""
+    logging.warning(message)
+
+
 def run_spec(config, backend: str | None = None, with_model: bool = True) -> RunSpec:
     """The whole config checked once and resolved: raises ValueError naming the first bad
     field (a RunSpec passes through). ``backend`` decides ``model.kda.impl="auto"`` (default:
@@ -857,7 +878,7 @@ def run_spec(config, backend: str | None = None, with_model: bool = True) -> Run
     model function)."""
     if isinstance(config, RunSpec):
         return config
-    seed = _Fields(config, "").get("seed", lambda v: _is_int(v) and 0 <= v < 2**31,
+    seed = _Fields(config, "config.").get("seed", lambda v: _is_int(v) and 0 <= v < 2**31,
                                    "must be an integer in [0, 2**31)")
     model = model_spec(config.model, backend) if with_model else None
     spec = RunSpec(model=model, data=data_spec(config.data), opt=opt_spec(config.opt),
@@ -865,13 +886,23 @@ def run_spec(config, backend: str | None = None, with_model: bool = True) -> Run
                    train=train_spec(config.train), seed=seed)
     moe, ep = (model.moe if model else None), spec.mesh.expert
     if moe and ep > 0 and moe.num_experts % ep:
-        raise ValueError(f"mesh.expert: {ep} does not divide config.model.moe.num_experts="
+        raise ConfigError(f"config.mesh.expert: {ep} does not divide config.model.moe.num_experts="
                          f"{moe.num_experts} (each device of the expert axis holds "
                          f"num_experts / mesh.expert experts)")
     if spec.mesh.context > 1:
         check_context(spec.data.seq_len, spec.mesh.context, kda_chunk(model))
+    if spec.opt.warmup_steps > spec.train.steps:
+        # Allowed (a short smoke run of a long config), but never silently.
+        _warn_once(f"config.opt.warmup_steps={spec.opt.warmup_steps} is more than "
+                   f"config.train.steps={spec.train.steps}: the learning rate stops at "
+                   f"{spec.train.steps / spec.opt.warmup_steps:.0%} of config.opt.lr="
+                   f"{spec.opt.lr:g}; lower --config.opt.warmup_steps to reach it")
+    if model is not None and spec.data.eos_id >= model.vocab_size:
+        raise ConfigError(f"config.data.eos_id: {spec.data.eos_id} is outside the vocabulary "
+                          f"(config.model.vocab_size={model.vocab_size}); allowed: -1 (none) or "
+                          f"an id in [0, {model.vocab_size})")
     micro, batch = spec.train.microbatch_size, spec.data.global_batch_size
     if micro and batch % micro:
-        raise ValueError(f"train.microbatch_size: {micro} does not divide "
-                         f"data.global_batch_size={batch}")
+        raise ConfigError(f"config.train.microbatch_size: {micro} does not divide "
+                         f"config.data.global_batch_size={batch}")
     return spec

@@ -1,6 +1,7 @@
 """Config files, loaded by path: ``path/to/x.py[:arg]`` -> that file's ``get_config(arg)``.
 
     config = load_config("configs/ablate_ratio.py:ratio=3,layers=16")
+    config = load_config("runs/r3")             # a run folder: the config it ran with
     args = parse_arg("ratio=3,layers=16", {"ratio": int, "layers": int})
 
 The syntax is that of ml_collections' ``config_flags`` (``--config=configs/x.py:arg``), which
@@ -14,6 +15,7 @@ from the working folder; a config that builds on another names it relative to it
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 
@@ -21,13 +23,20 @@ import ml_collections
 
 
 def load_config(spec: str | os.PathLike) -> ml_collections.ConfigDict:
-    """``"configs/ablate_ratio.py:ratio=3"`` -> that file's ``get_config("ratio=3")``.
+    """``"configs/ablate_ratio.py:ratio=3"`` -> that file's ``get_config("ratio=3")``; a run
+    folder -> its ``config.py`` (the config it ran with); a ``.json`` file -> its ConfigDict.
 
     Raises ValueError naming the path when there is no such file (never another file in its
     place) or when it defines no ``get_config``.
     """
     path, _, arg = os.fspath(spec).partition(":")
     file = pathlib.Path(path).expanduser()
+    if file.is_dir():  # a run folder: its config.py (kimi_k3.run_dir.write_config)
+        file = file / "config.py"
+    elif file.suffix == ".json" and file.is_file():  # a config as JSON, e.g. a run's record
+        if arg:
+            raise ValueError(f"config file {path!r} is JSON and takes no argument, got {arg!r}")
+        return ml_collections.ConfigDict(json.loads(file.read_text()))
     if not file.is_file():
         where = f" (from {os.getcwd()})" if not file.is_absolute() else ""
         raise ValueError(f"no config file {path!r}{where}: give the path of a Python file "

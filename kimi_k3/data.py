@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import glob
 import logging
+import math
 import os
 import sysconfig
 import zlib
@@ -40,7 +41,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from kimi_k3.config import TOKEN_DTYPES, data_spec
+from kimi_k3.config import TOKEN_DTYPES, ConfigError, data_spec
 
 BYTE_VOCAB = 256
 _CHECK_CHUNK = 1 << 24  # tokens scanned at a time when checking ids in a token file
@@ -161,6 +162,17 @@ class BatchIterator:
 def host_batch_slice(sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
     """The contiguous range of batch rows (dim 0) that this process's devices hold under
     ``sharding`` — the rows this host must read. Raises if they are not contiguous."""
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    ways = math.prod(sharding.mesh.shape[a] for a in axes)
+    if global_shape[0] % ways:
+        sizes = " x ".join(f"{a} {sharding.mesh.shape[a]}" for a in axes)
+        lower = global_shape[0] // ways * ways
+        raise ConfigError(
+            f"config.data.global_batch_size: {global_shape[0]} rows do not split over the mesh's "
+            f"{ways} data-parallel devices ({sizes}); allowed: a multiple of {ways}, e.g. "
+            f"{lower or ways} or {lower + ways}, or a mesh whose data x fsdp x expert divides "
+            f"{global_shape[0]} (--config.mesh.*)")
     idx = sharding.addressable_devices_indices_map(global_shape).values()
     spans = sorted({(s[0].start or 0, global_shape[0] if s[0].stop is None else s[0].stop)
                     for s in idx})
@@ -274,19 +286,43 @@ class TextTokenizer:
             return "".join(text) + run.decode("utf-8", errors="replace")
         return self._tok.decode(ids)
 
-    def encode_files(self, files: Sequence[str], skip_empty: bool) -> list[np.ndarray]:
+    def encode_files(self, files: Sequence[str], skip_empty: bool,
+                     check_text: bool = False) -> list[np.ndarray]:
+        """The ids of each file. ``check_text``: refuse a file that is not UTF-8 text (a NUL
+        byte or an invalid sequence: a binary file given as ``data.source='text'``), naming it
+        and the byte where it stops being text."""
         raw = []
         for f in files:
-            with open(f, "rb") as fh:
-                b = fh.read()
+            try:
+                with open(f, "rb") as fh:
+                    b = fh.read()
+            except OSError as e:
+                raise OSError(f"data.paths: cannot read {f!r} ({e.strerror or e})") from e
             if not b and not skip_empty:
                 raise ValueError(f"data.paths: {f!r} is an empty file")
+            if check_text:
+                _check_text(b, f)
             raw.append(b)
         if self._tok is None:
             return [np.frombuffer(b, np.uint8) for b in raw]
         texts = [b.decode("utf-8", errors="replace") for b in raw]
         dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
         return [np.asarray(e.ids, dtype) for e in self._tok.encode_batch(texts)]
+
+
+def _check_text(data: bytes, path: str) -> None:
+    """Raises ValueError naming ``path`` unless ``data`` is UTF-8 text without NUL bytes."""
+    at = data.find(b"\0")
+    if at < 0:
+        try:
+            data.decode("utf-8")
+            return
+        except UnicodeDecodeError as e:
+            at = e.start
+    raise ValueError(
+        f"data.paths: {path!r} is not UTF-8 text (byte {at} of {len(data)}: "
+        f"{data[at:at + 8]!r}); data.source='text' reads text files — for token ids written "
+        f"by `python -m kimi_k3.data` use --config.data.source=tokens")
 
 
 def first_bad_id(tokens: np.ndarray, vocab_size: int) -> tuple[tuple[int, ...], int] | None:
@@ -317,7 +353,10 @@ def check_ids(chunks: Sequence[np.ndarray], names: Sequence[str], vocab_size: in
 
 
 def open_token_file(path: str, dtype: str) -> np.ndarray:
-    size = os.path.getsize(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise OSError(f"data.paths: cannot read {path!r} ({e.strerror or e})") from e
     itemsize = np.dtype(dtype).itemsize
     if size == 0:
         raise ValueError(f"data.paths: {path!r} is an empty file")
@@ -326,7 +365,10 @@ def open_token_file(path: str, dtype: str) -> np.ndarray:
             f"data.paths: {path!r} has {size} bytes, not a multiple of {itemsize} "
             f"(data.token_dtype={dtype!r}); is it a token file of that dtype?"
         )
-    return np.memmap(path, dtype=dtype, mode="r")
+    try:
+        return np.memmap(path, dtype=dtype, mode="r")
+    except OSError as e:
+        raise OSError(f"data.paths: cannot read {path!r} ({e.strerror or e})") from e
 
 
 def _check_token_files(chunks, names, vocab_size: int) -> None:
@@ -381,7 +423,7 @@ def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStr
             _check_token_files(chunks, split_files, vocab_size)
             return TokenStream(chunks, split_files, eos_id=int(data_cfg.eos_id))
         tok = TextTokenizer(data_cfg.tokenizer)
-        chunks = tok.encode_files(split_files, skip_empty=not user_files)
+        chunks = tok.encode_files(split_files, skip_empty=not user_files, check_text=user_files)
         check_ids(chunks, split_files, vocab_size)
         return TokenStream(chunks, split_files)
 

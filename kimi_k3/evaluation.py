@@ -110,7 +110,6 @@ def run(
     opts.validate()
     check_labels(checkpoints)
     configs = {spec.label: spec_config(spec, config) for spec in checkpoints}
-    os.makedirs(workdir, exist_ok=True)
     if docs is None:
         docs = heldout_documents(config)
     windows = {}
@@ -150,7 +149,9 @@ def run(
         if models is not None and spec.label in models:
             model, step = models[spec.label], None
         else:
-            model, step = load_model(cfg, spec.path, config_name=spec.config or config_name)
+            model, step = load_model(
+                cfg, spec.path, config_name=spec.config or config_name,
+                give_config=lambda run, s=spec: f"--checkpoint={s.label}={s.path}@{run}")
             if step is not None:
                 print(f"{spec.label}: restored step {step} from {spec.path}")
         scorer = Scorer(model, mesh=mesh, rules=rules)
@@ -173,6 +174,7 @@ def run(
         report["models"].append(entry)
         del scorer, model
 
+    os.makedirs(workdir, exist_ok=True)  # only now: a run stopped on any error leaves none
     write_outputs(report, workdir)
     print(format_table(report))
     return report
@@ -233,7 +235,8 @@ def main(
     """eval.py's body. With no ``checkpoints``, the latest checkpoint under ``workdir/checkpoints``.
 
     Every flag is checked (each error naming it) before a checkpoint or the data is read, and
-    ``workdir`` is created only once they all pass.
+    ``workdir`` is created only when the results are written: an evaluation that fails leaves
+    no folder behind.
     """
     if config is None:
         raise ValueError("--config: required (the model and the held-out data to use)")
@@ -263,5 +266,5 @@ def main(
             raise FileNotFoundError(f"--checkpoint: {s.path!r} does not exist")
         spec_config(s, config)  # a @CONFIG that does not load fails now, not after the others
     context_mesh(config, opts, [spec_config(s, config) for s in specs])  # --piece_len splits
-    workdir = check_workdir(workdir)
+    workdir = check_workdir(workdir, create=False)
     return run(config, specs, opts, workdir, progress=progress, config_name=config_name)

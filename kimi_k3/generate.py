@@ -49,6 +49,19 @@ Row i's sequence is its prompt followed by its own samples, nothing in between, 
 exactly as it would alone (tests/test_generate.py checks this against one prompt at a time).
 The cost is max_i L_i - L_min single-token steps for the longer prompts' tails: give prompts
 of very different lengths to separate calls (prefill is much faster than steps).
+
+**The cache must fit.** Before anything is allocated, ``check_cache_fits`` sizes the cache for
+B rows of max_i L_i + N positions (``jax.eval_shape``: the MLA latents grow with the positions,
+the KDA state does not) and refuses, naming ``--max_new_tokens``, a cache that with the weights
+exceeds the device's memory (``runtime.device_memory_bytes``; on a CPU, which reports none,
+the host's physical memory), saying how many new tokens would fit. It is a necessary bound, not
+a sufficient one: the attention over the cache needs working memory on top.
+
+**Prompt text and bytes** (``encode_prompt``). A command line is bytes; Python hands them over
+as text, each byte that is not UTF-8 kept as an escaped surrogate. A byte-level model (no
+``data.tokenizer``) takes a prompt's bytes as they were given, UTF-8 or not; a tokenizer takes
+text only, so a prompt that is not UTF-8 is refused naming ``--prompt``, the prompt and the
+byte (give its ids with ``--prompt_ids`` instead).
 """
 
 from __future__ import annotations
@@ -70,8 +83,8 @@ from tqdm.auto import tqdm
 from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
 from kimi_k3.data import TextTokenizer, first_bad_id
 from kimi_k3.eval_scoring import align_cache
-from kimi_k3.model import MAX_POSITIONS
-from kimi_k3.runtime import quiet_library_logs
+from kimi_k3.model import MAX_POSITIONS, HybridLM
+from kimi_k3.runtime import device_memory_bytes, quiet_library_logs
 
 # ---------------------------------------------------------------------------------------------
 # Choosing the next token
@@ -272,6 +285,64 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None,
     return out
 
 
+def cache_bytes(init_cache: Callable, batch_size: int, max_len: int) -> int:
+    """The bytes of ``init_cache(batch_size, max_len)``, from its shapes (nothing allocated)."""
+    shapes = jax.eval_shape(lambda: init_cache(batch_size, max_len))
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+
+
+def memory_limit() -> tuple[int | None, str]:
+    """(bytes, what they are): the device's memory, or on a backend that reports none (CPU) the
+    host's physical memory; (None, ...) where neither is known."""
+    limit = device_memory_bytes()
+    if limit:
+        return int(limit), "the device's memory"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host's memory"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+def _size(n: int) -> str:
+    """Bytes in the unit that reads best: "96 GB", "183 kB"."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
+
+
+def check_cache_fits(init_cache: Callable, weight_bytes: int, batch_size: int, prompt_len: int,
+                     max_new_tokens: int, flag: str = "--max_new_tokens") -> None:
+    """Raises ValueError naming ``flag`` when the cache for ``batch_size`` rows of ``prompt_len``
+    + ``max_new_tokens`` positions, with ``weight_bytes`` of weights, exceeds ``memory_limit()``:
+    the bytes needed, the memory, and the most new tokens that fit (the cache grows linearly in
+    the positions: measured at two lengths)."""
+    limit, where = memory_limit()
+    if limit is None:
+        return
+    B, L, N = batch_size, prompt_len, max_new_tokens
+    need = cache_bytes(init_cache, B, L + N)
+    if need + weight_bytes <= limit:
+        return
+    per_position = cache_bytes(init_cache, B, L + 2) - cache_bytes(init_cache, B, L + 1)
+    if per_position > 0:
+        fixed = cache_bytes(init_cache, B, L + 1) - per_position * (L + 1)
+        most = (limit - weight_bytes - fixed) // per_position - L
+        allowed = (f"at most {most} new tokens fit: give {flag}={most} or less" if most >= 1
+                   else "not one new token fits: give fewer or shorter prompts")
+    else:  # a cache of fixed size (no MLA layer): no number of new tokens changes it
+        allowed = "the cache does not grow with the positions: give fewer prompts"
+    weights = f" beside {_size(weight_bytes)} of weights" if weight_bytes else ""
+    raise ValueError(f"{flag}: {N} new tokens after the longest prompt ({L} tokens) need a cache "
+                     f"of {_size(need)} ({B} prompt{'s' if B > 1 else ''} of up to {L + N} "
+                     f"positions){weights}, more than {where} ({_size(limit)}); {allowed}")
+
+
+def _weight_bytes(model) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(nnx.state(model))) if isinstance(model, nnx.Module) else 0
+
+
 def generate(
     model,
     prompts: Sequence[Sequence[int]],
@@ -303,6 +374,7 @@ def generate(
     if L_max + N > MAX_POSITIONS:
         raise ValueError(f"--max_new_tokens: the longest prompt ({L_max} tokens) plus {N} new "
                          f"tokens exceeds the cache's {MAX_POSITIONS} positions")
+    check_cache_fits(dec.init_cache, _weight_bytes(dec.model), B, L_max, N)
     stops = np.asarray(sorted({int(s) for s in stop_ids}), np.int64)
 
     prompt_BxL = np.zeros((B, L_max), np.int32)
@@ -393,6 +465,28 @@ def resolve_checkpoint(checkpoint: str | None, workdir: str | None) -> str:
             f"--checkpoint=PATH (or --checkpoint=init for untrained weights)") from e
 
 
+def encode_prompt(tokenizer: TextTokenizer, text: str, index: int) -> np.ndarray:
+    """``--prompt`` number ``index`` as token ids (module docstring, "Prompt text and bytes"):
+    for a byte-level model its bytes as the command line gave them (UTF-8 or not); for a
+    tokenizer its text, refusing a prompt that is not UTF-8 with the flag, prompt and byte."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")  # argv's undecodable bytes, back as bytes
+    except UnicodeEncodeError as e:  # a lone surrogate that stands for no byte
+        raise ValueError(f"--prompt: prompt {index} holds {text[e.start]!r} at character "
+                         f"{e.start}, which is neither a Unicode character nor a byte; give "
+                         f"UTF-8 text, or token ids with --prompt_ids") from None
+    if not tokenizer.path:
+        return np.frombuffer(raw, np.uint8).astype(np.int32)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt: prompt {index} is not UTF-8 text (byte 0x{raw[e.start]:02x} "
+                         f"at byte {e.start}), and the tokenizer {tokenizer.path!r} takes text "
+                         f"only; give the prompt as UTF-8 text, or its token ids with "
+                         f"--prompt_ids") from None
+    return tokenizer.encode(text)
+
+
 def describe_weights(path: str, step: int | None) -> str:
     if path == INIT_CHECKPOINT:
         return "weights: untrained (--checkpoint=init, from config.seed)"
@@ -448,13 +542,17 @@ def main(
     else:
         tokenizer = TextTokenizer(config.data.tokenizer if "data" in config else "")
         tok_name = tokenizer.path or "bytes"
-        encoded = [tokenizer.encode(p) for p in prompts]
+        encoded = [encode_prompt(tokenizer, p, i) for i, p in enumerate(prompts)]
         rows = check_prompts(encoded, vocab, f"--prompt (tokenised by {tok_name})")
     longest = max(len(r) for r in rows)
     if longest + max_new_tokens > MAX_POSITIONS:
         raise ValueError(f"--max_new_tokens: the longest prompt ({longest} tokens) plus "
                          f"{max_new_tokens} exceeds the cache's {MAX_POSITIONS} positions")
     path = resolve_checkpoint(checkpoint, workdir)
+    # The cache sized from the model's shapes (nothing built), before any weight is read.
+    abstract = nnx.eval_shape(lambda: HybridLM(config.model, rngs=nnx.Rngs(0)))
+    check_cache_fits(abstract.init_cache, _weight_bytes(abstract), len(rows), longest,
+                     max_new_tokens)
 
     quiet_library_logs()
     model, step = load_model(config, path, config_name=config_name)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kimi_k3.config import MESH_AXES, mesh_sizes
+from kimi_k3.config import MESH_AXES, ConfigError, mesh_sizes
 
 BATCH_AXES = ("data", "fsdp", "expert")
 CONTEXT_AXIS = "context"
@@ -85,21 +85,22 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
     if context > 1 and num_devices % context:
         divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
         too = "is larger than" if context > num_devices else "does not divide"
-        raise ValueError(f"mesh.context: {context} {too} the {num_devices} devices present; "
+        raise ConfigError(f"config.mesh.context: {context} {too} the {num_devices} devices present; "
                          f"allowed: a divisor of {num_devices} ({', '.join(map(str, divisors))})")
     rest = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     known = math.prod(s for s in sizes if s != -1)
     if rest:
         if num_devices % known:
-            raise ValueError(
-                f"mesh: {num_devices} devices do not divide by the fixed axes "
+            raise ConfigError(
+                f"config.mesh: {num_devices} devices do not divide by the fixed axes "
                 f"{dict(zip(MESH_AXES, sizes, strict=True))} (product {known})"
             )
         sizes[MESH_AXES.index(rest[0])] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ValueError(
-            f"mesh: data x fsdp x expert x context x tensor = {sizes} uses {math.prod(sizes)} devices, but "
-            f"{num_devices} are present; make the product {num_devices} or set one axis to -1"
+        raise ConfigError(
+            f"config.mesh: data x fsdp x expert x context x tensor = {sizes} uses "
+            f"{math.prod(sizes)} devices, but {num_devices} are present; make the product "
+            f"{num_devices} or set one axis to -1"
         )
     return tuple(sizes)
 
@@ -144,10 +145,10 @@ def check_batch(global_batch: int, microbatch: int, mesh: Mesh) -> None:
     data x fsdp x expert (and so across hosts)."""
     n = data_parallel_size(mesh)
     if global_batch % microbatch:
-        raise ValueError(f"train.microbatch_size: {microbatch} does not divide "
-                         f"data.global_batch_size={global_batch}")
+        raise ConfigError(f"config.train.microbatch_size: {microbatch} does not divide "
+                          f"config.data.global_batch_size={global_batch}")
     if microbatch % n:
-        raise ValueError(
-            f"train.microbatch_size: {microbatch} rows per micro-batch (of "
-            f"data.global_batch_size={global_batch}) do not divide by data x fsdp x expert = "
+        raise ConfigError(
+            f"config.train.microbatch_size: {microbatch} rows per micro-batch (of "
+            f"config.data.global_batch_size={global_batch}) do not divide by data x fsdp x expert = "
             f"{mesh.shape['data']} x {mesh.shape['fsdp']} x {mesh.shape['expert']} = {n}")

@@ -1,7 +1,9 @@
 """Training metrics: the console, ``<workdir>/metrics.jsonl``, TensorBoard, and a progress bar.
 
 Only process 0 writes. Each JSONL line is one report: ``{"step": s, "split": "train"|"eval",
-"time": unix seconds, <metric>: value, ...}``; a resumed run appends to the same file.
+"time": unix seconds, <metric>: value, ...}``; a resumed run appends to the same file, after
+moving the reports of steps past its checkpoint (steps it runs again) to
+``metrics_superseded.jsonl``, so the file holds each step's report once.
 Per-layer series (``moe_load_max_mean/layer7``) go to the JSONL and TensorBoard, not the console.
 
 MFU = model FLOPs per token (``kimi_k3.model.flops_per_token``: forward + backward, counting
@@ -118,11 +120,46 @@ def _fmt(v) -> str:
     return str(v)
 
 
+SUPERSEDED = "metrics_superseded.jsonl"
+
+
+def drop_reports_after(jsonl_path: str | os.PathLike, step: int) -> int:
+    """Moves the reports of steps after ``step`` (and a last line cut short by a kill) from
+    ``jsonl_path`` to ``metrics_superseded.jsonl`` beside it; returns how many. The file is
+    replaced whole, never left half-written."""
+    if not os.path.exists(jsonl_path):
+        return 0
+    keep, drop = [], []
+    with open(jsonl_path) as f:
+        for line in f:
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except json.JSONDecodeError:
+                record = None
+            if not line.strip():
+                continue
+            (keep if record is not None and record.get("step", 0) <= step else drop).append(
+                line if line.endswith("\n") else line + "\n")
+    if drop:
+        with open(os.path.join(os.path.dirname(jsonl_path), SUPERSEDED), "a") as f:
+            f.writelines(drop)
+        tmp = f"{jsonl_path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, jsonl_path)
+    return len(drop)
+
+
 class MetricsWriter:
-    """Writes reports to the console, metrics.jsonl and TensorBoard (process 0 only)."""
+    """Writes reports to the console, metrics.jsonl and TensorBoard (process 0 only).
+
+    ``start``: the step a run starts from (its checkpoint's). Reports of later steps, left by an
+    earlier start that went past its last checkpoint, are moved out of metrics.jsonl
+    (``drop_reports_after``) and hidden in TensorBoard (its ``purge_step``), since this run
+    reports those steps again."""
 
     def __init__(self, workdir: str, enabled: bool = True, tensorboard: bool = True,
-                 console=None):
+                 console=None, start: int = 0):
         self.enabled = enabled
         self.console = console or logging.info
         self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
@@ -130,6 +167,11 @@ class MetricsWriter:
         self._tb = None
         if enabled:
             os.makedirs(workdir, exist_ok=True)
+            dropped = drop_reports_after(self.jsonl_path, start)
+            if dropped:
+                logging.warning("moved %d reports of steps after %d (run again from that "
+                                "checkpoint) from %s to %s", dropped, start, self.jsonl_path,
+                                SUPERSEDED)
             self._jsonl = open(self.jsonl_path, "a", buffering=1)
             if tensorboard:
                 try:
@@ -138,7 +180,8 @@ class MetricsWriter:
                     raise ImportError(
                         "train.tensorboard=True needs tensorboardX (pip install tensorboardX); "
                         "or set --config.train.tensorboard=False") from e
-                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                         purge_step=start + 1)
 
     def write(self, step: int, metrics: dict, split: str = "train") -> None:
         if not self.enabled:
@@ -194,10 +237,12 @@ class ProgressBar:
                              smoothing=0.1)
 
     def update(self, n: int = 1, **postfix) -> None:
+        """Counts ``n`` more steps, shown with ``postfix`` (the last of them's loss): set
+        first, so the redraw that the count triggers shows them together."""
         if self._bar is not None:
-            self._bar.update(n)
             if postfix:
                 self._bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+            self._bar.update(n)
 
     def write(self, msg: str) -> None:
         if self._bar is not None:

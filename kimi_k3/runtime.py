@@ -8,7 +8,10 @@ these; none of them owns them.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
+import time
 
 import jax
 
@@ -58,3 +61,33 @@ def device_memory_bytes() -> int | None:
     statistics (CPU)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
+
+
+# How a command ends (the README's reliability section). A scheduler requeues on
+# EXIT_INTERRUPTED; `train.py && eval.py` stops on anything but 0.
+EXIT_OK = 0
+EXIT_FAILED = 1  # an error while running: bad data, a failed save, a non-finite step (stop)
+EXIT_USAGE = 2  # a bad flag, config file or config field: nothing was run
+EXIT_INTERRUPTED = 75  # stopped by a signal after saving (sysexits' EX_TEMPFAIL): rerun to resume
+
+
+class Interrupted(Exception):
+    """A run stopped early on request (SIGINT, SIGTERM, a preemption notice) after saving what
+    it had: the message says where it stopped and how to go on."""
+
+
+def exit_if_stuck(code: int, seconds: float = 30.0) -> None:
+    """For a process ending on an error: if it is still alive ``seconds`` later (a library's
+    non-daemon thread waiting for something that will never come, as Orbax's did after a failed
+    save), end it with ``code`` rather than hang. A daemon thread, so a process that ends in
+    time never sees it; for entry points only (``kimi_k3.cli`` starts it), never a library or
+    a test process."""
+
+    def watch():
+        time.sleep(seconds)
+        print(f"{os.path.basename(sys.argv[0] or 'kimi_k3')}: still running {seconds:g} s after "
+              f"the error above (background threads did not end); exiting with {code}",
+              file=sys.stderr, flush=True)
+        os._exit(code)
+
+    threading.Thread(target=watch, name="kimi_k3_exit_if_stuck", daemon=True).start()

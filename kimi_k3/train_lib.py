@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, traverse_util
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_k3 import checkpoint as ckpt_lib
@@ -56,8 +57,22 @@ from kimi_k3.layers.dense import precast, with_copies
 from kimi_k3.layers.moe import MoeStat, update_bias
 from kimi_k3.model import flops_per_token, layer_numbers, unused_expert_params
 from kimi_k3.model_state import merge_model
-from kimi_k3.run_dir import absolute_path, check_workdir, flat_config, write_config
-from kimi_k3.runtime import console, device_memory_bytes, quiet_library_logs, run_once_compiler_options
+from kimi_k3.run_dir import (
+    RunFolderBusy,
+    RunLock,
+    absolute_path,
+    check_workdir,
+    flat_config,
+    make_workdir,
+    write_config,
+)
+from kimi_k3.runtime import (
+    Interrupted,
+    console,
+    device_memory_bytes,
+    quiet_library_logs,
+    run_once_compiler_options,
+)
 from kimi_k3.train_state import state_layout
 from pallas_kernels import device
 
@@ -510,6 +525,51 @@ def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_ro
     return "\n".join(lines)
 
 
+class RunFolder:
+    """The run folder's lock while a trainer writes it (``run_dir.RunLock``, process 0's).
+
+    A folder that exists is locked at once (``lock``), before the slow checks, so a second
+    trainer is refused at once; one that does not is created and locked only once everything
+    has been checked (``create``), so a run refused on bad input leaves nothing behind."""
+
+    def __init__(self, workdir: str, chief: bool):
+        self.workdir, self.chief = workdir, chief
+        self._lock: RunLock | None = None
+        self.locked = False
+
+    def lock(self) -> None:
+        """Takes the lock; every process raises RunFolderBusy when process 0 could not
+        (multi-host: process 0's verdict, given to all)."""
+        busy = None
+        if self.chief:
+            try:
+                self._lock = RunLock(self.workdir)
+            except RunFolderBusy as e:
+                busy = e
+        if jax.process_count() > 1:
+            refused = multihost_utils.broadcast_one_to_all(jnp.int32(busy is not None))
+            if bool(refused) and busy is None:
+                busy = RunFolderBusy(f"--workdir: {self.workdir!r} is in use by another "
+                                     f"trainer (process 0 says who)")
+        if busy is not None:
+            raise busy
+        self.locked = True
+
+    def create(self) -> None:
+        """Creates the folder (process 0) and locks it, unless it was locked already."""
+        if not self.locked:
+            if self.chief:
+                make_workdir(self.workdir)
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("kimi_k3_workdir_created")
+            self.lock()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
 def train(config, workdir: str, config_name: str = "config") -> dict:
     """Trains ``config`` (the ConfigDict of a configs/ file) in ``workdir``, resuming from its
     latest checkpoint; returns the last train and eval metrics.
@@ -517,13 +577,33 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
     The config is checked once, into a RunSpec (kimi_k3/config.py). Nothing is written before
     everything that can be checked is: the fields, the workdir, the mesh, the data files, the
     optimizer and the checkpoint to resume from. So a run that fails on bad input leaves the
-    workdir as it was.
+    workdir as it was, and creates none that did not exist.
+
+    One trainer per run folder (``RunFolder``): a second is refused with RunFolderBusy naming
+    the holder. A run stopped by SIGTERM, SIGINT (Ctrl-C) or a multi-host preemption notice
+    saves the step it reached, waits for the save, then raises ``runtime.Interrupted`` (exit 75
+    from train.py); a save that fails raises ``checkpoint.CheckpointSaveError`` (exit 1).
     """
     # ---- Config -----------------------------------------------------------------------------
     spec = run_spec(config)
-    workdir = check_workdir(workdir)
+    workdir = check_workdir(workdir, create=False)
     quiet_library_logs()
     chief = jax.process_index() == 0
+    folder = RunFolder(workdir, chief)
+    exists = os.path.isdir(workdir)
+    if jax.process_count() > 1:  # every process takes the same path: process 0's
+        exists = bool(multihost_utils.broadcast_one_to_all(jnp.int32(exists)))
+    if exists:
+        folder.lock()
+    try:
+        return _train(spec, config, workdir, config_name, folder)
+    finally:
+        folder.release()
+
+
+def _train(spec: RunSpec, config, workdir: str, config_name: str, folder: RunFolder) -> dict:
+    """``train`` once the config and the run folder are checked."""
+    chief = folder.chief
     tc, dc = spec.train, spec.data
     B, T = dc.global_batch_size, dc.seq_len
 
@@ -548,13 +628,14 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
                                              tc.peak_tflops_per_device)
 
     # ---- Checkpoint restore -------------------------------------------------------------------
+    folder.create()
     if spec.checkpoint.enabled:
         ckpt_dir = absolute_path(spec.checkpoint.dir or os.path.join(workdir, "checkpoints"))
         ckpt = ckpt_lib.Checkpointer(ckpt_dir, spec.checkpoint)
     else:
         ckpt_dir, ckpt = "", ckpt_lib.NoCheckpoints()
     last = {"train": {}, "eval": {}}
-    writer = bar = preempt = None
+    writer = bar = preempt = loop = None
     try:
         it = data_lib.BatchIterator(train_rows, B, host_rows)
         restored = ckpt.restore(setup.abstract_state)
@@ -580,10 +661,13 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
         if restored is not None:
             console(f"resumed from step {start} ({ckpt_dir}/{start}); data position "
                     f"{it.position:,} rows")
+        for step, why, moved in ckpt.set_aside:
+            console(f"  not from step {step}, which is unreadable ({why}): moved to {moved}")
         logging.info("config:\n%s", "\n".join(flat_config(config)))
         if not spec.checkpoint.enabled:
             logging.warning("checkpoint.enabled is False: nothing of this run is saved")
-        writer = metrics_lib.MetricsWriter(workdir, enabled=chief, tensorboard=tc.tensorboard)
+        writer = metrics_lib.MetricsWriter(workdir, enabled=chief, tensorboard=tc.tensorboard,
+                                           start=start)
         writer.text("config", "```\n" + "\n".join(flat_config(config)) + "\n```")
         bar = metrics_lib.ProgressBar(tc.steps, enabled=chief and tc.progress_bar)
         writer.console = bar.write
@@ -593,13 +677,19 @@ def train(config, workdir: str, config_name: str = "config") -> dict:
                      _Evaluator(eval_rows, eval_batches, host_rows, B), fpt, peak)
         last = loop.run(state, it, start)
     finally:
-        ckpt.close()
         if preempt is not None:
             preempt.restore_handler()
+        ckpt.close()  # waits for the last save: a failed one raises CheckpointSaveError
         if bar is not None:
             bar.close()
         if writer is not None:
             writer.close()
+    if loop is not None and loop.stopped_at is not None:
+        step = loop.stopped_at
+        saved = (f"saved step {step} in {ckpt_dir}/{step}; run the same command again to "
+                 f"resume from it" if spec.checkpoint.enabled else
+                 "nothing was saved (checkpoint.enabled=False)")
+        raise Interrupted(f"stopped at step {step} of {tc.steps} on {loop.stopped_by}; {saved}")
     return last
 
 
@@ -648,6 +738,9 @@ class _Loop:
     peak: float | None
     last_train: dict = dataclasses.field(default_factory=dict)
     last_eval: dict = dataclasses.field(default_factory=dict)
+    # where and why the loop stopped before train.steps (None: it did not)
+    stopped_at: int | None = None
+    stopped_by: str = ""
     # the window since the last log line: summed loss, counted and skipped steps
     window_loss: float = 0.0
     window_steps: int = 0
@@ -664,10 +757,12 @@ class _Loop:
         saved_at = start if start else None
         while step < tc.steps:
             if self.preempt.is_set() or self.ckpt.reached_preemption(step):
-                logging.warning("preempted: saving step %d and stopping", step)
+                self.stopped_by = self.preempt.received or "a preemption notice"
+                logging.warning("stopping on %s: saving step %d", self.stopped_by, step)
                 if saved_at != step:
                     self.ckpt.save(step, state, it.state())
                     saved_at = step
+                self.stopped_at = step
                 break
             batch = global_batch(next(it), self.setup.batch_sharding, B)
             with self.setup.context():

@@ -29,10 +29,12 @@ their Mosaic GPU forms where they take the call (``KernelTuning.hopper``).
 
 Gates: ``lower_bound`` in [-5, 0) promises g >= lower_bound and selects the factored
 tensor-core path for the diagonal sub-blocks of the intra-chunk scores; None (or a bound below
--5) selects the safe path, exact for arbitrarily negative gates. With ``A_log`` and ``dt_bias``
-the kernel takes the gate logits f for g and applies the gate itself (intra_fwd's prologue,
-``kda_body.gate_from_logits``); the backward recomputes the gate's derivative from the saved f
-and returns df, with dA_log and d dt_bias from per-chunk sums.
+-5) selects the safe path, exact for arbitrarily negative gates. Without a bound a gate of -inf
+("forget everything") is exact as well: the forward takes every gate below
+``kda_body.FORGET_GATE`` as that finite gate, which decays to exactly 0 too. With ``A_log`` and
+``dt_bias`` the kernel takes the gate logits f for g and applies the gate itself (intra_fwd's
+prologue, ``kda_body.gate_from_logits``); the backward recomputes the gate's derivative from the
+saved f and returns df, with dA_log and d dt_bias from per-chunk sums.
 
 Tests: ``poison=True`` starts every kernel output as NaN. ``python -m
 pallas_kernels.triton_report`` prints the GPU kernels' shared memory, registers and spills for
@@ -149,7 +151,7 @@ def make_config(q, v, *, scale, segment_ids, chunk_size, lower_bound, mode: str,
         gate=("softplus" if lower_bound is None else "bounded") if gate_in_kernel else "given",
         gate_bound=float(lower_bound) if gate_in_kernel and lower_bound is not None else 0.0,
         hopper=tuning.hopper, fwd_rows=fwd_rows, fwd_mid=fwd_mid, bwd_rows=bwd_rows,
-        mgpu_state=tuning.mgpu_state,
+        mgpu_state=tuning.mgpu_state, forget_gate=lower_bound is None,
     )
 
 

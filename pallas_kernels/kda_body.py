@@ -43,6 +43,14 @@ f32 = jnp.float32
 # Exponents of the factored decay stay below this (exp(88) overflows float32).
 MAX_FACTORED_EXPONENT = 80.0
 
+# A gate below this (-inf: "forget everything") is taken as this: exp(-120) = 0 in float32
+# (below half the smallest denormal, 2^-150 = e^-103.97), so the channel forgets exactly as
+# with -inf, while every G - G' stays a finite number (-inf - -inf would be NaN). It is in the
+# same binade as e^-104, the least that would do: the cumulative G past it keeps the absolute
+# precision of |G| < 128, the range bounded gates (64 tokens of >= -5 per chunk) reach anyway.
+# Only without a lower bound (``KdaConfig.forget_gate``): with one, g >= lower_bound.
+FORGET_GATE = -120.0
+
 
 @dataclasses.dataclass(frozen=True)
 class KdaConfig:
@@ -96,6 +104,8 @@ class KdaConfig:
     bwd_rows: int = 0
     # the form of the Mosaic GPU state passes (KernelTuning.mgpu_state)
     mgpu_state: int = 0
+    # no lower bound: a gate below FORGET_GATE (-inf) is taken as FORGET_GATE (``_fwd_slice``)
+    forget_gate: bool = False
 
     @property
     def N(self) -> int:
@@ -762,6 +772,9 @@ def _fwd_slice(io, lv, s, cfg: KdaConfig) -> Slice:
     q, k, g = io.qkg(s)
     if cfg.gate != "given":
         g = gate_from_logits(g, *io.gate_params(s), iota((cfg.C, 1), 0) <= lv, cfg)
+    if cfg.forget_gate:  # -inf (forget everything) as a finite gate that decays to exactly 0
+        g = g.astype(f32)
+        g = jnp.where(g < FORGET_GATE, FORGET_GATE, g)  # a compare keeps NaN (max may not)
     a, lm, _, _ = io.seg
     return Slice(q, k, g, a, lm, cfg)
 

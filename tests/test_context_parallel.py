@@ -70,12 +70,15 @@ def test_model_across_context_axis_matches_one_device(result):
 
 def test_bad_context_combinations_name_the_field(result):
     bad = result["bad"]
-    assert bad["seq_len"].startswith("data.seq_len: 48 must be a multiple of mesh.context x "
-                                     "model.kda.chunk_size = 8 x 4 = 32"), bad
-    assert bad["context_too_large"].startswith("mesh.context: 16 is larger than the 8 devices"), bad
+    assert bad["seq_len"].startswith("config.data.seq_len: 48 must be a multiple of "
+                                     "config.mesh.context x config.model.kda.chunk_size = 8 x 4 = "
+                                     "32"), bad
+    assert bad["context_too_large"].startswith("config.mesh.context: 16 is larger than the 8 "
+                                               "devices"), bad
     assert "allowed: a divisor of 8 (1, 2, 4, 8)" in bad["context_too_large"], bad
-    assert bad["seq_len_resolved"].startswith("data.seq_len: 16 must be a multiple of "
-                                              "mesh.context x model.kda.chunk_size = 8 x 4"), bad
+    assert bad["seq_len_resolved"].startswith("config.data.seq_len: 16 must be a multiple of "
+                                              "config.mesh.context x config.model.kda.chunk_size "
+                                              "= 8 x 4"), bad
 
 
 def test_prefill_in_pieces_across_context_axis_matches_one_device(result):
@@ -85,4 +88,5 @@ def test_prefill_in_pieces_across_context_axis_matches_one_device(result):
     assert r["context4"] < 1e-5, r
     assert r["collectives"] == ["all-gather", "collective-permute"], r
     assert r["piece_len_error"].startswith("--piece_len (a piece of L=64): 24 must be a multiple "
-                                           "of mesh.context x model.kda.chunk_size = 4 x 4"), r
+                                           "of config.mesh.context x config.model.kda.chunk_size "
+                                           "= 4 x 4"), r

@@ -160,9 +160,9 @@ def test_bad_data_stops_with_an_error_naming_it(tmp_path, case):
 
 
 def test_bytes_above_a_small_vocab_name_the_file(tmp_path):
-    (tmp_path / "a.txt").write_bytes(b"abc\xff")
+    (tmp_path / "a.txt").write_text("abc\u00e9")  # UTF-8: bytes 97, 98, 99, 195, 169
     cfg = data_config(source="text", paths=str(tmp_path / "a.txt"), eval_fraction=0.0, seq_len=2)
-    with pytest.raises(ValueError, match=r"a\.txt: token id 255 \(first bad id at token 3\)"):
+    with pytest.raises(ValueError, match=r"a\.txt: token id 195 \(first bad id at token 3\)"):
         data.load_split_streams(cfg, vocab_size=128)
 
 

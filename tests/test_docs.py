@@ -229,10 +229,11 @@ def module_file(module: str) -> Path | None:
 
 
 def parser_kind(path: Path) -> str:
-    """"absl" (flags parsed by ``app.run``), "argparse" (a package's ``__main__``, or a file
-    that builds a parser) or "plain" (runs without arguments)."""
+    """"absl" (flags parsed by ``app.run``, or ``kimi_k3.cli.run`` over it), "argparse" (a
+    package's ``__main__``, or a file that builds a parser) or "plain" (runs without
+    arguments)."""
     source = path.read_text()
-    if re.search(r"\bapp\.run\(", source):
+    if re.search(r"\b(app|cli)\.run\(", source):
         return "absl"
     if path.name == "__main__.py" or re.search(r"\bargparse\b|\bbuild_parser\b", source):
         return "argparse"

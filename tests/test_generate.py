@@ -1,9 +1,16 @@
 """Decoding: greedy decoding is the argmax of the whole-sequence forward, a batch of prompts of
 different lengths decodes each as it would alone, stop ids end a row, top-p and temperature
 sample what they promise, the cache is donated to every call, and generate.py's body prints a
-continuation. (Bad flags: tests/test_bad_inputs.py.)"""
+continuation. Refused before anything is allocated: a cache that cannot fit in memory, a prompt
+that is not UTF-8 for a tokenizer (a byte-level model takes its bytes); a checkpoint of another
+model advises the command that loads it, and that command works. (Other bad flags:
+tests/test_bad_inputs.py.)"""
 
 from __future__ import annotations
+
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +18,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3 import cli, model_state, run_dir
 from kimi_k3 import generate as gen_lib
 from kimi_k3.data import TextTokenizer
 from kimi_k3.generate import Decoder, Sampling, generate, sample_tokens
-from tests.helpers import build, tiny_config
+from tests.helpers import REPO, build, env, tiny_config
 
 # Lengths 8, 4 and 5 in pieces of 4: the batch shares a 4-token prefix; alone, the prompts
 # prefill in pieces of 4 (and 1). Every test here uses these shapes, so each function
@@ -155,3 +164,97 @@ def test_generate_command_prints_the_continuation(model, capsys, monkeypatch):
     first = [int(i) for i in ids[1].split(",")]  # "def ": ids keep the stop id, text does not
     assert 1 <= len(first) <= NEW and 10 not in first[:-1]
     assert TextTokenizer("").decode(first[:-1] if first[-1] == 10 else first) == out[0]
+
+
+def _no_weights(*args, **kwargs):
+    raise AssertionError("a refused command must not read any weights")
+
+
+def test_a_cache_that_cannot_fit_is_refused_with_what_fits(model, greedy, monkeypatch):
+    """--max_new_tokens=1000000000 once allocated 320 GB and ran out of memory: the cache is
+    sized from shapes first and refused, naming the flag, the value, the bytes, the memory and
+    the most that fits, which then runs."""
+    config = tiny_config("KKM", vocab=256)
+    monkeypatch.setattr(gen_lib, "load_model", _no_weights)
+    # A CPU reports no device memory: the host's bounds it (64 rows of 10^9 positions: TBs).
+    with pytest.raises(ValueError, match=r"--max_new_tokens: 1000000000 new tokens after the longest "
+                                         r"prompt \(1 tokens\) need a cache of [\d.]+ TB \(64 prompts "
+                                         r"of up to 1000000001 positions\).* more than the host's "
+                                         r"memory"):
+        gen_lib.main(config, prompts=["a"] * 64, checkpoint="init", max_new_tokens=10**9,
+                     progress=False)
+    # A device whose memory holds the weights and a cache of exactly NEW new tokens.
+    weights = gen_lib._weight_bytes(model)
+    L = max(map(len, PROMPTS))
+    fits = weights + gen_lib.cache_bytes(model.init_cache, len(PROMPTS), L + NEW)
+    monkeypatch.setattr(gen_lib, "device_memory_bytes", lambda: fits)
+    message = (rf"--max_new_tokens: {NEW + 1} new tokens after the longest prompt \({L} tokens\) "
+               rf"need a cache of .* more than the device's memory \(.*\); at most {NEW} new tokens "
+               rf"fit: give --max_new_tokens={NEW} or less")
+    with pytest.raises(ValueError, match=message):
+        generate(model, PROMPTS, NEW + 1, piece_len=PIECE)
+    with pytest.raises(ValueError, match=message):  # the command: before any weight is read
+        gen_lib.main(config, prompt_ids=[",".join(map(str, p)) for p in PROMPTS],
+                     checkpoint="init", max_new_tokens=NEW + 1, progress=False)
+    with pytest.raises(ValueError, match=r"cache does not grow with the positions: give fewer "
+                                         r"prompts"):  # a model without MLA: no N helps
+        gen_lib.check_cache_fits(lambda B, T: jnp.zeros((B, 8)), fits + 1, 3, L, 1)
+    out = generate(model, PROMPTS, NEW, piece_len=PIECE)  # what the message allows runs
+    assert all(np.array_equal(a, b) for a, b in zip(out.tokens, greedy.tokens, strict=True))
+
+
+def test_a_prompt_that_is_not_utf8(model, tmp_path, monkeypatch):
+    """A command line's bytes that are not UTF-8 reach Python as escaped surrogates: a
+    byte-level model takes the bytes themselves; a tokenizer, which takes text, is refused
+    naming --prompt, the prompt and the byte (it was a codec error naming nothing)."""
+    from tokenizers import Tokenizer, models
+
+    monkeypatch.setattr(gen_lib, "load_model", lambda config, path, config_name: (model, None))
+    config = tiny_config("KKM", vocab=256)
+    raw = b"de\xff "  # as os.fsdecode gives argv: "de\udcff "
+    got = gen_lib.main(config, prompts=[raw.decode("utf-8", "surrogateescape")],
+                       checkpoint="init", max_new_tokens=NEW, piece_len=PIECE, progress=False)
+    want = generate(model, [list(raw)], NEW, piece_len=PIECE).tokens[0]
+    assert got == [TextTokenizer("").decode(want)]
+    with pytest.raises(ValueError, match=r"--prompt: prompt 0 holds '\\ud800' at character 1, "
+                                         r"which is neither a Unicode character nor a byte"):
+        gen_lib.main(config, prompts=["a\ud800"], checkpoint="init", progress=False)
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(path))
+    config.data.tokenizer = str(path)
+    monkeypatch.setattr(gen_lib, "load_model", _no_weights)
+    with pytest.raises(ValueError, match=rf"--prompt: prompt 1 is not UTF-8 text \(byte 0xff at "
+                                         rf"byte 2\), and the tokenizer '{path}' takes text only; "
+                                         rf"give the prompt as UTF-8 text, or its token ids with "
+                                         rf"--prompt_ids"):
+        gen_lib.main(config, prompts=["a", raw.decode("utf-8", "surrogateescape")],
+                     checkpoint="init", progress=False)
+
+
+def test_a_checkpoint_of_another_model_advises_a_command_that_works(tmp_path, jax_cache, capsys):
+    """The mismatch error once advised --checkpoint=PATH@CONFIG, which generate.py does not
+    take. It now names the run's own config as generate.py's flag (--config=RUN); that command,
+    run as advised (with a prompt of raw bytes that are not UTF-8), generates."""
+    run = tmp_path / "run"
+    config = tiny_config("KKM", vocab=256)
+    run_dir.write_config(config, str(run), 0)  # what train.py writes: config.json + config.py
+    _, params, _ = model_state.split_model(build(config.model, 0))
+    ck = ckpt_lib.Checkpointer(str(run / "checkpoints"), config.checkpoint)
+    ck.save(2, {"params": params, "step": jnp.int32(2)}, {"position": 0})
+    ck.close()
+    other = tiny_config("KKM", vocab=256)
+    other.model.d_model = 64
+    with pytest.raises(SystemExit) as info:  # as generate.py ends it: one line, exit 1
+        cli.guarded(gen_lib.main, debug=lambda: False)(
+            other, prompt_ids=["1,2"], checkpoint=str(run), config_name="other.py", progress=False)
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "config.model came from other.py" in err and "embed/embedding" in err, err
+    advised = f"--config={run}"  # the run's own config, in generate.py's flag
+    assert re.search(rf"{re.escape(advised)}(?=[\s;.,)]|$)", err), err
+    cmd = [sys.executable, str(REPO / "generate.py"), advised, f"--checkpoint={run}",
+           b"--prompt=de\xff ", "--max_new_tokens=3", "--seed=0"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env(jax_cache), capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert b"weights: step 2 from" in p.stderr and b"3 new tokens" in p.stderr, p.stderr

@@ -9,6 +9,7 @@ released one as transformers' conversion mapping does) must import to the same w
 """
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -26,13 +27,14 @@ from kimi_k3.data import TextTokenizer
 from kimi_k3.generate import generate
 from kimi_k3.hf import (
     SafetensorsFolder,
-    export_from_workdir,
+    files,
     hf_config_from_model,
     import_to_workdir,
     load_hf_checkpoint,
     model_config_from_hf,
     save_hf_checkpoint,
 )
+from kimi_k3.hf import main as hf_main
 from kimi_k3.layers.moe import ExpertBias
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "kimi_linear"
@@ -141,7 +143,7 @@ def test_sharded_export_reads_back(tmp_path):
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
 
 
-def test_import_command_gives_a_run_that_exports_back(tmp_path):
+def test_import_command_gives_a_run_that_exports_back(tmp_path, capsys):
     """``python -m kimi_k3.hf import``'s step 0 holds the weights and routing biases (as eval
     and generate restore them); ``export`` of that run writes the original tensors again. A
     tokenizers JSON in the folder becomes the run's ``data.tokenizer`` (text prompts)."""
@@ -164,13 +166,50 @@ def test_import_command_gives_a_run_that_exports_back(tmp_path):
     before, after = weights(model), weights(restored)
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
-    export_from_workdir(run, tmp_path / "out")
-    want, got = tensors(src), tensors(tmp_path / "out")
+    # Export never mixes with a folder's old files (the user's config.json, a stale shard): a
+    # folder that is not empty is refused, named with what it holds and a free name to use.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("mine")
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"old")
+    with pytest.raises(SystemExit) as info:  # the command: one line, exit 1
+        hf_main(["export", f"--workdir={run}", f"--hf_dir={out}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert (f"--hf_dir: '{out}' is not empty (it holds config.json, "
+            f"model-00002-of-00002.safetensors); export writes a new folder" in err), err
+    assert (out / "config.json").read_text() == "mine" and len(list(out.iterdir())) == 2
+    advised = re.search(r"e\.g\. --hf_dir=(\S+),", err).group(1)
+    assert advised == f"{out}-2"
+    # A config of another model: the error advises the run's own, in export's flag.
+    other = tmp_path / "other.py"
+    other.write_text(f"from kimi_k3.config_files import load_config\n\n\ndef get_config(arg=None):\n"
+                     f"    c = load_config({str(run / 'config.py')!r})\n"
+                     f"    c.model.mlp_dim = 8\n    return c\n")
+    with pytest.raises(SystemExit) as info:
+        hf_main(["export", f"--workdir={run}", f"--hf_dir={advised}", f"--config={other}"])
+    err = capsys.readouterr().err  # the one line a user sees, advice included
+    assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"config.model came from {other}" in err, err
+    own = f"--config={run}"
+    assert re.search(rf"{re.escape(own)}(?=[\s;.,)]|$)", err), err
+    old = os.umask(0o022)
+    try:  # the advice works
+        hf_main(["export", f"--workdir={run}", f"--hf_dir={advised}", own])
+    finally:
+        os.umask(old)
+    out = pathlib.Path(advised)
+    want, got = tensors(src), tensors(out)
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    assert (tmp_path / "out" / "tokenizer.json").is_file()
-    with pytest.raises(ValueError, match="already holds checkpoints"):
+    assert (out / "tokenizer.json").is_file()
+    # Ordinary permissions (safetensors writes 0600 temporary files), nothing left beside.
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in [out, *out.iterdir()]}
+    assert modes == {out.name: "0o755", **{f: "0o644" for f in modes if f != out.name}}, modes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "other.py", "out", "out-2", "run"]
+    with pytest.raises(ValueError, match=rf"--workdir: '{run}' already holds checkpoints; import "
+                                         rf"into a new folder, e.g. --workdir={run}-2"):
         import_to_workdir(src, run)
 
 
@@ -219,13 +258,14 @@ def _broken(tmp_path, edit_tensors=None, edit_config=None) -> pathlib.Path:
 
 
 NAME = "model.layers.0.self_attn.q_conv1d.weight"
+DENSE = "model.layers.0.block_sparse_moe.gate_proj.weight"  # save_pretrained's name of an "mlp."
 
 
 @pytest.mark.parametrize("edit_tensors, edit_config, match", [
     (lambda t: t.pop(NAME), None, r"1 missing .*q_conv1d"),
     (lambda t: t.update(extra_tensor=np.zeros(3, np.float32)), None, "not in the model.*extra_tensor"),
-    (lambda t: t.update({NAME: t[NAME][:, :, :2].copy()}), None, r"q_conv1d.weight is \[24, 1, 2\], "
-                                                                 r"expected \[24, 1, 4\]"),
+    (lambda t: t.update({NAME: t[NAME][:, :, :2].copy()}), None, r"q_conv1d.weight \(in model.safetensors\) "
+                                                                 r"is \[24, 1, 2\], expected \[24, 1, 4\]"),
     (lambda t: t.update({"model.layers.0.self_attn.conv1d.weight": t[NAME]}), None,
      "mixes the two weight layouts"),
     (None, lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings=True is not supported"),
@@ -237,6 +277,13 @@ NAME = "model.layers.0.self_attn.q_conv1d.weight"
     (None, lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      "layer_types=.* each 'linear_attention'"),
     (None, lambda c: c.update(num_experts=5), "n_group: 3 must divide num_experts=5"),
+    # Named as the file names it (it was reported as model.layers.0.mlp.gate_proj.weight).
+    (lambda t: t.update({DENSE: t[DENSE][:, :-1].copy()}), None,
+     r"wrong shapes: model\.layers\.0\.block_sparse_moe\.gate_proj\.weight \(in model\.safetensors\) "
+     r"is \[40, 23\], expected \[40, 24\]"),
+    (lambda t: t.update({DENSE.replace("block_sparse_moe", "mlp"): t[DENSE]}), None,
+     r"holds the same weight twice: 'model\.layers\.0\.block_sparse_moe\.gate_proj\.weight' and "
+     r"'model\.layers\.0\.mlp\.gate_proj\.weight'; keep one of them"),
 ])
 def test_bad_checkpoints_name_the_field_or_tensor(tmp_path, edit_tensors, edit_config, match):
     with pytest.raises(ValueError, match=match):
@@ -308,3 +355,73 @@ def test_released_config_form():
     for field, value in (("mla_use_nope", False), ("moe_layer_freq", 2)):
         with pytest.raises(ValueError, match=f"{field}={value} is not supported"):
             model_config_from_hf({**released, field: value})
+
+
+def test_damaged_files_are_named(tmp_path, capsys):
+    """A truncated safetensors file (it failed with "TypeError: buffer is too small" when read,
+    naming nothing) and a config.json that is not JSON are named, with where they break, before
+    anything is read or written; the command says it in one line and exits 1."""
+    src = tmp_path / "hf"
+    shutil.copytree(BASE, src)
+    weights_file = src / "model.safetensors"
+    data = weights_file.read_bytes()
+    weights_file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SystemExit) as info:
+        hf_main(["import", f"--hf_dir={src}", f"--workdir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"error: file '{weights_file}' is truncated: it has {len(data) // 2} bytes, "
+                     rf"but tensor '[\w.]+' \(F32 \[[\d, ]+\]\) ends at byte \d+; copy or download "
+                     rf"the file again", err), err
+    assert not (tmp_path / "run").exists()
+    weights_file.write_bytes(data[:5])
+    with pytest.raises(ValueError, match=rf"file '{weights_file}' \(5 bytes\) is truncated or not a "
+                                         rf"safetensors file: its header length \(missing\)"):
+        load_hf_checkpoint(src)
+    weights_file.write_bytes(data[:100])
+    with pytest.raises(ValueError, match=r"\(100 bytes\) is truncated or not a safetensors file: "
+                                         r"its header length \(\d+\) runs past the end"):
+        load_hf_checkpoint(src)
+
+    weights_file.write_bytes(data)
+    text = (src / "config.json").read_text()
+    (src / "config.json").write_text(text.replace('"hidden_size": 24,', '"hidden_size": 24'))
+    with pytest.raises(ValueError, match=rf"file '{src}/config.json' is not valid JSON: Expecting "
+                                         rf"',' delimiter at line \d+ column \d+"):
+        load_hf_checkpoint(src)
+    (src / "config.json").write_text(text.replace('"silu"', '"gelu"'))
+    with pytest.raises(ValueError, match=rf"file '{src}/config.json': hidden_act='gelu' is not "
+                                         rf"supported"):
+        import_to_workdir(src, tmp_path / "run")
+    with pytest.raises(SystemExit) as info:  # argparse's own errors: its usage line, exit 2
+        hf_main(["import", f"--hf_dir={src}"])
+    assert info.value.code == 2 and "--workdir" in capsys.readouterr().err
+
+
+def test_a_failed_export_leaves_no_folder(tmp_path, monkeypatch):
+    """The files are staged and become the folder only when complete: an export that fails
+    midway (here at its second shard) leaves neither the folder nor anything beside it, and an
+    empty folder given to it stays empty."""
+    model_config, model = load_hf_checkpoint(BASE)
+    write = files._write_safetensors
+    calls = []
+
+    def fail_second(tensors_, file):
+        calls.append(file)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write(tensors_, file)
+
+    monkeypatch.setattr(files, "_write_safetensors", fail_second)
+    for target in (tmp_path / "new" / "out", tmp_path / "empty"):
+        if target.name == "empty":
+            target.mkdir()
+        calls.clear()
+        with pytest.raises(OSError, match="No space left"):
+            save_hf_checkpoint(model, model_config, target, max_shard_bytes=8_000)
+        assert len(calls) == 2
+        assert (list(target.iterdir()) == [] if target.name == "empty" else not target.exists())
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == []
+    monkeypatch.setattr(files, "_write_safetensors", write)
+    written = save_hf_checkpoint(model, model_config, tmp_path / "empty", max_shard_bytes=8_000)
+    assert sorted(written) == sorted(p.name for p in (tmp_path / "empty").iterdir())

@@ -511,7 +511,8 @@ def test_mid_anchored_scores_match_the_definition(backend):
     sub_chunks = out_and_grads(fwd_rows="sub", fwd_mid=0)
     for name, a, b in zip(("o", "S", *GRAD_NAMES), got, sub_chunks, strict=True):
         assert bool(jnp.all(jnp.isfinite(a))), f"{backend}: {name} not finite"
-        assert rel_err(a, b) < (1e-5 if backend != "gpu" else 5e-3), (backend, name,
+        # the two factorings carry that spacing differently: 5e-5 as against the definition
+        assert rel_err(a, b) < (5e-5 if backend != "gpu" else 5e-3), (backend, name,
                                                                       rel_err(a, b))
 
 

@@ -122,7 +122,8 @@ def test_the_packages_have_no_import_loop():
 TRAINER = ("kimi_k3.train_lib",)
 READERS = ("kimi_k3.evaluation", "kimi_k3.eval_scoring", "kimi_k3.eval_report",
            "kimi_k3.generate", "kimi_k3.passkey", "kimi_k3.mqar", "kimi_k3.hf", "kimi_k3.hf.*")
-SHARED = ("kimi_k3.model_state", "kimi_k3.train_state", "kimi_k3.checkpoint", "kimi_k3.run_dir",
+SHARED = ("kimi_k3.cli", "kimi_k3.model_state", "kimi_k3.train_state", "kimi_k3.checkpoint",
+          "kimi_k3.run_dir",
           "kimi_k3.runtime", "kimi_k3.data", "kimi_k3.mesh", "kimi_k3.optim", "kimi_k3.metrics",
           "kimi_k3.plots", "kimi_k3.compile_cache")
 MODEL = ("kimi_k3", "kimi_k3.model", "kimi_k3.layers", "kimi_k3.layers.*", "kimi_k3.sharding",

@@ -116,7 +116,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, jax_cache, re
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-6), step
 
 
-def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, jax_cache):
+def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path, jax_cache):
     wd = tmp_path / "run"
     with open(tmp_path / "run.log", "w") as log:
         proc = subprocess.Popen(
@@ -130,10 +130,11 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, jax_cache):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     err = (tmp_path / "run.log").read_text()
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == runtime.EXIT_INTERRUPTED, err[-3000:]  # not 0: `&&` chains stop there
     assert "SIGTERM received" in err
     saved = ckpt_steps(wd)
     assert saved and 3 <= saved[-1] < 400 and saved[-1] >= max(losses(wd))
+    assert f"stopped at step {saved[-1]} of 400 on SIGTERM; saved step {saved[-1]}" in err
 
 
 def test_two_processes_train_one_model_and_resume_on_another_mesh(tmp_path, jax_cache,
@@ -374,11 +375,11 @@ def test_shapes_that_do_not_divide_the_mesh_are_refused():
                                          r" of shape .* does not divide by mesh axes tensor"):
         sharding.tree_shardings(params, names, mesh, rules, root="params/")
     with pytest.raises(ValueError, match=r"train.microbatch_size: 6 rows per micro-batch \(of "
-                                         r"data.global_batch_size=6\) do not divide by "
+                                         r"config.data.global_batch_size=6\) do not divide by "
                                          r"data x fsdp x expert = 2 x 2 x 1 = 4"):
         mesh_lib.check_batch(6, 6, AbstractMesh((2, 2, 1, 1, 1), mesh_lib.MESH_AXES))
     with pytest.raises(ValueError, match=r"train.microbatch_size: 4 does not divide "
-                                         r"data.global_batch_size=6"):
+                                         r"config.data.global_batch_size=6"):
         mesh_lib.check_batch(6, 4, AbstractMesh((2, 2, 1, 1, 1), mesh_lib.MESH_AXES))
 
 

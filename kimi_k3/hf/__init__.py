@@ -19,9 +19,11 @@ is a missing, extra or wrongly shaped tensor. The modules, by job:
                 tables HF_DEFAULTS / HF_ALIASES / HF_FIXED / NO_EFFECT; run_config_from_hf
     layout      which tensor is which parameter, reshaped how (Link, LAYOUTS, detect_layout,
                 the plan for import, _hf_tensors for export); model_from_params
-    files       safetensors folders: checked (open_checked, check_tensors), memory-mapped and
+    files       safetensors folders: checked (open_checked, check_tensors; a truncated file
+                or a config.json that is not JSON named, read_json_file), memory-mapped and
                 read onto devices (SafetensorsFolder, load_hf_params, load_hf_checkpoint),
-                written (save_hf_checkpoint)
+                written into a new folder that appears only when complete
+                (save_hf_checkpoint, check_new_folder)
     cli         ``python -m kimi_k3.hf import|export``: import_to_workdir, export_from_workdir,
                 build_parser, main
 """
@@ -39,19 +41,22 @@ from kimi_k3.hf.config_map import (
 )
 from kimi_k3.hf.files import (
     SafetensorsFolder,
+    check_new_folder,
     check_tensors,
     load_hf_checkpoint,
     load_hf_params,
     open_checked,
     read_hf_config,
+    read_json_file,
     save_hf_checkpoint,
 )
 from kimi_k3.hf.layout import DENSE_UNDER_MOE, LAYOUTS, Link, detect_layout, model_from_params
 
 __all__ = [
     "DENSE_UNDER_MOE", "FINETUNE_LR", "HF_ALIASES", "HF_DEFAULTS", "HF_FIXED", "LAYOUTS",
-    "NO_EFFECT", "Link", "SafetensorsFolder", "build_parser", "check_tensors", "detect_layout",
-    "export_from_workdir", "hf_config_from_model", "import_to_workdir", "load_hf_checkpoint",
-    "load_hf_params", "main", "model_config_from_hf", "model_from_params", "open_checked",
-    "read_hf_config", "run_config_from_hf", "save_hf_checkpoint",
+    "NO_EFFECT", "Link", "SafetensorsFolder", "build_parser", "check_new_folder", "check_tensors",
+    "detect_layout", "export_from_workdir", "hf_config_from_model", "import_to_workdir",
+    "load_hf_checkpoint", "load_hf_params", "main", "model_config_from_hf", "model_from_params",
+    "open_checked", "read_hf_config", "read_json_file", "run_config_from_hf",
+    "save_hf_checkpoint",
 ]

@@ -5,4 +5,5 @@ import sys
 from kimi_k3.hf.cli import main
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.argv[0] = "python -m kimi_k3.hf"  # the program its one-line errors name
+    main(sys.argv[1:], process=True)

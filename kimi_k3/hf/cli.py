@@ -15,7 +15,13 @@ export (``export_from_workdir``) loads the run's config file with
 ``kimi_k3.config_files.load_config`` (``path[:arg]``; default RUN/config.py), restores a step
 as eval.py does (default the newest) and writes it in the released layout
 (``save_hf_checkpoint``) with the token ids of RUN/hf_config.json (else ``data.eos_id``) and the
-run's tokenizer.
+run's tokenizer. OUT must not exist yet or be empty (export never mixes its files with old
+ones); the files are written into a staging folder that becomes OUT only once complete, so a
+failed or interrupted export leaves no folder that looks like a checkpoint.
+
+``main`` ends every error in one line (``kimi_k3.cli.guarded``): a bad file, tensor or folder
+exits 1 naming it, a bad argument exits 2 (argparse's usage line); ``--debug`` (or
+``KIMI_K3_DEBUG=1``) shows the traceback.
 
 ``build_parser()`` returns the argparse parser, so documented commands can be parsed without
 running them.
@@ -24,7 +30,6 @@ running them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import shutil
@@ -33,11 +38,20 @@ import jax
 import jax.numpy as jnp
 
 from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3 import cli
 from kimi_k3 import mesh as mesh_lib
-from kimi_k3.config import DTYPES, run_spec
+from kimi_k3.config import DTYPES, ConfigError, run_spec
 from kimi_k3.config_files import load_config
 from kimi_k3.hf.config_map import hf_config_from_model, run_config_from_hf
-from kimi_k3.hf.files import load_hf_params, open_checked, read_hf_config, save_hf_checkpoint
+from kimi_k3.hf.files import (
+    check_new_folder,
+    load_hf_params,
+    open_checked,
+    read_hf_config,
+    read_json_file,
+    save_hf_checkpoint,
+    unused_sibling,
+)
 from kimi_k3.run_dir import check_workdir
 from kimi_k3.runtime import quiet_library_logs
 from kimi_k3.train_state import state_layout
@@ -80,12 +94,22 @@ def import_to_workdir(hf_dir, workdir, dtype: str = "float32",
     hf_dir = pathlib.Path(hf_dir)
     hf = read_hf_config(hf_dir)
     # Every field and tensor checked before anything is written.
-    open_checked(hf_dir, run_config_from_hf(hf, dtype, "", param_dtype).model)
+    try:
+        model_config = run_config_from_hf(hf, dtype, "", param_dtype).model
+    except ValueError as e:  # "config.json: <field> ...": named with its folder
+        text = str(e)
+        if text.startswith("config.json: "):
+            raise ValueError(f"file {os.fspath(hf_dir / 'config.json')!r}: "
+                             f"{text[len('config.json: '):]}") from e
+        raise
+    open_checked(hf_dir, model_config)
     workdir = pathlib.Path(check_workdir(os.fspath(workdir)))
     ckpt_dir = workdir / "checkpoints"
-    if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+    # Finished steps only: what an interrupted import leaves (Orbax's temporary folder) is
+    # removed by the next save, so the same command runs again.
+    if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise ValueError(f"--workdir: {str(workdir)!r} already holds checkpoints; import into "
-                         f"a new folder")
+                         f"a new folder, e.g. --workdir={unused_sibling(workdir)}")
     tokenizer = ""
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copy(hf_dir / "tokenizer.json", workdir / "tokenizer.json")
@@ -118,57 +142,77 @@ def export_from_workdir(workdir, hf_dir, checkpoint: str | None = None,
                         config_path: str | None = None) -> list[str]:
     """A run's checkpoint (``checkpoint``, default the newest under ``workdir``) -> a Kimi
     Linear folder ``hf_dir``. The config: ``config_path`` (``path[:arg]``, loaded by
-    ``kimi_k3.config_files.load_config``), default ``workdir/config.py`` (what ``import``
-    writes). Token ids come from ``workdir/hf_config.json`` when there is one, else
-    ``data.eos_id``. Returns the files written."""
+    ``kimi_k3.config_files.load_config``; a run folder means its ``config.py``), default
+    ``workdir/config.py`` (what ``import`` and ``train.py`` write). Token ids come from
+    ``workdir/hf_config.json`` when there is one, else ``data.eos_id``. Returns the files written."""
     workdir = pathlib.Path(workdir)
-    config_spec = os.fspath(config_path) if config_path else os.fspath(workdir / "config.py")
-    path = pathlib.Path(config_spec.partition(":")[0])
-    if not path.is_file():
-        raise FileNotFoundError(f"--config: {str(path)!r} does not exist (import writes "
-                                f"workdir/config.py; give --config for another run)")
-    config = load_config(config_spec)
+    check_new_folder(hf_dir, "--hf_dir")  # before anything is read
+    if config_path:  # a config file, or a run folder (its config.py), as --config takes anywhere
+        config_spec = cli.resolve_config_path(os.fspath(config_path))
+    else:
+        config_spec = os.fspath(workdir / "config.py")
+        if not os.path.isfile(config_spec):
+            raise FileNotFoundError(f"--workdir: {str(workdir)!r} holds no config.py (import and "
+                                    f"train.py write one); give the run's config file with "
+                                    f"--config=FILE")
+    try:
+        config = load_config(config_spec)
+    except ConfigError:
+        raise
+    except Exception as e:  # the config file's own error, named with its flag
+        raise ConfigError(f"--config={config_spec}: {cli.one_line(e)}") from e
     hf_config_from_model(config.model)  # a model transformers cannot run fails before reading
     model, _ = ckpt_lib.restore_model_for_eval(config, checkpoint or os.fspath(workdir),
                                                config_name=config_spec)
     extra = {}
     original = workdir / "hf_config.json"
     if original.is_file():
-        hf = json.loads(original.read_text())
+        hf = read_json_file(original)
         extra = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
     elif "data" in config and config.data.eos_id >= 0:
         extra = {"eos_token_id": config.data.eos_id}
-    files = save_hf_checkpoint(model, config.model, hf_dir, extra_config=extra)
     tok = config.data.tokenizer if "data" in config else ""
-    if tok and os.path.isfile(tok):
-        shutil.copy(tok, pathlib.Path(hf_dir) / "tokenizer.json")
-        files.append("tokenizer.json")
-    return files
+    tokenizer = {"tokenizer.json": tok} if tok and os.path.isfile(tok) else {}
+    return save_hf_checkpoint(model, config.model, hf_dir, extra_config=extra,
+                              extra_files=tokenizer)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m kimi_k3.hf``: subcommands ``import`` and ``export``."""
     parser = argparse.ArgumentParser(prog="python -m kimi_k3.hf",
                                      description="Kimi Linear checkpoints: import and export.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also KIMI_K3_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="a transformers folder -> a workdir (config.py + step 0)")
+    imp = sub.add_parser("import", parents=[common],
+                         help="a transformers folder -> a workdir (config.py + step 0)")
     imp.add_argument("--hf_dir", required=True, help="config.json + *.safetensors")
     imp.add_argument("--workdir", required=True, help="the run folder to create")
     imp.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
                      help="the run's compute dtype (model.dtype)")
     imp.add_argument("--param_dtype", default="float32", choices=tuple(DTYPES),
                      help="the parameters' dtype in the checkpoint and in training")
-    exp = sub.add_parser("export", help="a workdir's checkpoint -> a transformers folder")
+    exp = sub.add_parser("export", parents=[common],
+                         help="a workdir's checkpoint -> a transformers folder")
     exp.add_argument("--workdir", required=True)
-    exp.add_argument("--hf_dir", required=True, help="the folder to write")
+    exp.add_argument("--hf_dir", required=True,
+                     help="the folder to write: one that does not exist yet, or an empty one")
     exp.add_argument("--checkpoint", default=None, help="a step folder (default: the newest)")
-    exp.add_argument("--config", default=None, help="the run's config file, path[:arg] "
-                                                    "(default: WORKDIR/config.py)")
+    exp.add_argument("--config", default=None, help="the run's config file, path[:arg], or "
+                                                    "a run folder (default: WORKDIR/config.py)")
     return parser
 
 
-def main(argv=None) -> None:
+def main(argv=None, process: bool = False) -> None:
+    """``python -m kimi_k3.hf``: argparse's errors exit 2 with its usage line; the command's own
+    (a missing or damaged file, a tensor, a non-empty --hf_dir) end in one line and exit 1.
+    ``process``: this is the whole process (``__main__``; see ``kimi_k3.cli.guarded``)."""
     args = build_parser().parse_args(argv)
+    cli.guarded(_run, debug=lambda: args.debug or cli.debug_requested(()), process=process)(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     quiet_library_logs()  # Orbax's INFO lines and its harmless metadata warning
     if args.command == "import":
         step = import_to_workdir(args.hf_dir, args.workdir, args.dtype, args.param_dtype)

@@ -36,7 +36,12 @@ import jax.numpy as jnp
 from kimi_k3.dispatch import KDA_IMPLS, choose_kda_impl
 from kimi_k3.ops.gates import kda_gate
 from kimi_k3.ops.kda_chunked import kda_chunked
-from kimi_k3.ops.kda_guards import check_gate
+from kimi_k3.ops.kda_guards import (
+    check_gate,
+    finite_forget,
+    isolate_rows,
+    neg_inf_as_nan,
+)
 from kimi_k3.ops.kda_guards import isolate_documents as isolate_nonfinite
 from kimi_k3.ops.kda_recurrent import kda_recurrent
 from pallas_kernels.kda import kda_pallas
@@ -120,7 +125,12 @@ def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound, tun
     """One implementation on validated, clamped arguments: (o float32 or v's dtype, S_T f32).
 
     gate_params: None (g is the log-decay) or (A_log, dt_bias) (g is the gate's pre-activation
-    f): the kernel takes them, the other implementations apply the gate first."""
+    f): the kernel takes them, the other implementations apply the gate first.
+
+    A gate of -inf (``kda_guards``): without a lower bound it forgets, exactly: the chunked form
+    takes it as a finite gate that decays to 0 (fused into its input pass; the kernel does the
+    same as it loads g); the recurrence needs nothing. With one it is a bad value, like NaN,
+    which the recurrence is told (the chunked forms turn it into NaN themselves)."""
     if gate_params is not None:
         if impl == "pallas":
             A_log, dt_bias = gate_params
@@ -129,13 +139,29 @@ def _run(q, k, v, g, beta, S0, seg, *, impl, scale, chunk_size, lower_bound, tun
                               A_log=A_log, dt_bias=dt_bias)
         g = kda_gate(g, *gate_params, lower_bound)
     if impl == "recurrent":
+        if lower_bound is not None:
+            g = neg_inf_as_nan(g)
         return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
                              segment_ids_BxT=seg)
     if impl == "xla":
+        if lower_bound is None:
+            g = finite_forget(g)
         return kda_chunked(q, k, v, g, beta, scale=scale, initial_state_BxHVxKxV=S0,
                            segment_ids_BxT=seg, chunk_size=chunk_size)
     return kda_pallas(q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=seg,
                       chunk_size=chunk_size, lower_bound=lower_bound, tuning=tuning)
+
+
+def _guarded_documents(run, q, k, v, g, beta, S0, seg, gate_params, lower_bound):
+    """``isolate_documents`` around ``run`` (g given): the gate applied first (the guard marks
+    non-finite per-token inputs and takes the implementation as a fixed function of them: a bad
+    f, A_log or dt_bias shows up in g where it hits), and without a lower bound a -inf gate
+    made finite first (it forgets: not a bad value)."""
+    if gate_params:
+        g = kda_gate(g, *gate_params, lower_bound)
+    if lower_bound is None:
+        g = finite_forget(g)
+    return isolate_nonfinite(run, q, k, v, g, beta, S0, seg)
 
 
 def kda(
@@ -175,9 +201,12 @@ def kda(
       impl: "auto" | "recurrent" | "xla" | "pallas".
       check_inputs: also check the gate promise when the call is traced (under ``jit``), with a
         host callback (a little slower). Concrete (eager) inputs are always checked.
-      isolate_documents: with ``segment_ids``, keep a non-finite value inside its document
-        (below). It costs a few passes over the inputs; a caller that discards everything once
-        any value is non-finite (a training step, whose loss mixes all documents) can skip it.
+      isolate_documents: keep a non-finite value inside its document, and out of the outputs
+        before it (below). With ``segment_ids`` it costs a few passes over the inputs; without,
+        each row is one document and the cost is a check of the final state (and of the
+        initial state's gradient) and a ``lax.cond``: the guarded rerun runs only when they are
+        not finite. A caller that discards everything once any value is non-finite (a training
+        step, whose loss mixes all documents) can skip it.
       tuning: the Pallas kernel's launch parameters (``pallas_kernels.tuning.KernelTuning``);
         None: ``KernelTuning()``, right for every card. Ignored by the other implementations.
       A_log: [HV], dt_bias: [HV, K] (or flat [HV * K]): the gate inside the op (both or
@@ -187,17 +216,21 @@ def kda(
         computed in float32 (inside the Pallas kernel; ``kda_gate`` first elsewhere), so the
         gate promise below holds by construction. Differentiable in f, A_log and dt_bias. With
         ``segment_ids`` and ``isolate_documents`` the gate is applied before the guard (which
-        works on g), so g is materialised on that path.
+        works on g), so g is materialised on that path (without them, only in the rerun).
 
     What is promised, and what happens otherwise:
       - g <= 0 everywhere, and g >= lower_bound when one is given. Broken, an eager call (or a
         traced one with ``check_inputs=True``) raises ValueError with the offending value;
         unchecked, the Pallas kernel's results are undefined (wrong numbers or NaN).
-      - With ``segment_ids`` (and ``isolate_documents``), a NaN or inf in one document never
-        reaches another document:
-        that document's outputs from the bad token on (and its final state, if it is the
-        row's last) are NaN, and so are the gradients of its inputs; every other document is
-        exact (``kimi_k3.ops.kda_guards``).
+      - g = -inf ("forget everything") is a gate like any other without a lower bound: every
+        implementation gives the recurrence's result, forward, final state and gradients. With
+        a lower bound it breaks the promise and is a bad value, like NaN (below).
+      - With ``isolate_documents``, a NaN or inf never reaches the outputs before it, nor
+        another document: that document's outputs, per value head, from its bad k, v, g or
+        beta on (and its final state, if it is the row's last) are NaN, as is the output of a
+        token with a bad q (the only one a bad q reaches in the recurrence), and so are the
+        gradients of its inputs; every other document is exact (``kimi_k3.ops.kda_guards``).
+        Without ``segment_ids`` a document is a row (its gradients: of that row and value head).
       - T = 0 gives empty outputs (and the initial state, or zeros, as the final state).
 
     Returns:
@@ -213,20 +246,24 @@ def kda(
     if T == 0:
         return jnp.zeros((B, 0, HV, V), v.dtype), (S0 if output_final_state else None)
     gate_params = None if A_log is None else (A_log, dt_bias)
-    if gate_params is not None and segment_ids is not None and isolate_documents:
-        # The guard marks non-finite per-token inputs and takes the implementation as a fixed
-        # function of them: give it g (a bad f, A_log or dt_bias shows up in g where it hits).
-        g, gate_params = kda_gate(g, A_log, dt_bias, lower_bound), None
     if gate_params is None:  # (with the gate in the op its form guarantees the promise)
         check_gate(g, lower_bound, check_inputs)
     run = functools.partial(_run, impl=choose_kda_impl(impl), scale=scale,
                             chunk_size=min(chunk_size, _next_pow2(T)), lower_bound=lower_bound,
-                            tuning=tuning, gate_params=gate_params)
-    if segment_ids is None:
-        o, S = run(q, k, v, g, beta, S0, None)
-    elif not isolate_documents:
-        o, S = run(q, k, v, g, beta, S0, segment_ids.astype(jnp.int32))
+                            tuning=tuning)
+    S0 = S0.astype(jnp.float32)
+    if not isolate_documents:
+        seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+        o, S = run(q, k, v, g, beta, S0, seg, gate_params=gate_params)
+    elif segment_ids is not None:
+        o, S = _guarded_documents(run, q, k, v, g, beta, S0, segment_ids.astype(jnp.int32),
+                                  gate_params, lower_bound)
     else:
-        o, S = isolate_nonfinite(run, q, k, v, g, beta, S0.astype(jnp.float32),
-                                 segment_ids.astype(jnp.int32))
+        # Each row one document, guarded only when its final state comes out non-finite.
+        o, S = isolate_rows(
+            lambda q, k, v, g, beta, S0, params: run(q, k, v, g, beta, S0, None,
+                                                     gate_params=params or None),
+            lambda q, k, v, g, beta, S0, params: _guarded_documents(
+                run, q, k, v, g, beta, S0, jnp.zeros((B, T), jnp.int32), params, lower_bound),
+            q, k, v, g, beta, S0, gate_params or ())
     return o.astype(v.dtype), (S if output_final_state else None)

@@ -1,0 +1,187 @@
+"""The entry points' command line: a bad flag or config is one line, a run folder is a config,
+and every ending has its exit code.
+
+    from kimi_k3 import cli
+    if __name__ == "__main__":
+        cli.run(main)            # train.py, eval.py, generate.py: absl's app.run, plus the below
+
+Before absl parses the flags, ``--config`` and its ``--config.<field>=value`` overrides are
+checked here, so each mistake is named in one line: a config path that does not exist, a run
+folder with no config in it, a field that does not exist (with the nearest field names).
+``--config=RUN`` (a run folder) and ``--config=RUN/config.json`` both mean the run's own
+config, ``RUN/config.py`` (``run_dir.write_config`` writes it beside its JSON record).
+
+While ``main`` runs, errors end the process with one line on stderr and an exit code
+(``kimi_k3.runtime``): a ConfigError (a field out of range) 2, like a flag error; a ValueError
+or OSError (bad input, a failed save) and FloatingPointError (a non-finite step) 1;
+``runtime.Interrupted`` (a signal, after saving) and Ctrl-C 75. ``--debug`` (or
+``KIMI_K3_DEBUG=1``) prints the traceback too.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import ml_collections
+from absl import app, flags
+
+from kimi_k3.config import ConfigError
+from kimi_k3.config_files import load_config
+from kimi_k3.runtime import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, exit_if_stuck
+
+DEBUG_ENV = "KIMI_K3_DEBUG"
+RUN_CONFIG = "config.py"  # what a run folder holds as its config (run_dir.write_config)
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+    """``--debug`` among the arguments, or KIMI_K3_DEBUG set to a true value."""
+    return "--debug" in argv or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes")
+
+
+def fail(code: int, message: str, program: str | None = None) -> None:
+    """Ends the process with ``message`` as one line on stderr."""
+    program = program or os.path.basename(sys.argv[0] or "kimi_k3")
+    hint = f" (--debug or {DEBUG_ENV}=1 for the traceback)" if code == EXIT_FAILED else ""
+    print(f"{program}: error: {message}{hint}" if code != EXIT_INTERRUPTED
+          else f"{program}: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def one_line(err: BaseException) -> str:
+    """The part of an exception a user acts on: its message on one line, at most about 1000
+    characters (the start and the end kept); the innermost cause's where a wrapper says
+    nothing."""
+    while err.__cause__ is not None and not str(err).strip():
+        err = err.__cause__
+    text = str(err).strip() or type(err).__name__
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":  # repr()'d by its raiser
+        text = text[1:-1]
+    line = " ".join(text.replace("\\n", "\n").split())
+    # keep both ends: errors name what is wrong first and end with what to do
+    return line if len(line) <= 1000 else line[:590] + " [...] " + line[-400:]
+
+
+# ---------------------------------------------------------------------------------------------
+# --config and its overrides
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_config_path(spec: str) -> str:
+    """``--config``'s value with a run folder (or its config.json record) turned into the run's
+    ``config.py``. Raises ConfigError naming ``--config`` when nothing loadable is there."""
+    path, sep, arg = spec.partition(":")
+    given = path
+    if os.path.isdir(path) or os.path.basename(path) == "config.json":
+        folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        path = os.path.join(folder, RUN_CONFIG)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config: {given!r} holds no {RUN_CONFIG} (a run folder gets one "
+                              f"when train.py starts; for another folder give a config file "
+                              f"such as --config=configs/tiny.py)")
+    elif not os.path.isfile(path):
+        where = "" if os.path.isabs(path) else f" (from {os.getcwd()})"
+        raise ConfigError(f"--config: no config file {given!r}{where}; give a config file such "
+                          f"as --config=configs/tiny.py, or a run folder (--config=runs/NAME)")
+    return path + sep + arg
+
+
+def _field_error(config, dotted: str) -> str | None:
+    """Why ``--config.<dotted>`` names no field of ``config`` (None: it does)."""
+    node, walked = config, "config"
+    for part in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"{walked} is a value ({node!r}), not a section with fields"
+        if part not in node:
+            near = difflib.get_close_matches(part, list(node.keys()), n=3, cutoff=0.6)
+            hint = (f"; did you mean {', '.join(f'--{walked}.{n}' for n in near)}?" if near
+                    else f"; its fields: {', '.join(sorted(node.keys()))}")
+            return f"{walked} has no field {part!r}{hint}"
+        node, walked = node[part], f"{walked}.{part}"
+    return None
+
+
+def check_config_args(argv: Sequence[str], flag: str = "config") -> list[str]:
+    """``argv`` with ``--config`` resolved (run folders) and every ``--config.x.y=v`` override
+    checked against the loaded config. Raises ConfigError naming the first bad argument."""
+    out, spec = list(argv), None
+    for i, a in enumerate(argv):
+        if a.startswith(f"--{flag}="):
+            spec = resolve_config_path(a.split("=", 1)[1])
+            out[i] = f"--{flag}={spec}"
+    overrides = [a for a in argv if a.startswith(f"--{flag}.")]
+    if spec is None or not overrides:
+        return out
+    try:
+        config = load_config(spec)
+    except ConfigError:
+        raise
+    except Exception as e:  # the config file's own error: named with its flag
+        raise ConfigError(f"--{flag}={spec}: {one_line(e)}") from e
+    for a in overrides:
+        dotted = a[len(f"--{flag}."):].split("=", 1)[0]
+        why = _field_error(config, dotted)
+        if why:
+            raise ConfigError(f"--{flag}.{dotted}: {why}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Running an entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing after ``check_config_args``; any error is one line and exit 2."""
+    if debug_requested(argv):
+        argv = [a for a in argv if a != "--debug"]
+        return flags.FLAGS(check_config_args(argv))
+    try:
+        return flags.FLAGS(check_config_args(argv))
+    except Exception as e:  # a flag, a config file or a field: all usage errors
+        fail(EXIT_USAGE, one_line(e))
+    raise AssertionError("unreachable")
+
+
+def ending(err: BaseException) -> tuple[int, str | None]:
+    """(exit code, the one line to print) for an error that ends an entry point; None: let it
+    raise (its traceback is the message: an unexpected error, or absl's own exits)."""
+    if isinstance(err, SystemExit):
+        return (err.code if isinstance(err.code, int) else EXIT_FAILED), None
+    if isinstance(err, Interrupted):
+        return EXIT_INTERRUPTED, str(err)
+    if isinstance(err, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted (Ctrl-C); run the same command again to resume"
+    if isinstance(err, ConfigError):
+        return EXIT_USAGE, one_line(err)
+    if isinstance(err, ValueError | OSError | FloatingPointError):
+        return EXIT_FAILED, one_line(err)
+    return EXIT_FAILED, None
+
+
+def guarded(main: Callable, debug: Callable[[], bool] = lambda: debug_requested(sys.argv),
+            process: bool = False):
+    """``main`` with the module docstring's endings: one line and an exit code per error.
+    ``process``: ``main`` is the whole process (an entry point's ``__main__``), which must end
+    even when a library's thread would keep it alive (``runtime.exit_if_stuck``); never in a
+    process that goes on (a test calling ``main``)."""
+
+    def run_main(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except BaseException as e:  # the process ends now: it must, even if a thread hangs
+            code, message = ending(e)
+            if process:
+                exit_if_stuck(code)
+            if message is None or (code != EXIT_INTERRUPTED and debug()):
+                raise
+            fail(code, message)
+
+    return run_main
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """``app.run(main)`` with ``parse_flags`` and ``guarded``."""
+    app.run(guarded(main, process=True), flags_parser=parse_flags)
