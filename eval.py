@@ -1,19 +1,24 @@
 r"""Held-out perplexity at long context and loss by token position, one line per checkpoint.
 
-    python eval.py --config=configs/tiny.py --workdir=runs/tiny_eval \
-        --checkpoint=runs/tiny/checkpoints/1000 --context_lengths=512,2048,8192
+    # a run folder alone: its own config (tokenizer, vocabulary, pattern); overrides on top
+    python eval.py --checkpoint=runs/tiny --workdir=runs/tiny_eval --context_lengths=128,512,2K
 
-    # a ratio ablation in one command: LABEL=PATH@CONFIG per checkpoint
-    python eval.py --config=configs/ablate_ratio.py:ratio=3 --workdir=runs/ablate_eval \
-        --checkpoint=mla=runs/r0/checkpoints/5000@configs/ablate_ratio.py:ratio=0 \
-        --checkpoint=3to1=runs/r3/checkpoints/5000@configs/ablate_ratio.py:ratio=3 \
-        --context_lengths=2048,8192,32768 --short_docs=concat
+    # several checkpoints on the same plots, LABEL=PATH each (each read with its run's config;
+    # PATH@CONFIG names a config for a checkpoint outside a run folder)
+    python eval.py --config=runs/r3 --workdir=runs/ablate_eval \
+        --checkpoint=mla=runs/r0/checkpoints/5000 --checkpoint=3to1=runs/r3/checkpoints/5000 \
+        --context_lengths=2048,8192,32768
+
+Training and evaluating a list of variants in one command: ``python -m kimi_k3.sweep``.
 
 Writes eval.json, eval_perplexity.csv, eval_loss_by_position.csv, eval_perplexity.png and
-eval_loss_by_position.png to --workdir, and prints the perplexity table. All logic lives in
+eval_loss_by_position.png to --workdir, and prints the perplexity table (and bits per byte when
+the text is known), each figure with its 95% bootstrap interval over documents. All logic lives in
 ``kimi_k3.evaluation`` (the run), ``kimi_k3.eval_scoring`` (what is measured) and
 ``kimi_k3.eval_report`` (the files).
 """
+
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -49,11 +54,15 @@ _PIECE = flags.DEFINE_integer(
     "piece of a window is padded.", lower_bound=1)
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Windows evaluated together.", lower_bound=1)
 _SHORT = flags.DEFINE_enum(
-    "short_docs", "skip", list(eval_scoring.SHORT_DOC_RULES),
-    "Documents shorter than a context length: skip them, or concatenate all documents.",
+    "short_docs", eval_scoring.DEFAULT_SHORT_DOCS, list(eval_scoring.SHORT_DOC_RULES),
+    "Which text each length scores. same: at every length the same spans of the documents long "
+    "enough for the longest length; skip: at each length the documents long enough for it; "
+    "concat: all documents as one stream (windows may span documents).",
 )
-_MAX_WINDOWS = flags.DEFINE_integer("max_windows", 16, "Windows per context length (0 = all).",
-                                    lower_bound=0)
+_MAX_WINDOWS = flags.DEFINE_integer(
+    "max_windows", eval_scoring.DEFAULT_MAX_WINDOWS,
+    "Windows kept per context length, spread evenly (with --short_docs=same: at the longest "
+    "length; shorter lengths cut the same spans into more windows). 0 = all.", lower_bound=0)
 _WHOLE = flags.DEFINE_integer(
     "whole_check_max_len", 0,
     "Also score the first batch in one whole-sequence pass for lengths up to this, and report "
@@ -81,8 +90,9 @@ def main(argv):
         max_windows=_MAX_WINDOWS.value,
         whole_check_max_len=_WHOLE.value,
         config_name=config_flags.get_config_filename(flags.FLAGS["config"]),
+        overrides=cli.override_fields(sys.argv),
     )
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, config_from=("checkpoint",))

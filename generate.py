@@ -1,14 +1,20 @@
-r"""Continue a prompt with a trained model: greedy by default, or temperature / top-p sampling.
+r"""Continue a prompt with a trained model: greedy by default, or temperature / top-k / top-p
+sampling, several continuations per prompt if asked.
 
     python generate.py --config=configs/tiny.py --workdir=runs/tiny --prompt="def " \
         --max_new_tokens=64
     python generate.py --config=configs/tiny.py --checkpoint=runs/tiny/checkpoints/200 \
-        --prompt="import " --prompt="class " --temperature=0.8 --top_p=0.95 --seed=1
+        --prompt="import " --prompt="class " --temperature=0.8 --top_k=40 --top_p=0.95 \
+        --num_samples=3 --seed=1
     python generate.py --config=configs/tiny.py --checkpoint=init --prompt_ids=100,101,102 \
         --stop_ids=10
 
 Text goes through the config's tokenizer (``config.data.tokenizer``; bytes without one) and the
-continuation is printed as text; ``--prompt_ids`` takes token ids and prints ids. Repeat
+continuation is printed as text; ``--prompt_ids`` takes token ids and prints ids. Each prompt is
+printed first (``--- prompt 0 (4 tokens) ---``), then each of its continuations under
+``--- continuation (length, 64 new tokens) ---``; ``--noecho`` prints the continuations alone.
+``--num_samples=N`` draws N continuations per prompt, each with its own key (greedy has one:
+N > 1 without sampling is refused). Repeat
 ``--prompt`` / ``--prompt_ids`` for a batch (prompts of different lengths decode exactly as
 they would alone); without a tokenizer a ``--prompt``'s bytes go in as given, UTF-8 or not. A
 ``--max_new_tokens`` whose cache would not fit in memory is refused before anything is loaded,
@@ -44,7 +50,16 @@ _MAX_NEW = flags.DEFINE_integer(
 _TEMPERATURE = flags.DEFINE_float(
     "temperature", None, "Sampling temperature; 0 or unset: greedy (unset with --top_p: 1).")
 _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus sampling: keep the most probable tokens "
-                            "holding this much probability, in (0, 1].")
+                            "holding this much probability, in (0, 1] (after --top_k).")
+_TOP_K = flags.DEFINE_integer(
+    "top_k", None, "Keep the k most probable tokens before --top_p; 0: all (unset with "
+    "--temperature unset: greedy; alone: samples at temperature 1).", lower_bound=0)
+_NUM_SAMPLES = flags.DEFINE_integer(
+    "num_samples", 1, "Continuations per prompt, each with its own sampling key; more than 1 "
+    "needs sampling (--temperature, --top_p or --top_k).", lower_bound=1)
+_ECHO = flags.DEFINE_bool(
+    "echo", True, "Print each prompt before its continuations, with a header on each; "
+    "--noecho prints the continuations alone.")
 _STOP_IDS = flags.DEFINE_list(
     "stop_ids", [], "Token ids that end a prompt's continuation (config.data.eos_id too, if >= 0).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -68,6 +83,9 @@ def main(argv):
         max_new_tokens=_MAX_NEW.value,
         temperature=_TEMPERATURE.value,
         top_p=_TOP_P.value,
+        top_k=_TOP_K.value,
+        num_samples=_NUM_SAMPLES.value,
+        echo=_ECHO.value,
         stop_ids=_STOP_IDS.value,
         seed=_SEED.value,
         piece_len=_PIECE.value,
@@ -76,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, config_from=("checkpoint", "workdir"))

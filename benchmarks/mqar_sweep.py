@@ -6,7 +6,10 @@ r"""MQAR recall: all-KDA vs 3:1 vs all-MLA at a few sequence lengths, trained on
 
 One fresh model per (pattern, length), trained on generated batches with the loss on the
 answers only, then scored on held-out examples. Writes mqar_sweep.csv, mqar_sweep.md (the
-table BENCHMARKS.md quotes) and mqar_sweep.png to --out_dir. Logic: ``kimi_k3.mqar.run_sweep``.
+table BENCHMARKS.md quotes, with the chance level under it) and mqar_sweep.png (chance dashed)
+to --out_dir. Progress bars show on a terminal only; a log gets one line per finished model.
+Logic, and why an all-MLA (NoPE) stack is expected to score near 1 / pairs:
+``kimi_k3.mqar``.
 """
 
 import os

@@ -10,9 +10,10 @@ r"""Passkey retrieval at length: a pass key hidden at a depth of filler text, as
         --context_lengths=128,192,256 --mode=teacher_forced
 
 Scores every (context length, depth) cell on --trials examples: exact match and digit
-accuracy, by greedy decoding or teacher-forced argmax (--mode). Writes passkey.json,
-passkey.csv, passkey_exact.png and passkey_digits.png (depth x context length heat maps) to
---workdir and prints the table. The weights: --checkpoint (a step, checkpoints or run folder,
+accuracy, by greedy decoding or teacher-forced argmax (--mode). Writes passkey.json (every
+trial's key and the model's answer included), passkey.csv, passkey_exact.png and
+passkey_digits.png (depth x context length heat maps, chance marked) to --workdir and prints
+the table with the chance levels. The weights: --checkpoint (a step, checkpoints or run folder,
 or 'init'), else the newest step under --workdir/checkpoints. All logic lives in
 ``kimi_k3.passkey``.
 """
@@ -109,4 +110,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, config_from=("checkpoint",))

@@ -53,7 +53,7 @@ from jax.experimental import multihost_utils
 from kimi_k3.layers.moe import ExpertBias, MoeStat
 from kimi_k3.model import HybridLM
 from kimi_k3.model_state import init_model
-from kimi_k3.run_dir import absolute_path
+from kimi_k3.run_dir import absolute_path, find_run_folder
 from kimi_k3.trees import path_str
 
 
@@ -546,7 +546,7 @@ def run_folder_of(step_dir) -> str | None:
     """The run folder a step folder belongs to (``<run>/checkpoints/<step>``) when it holds the
     run's config file (``run_dir.write_config``), else None."""
     run = os.path.dirname(os.path.dirname(os.path.normpath(os.fspath(step_dir))))
-    return run if os.path.isfile(os.path.join(run, "config.py")) else None
+    return find_run_folder(run) if run else None
 
 
 def restore_model_for_eval(config, path: str, config_name: str = "--config",

@@ -30,6 +30,7 @@ from absl import app, flags
 
 from kimi_k3.config import ConfigError
 from kimi_k3.config_files import load_config
+from kimi_k3.run_dir import find_run_folder
 from kimi_k3.runtime import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, exit_if_stuck
 
 DEBUG_ENV = "KIMI_K3_DEBUG"
@@ -103,15 +104,58 @@ def _field_error(config, dotted: str) -> str | None:
     return None
 
 
-def check_config_args(argv: Sequence[str], flag: str = "config") -> list[str]:
+def _flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The last ``--name=value`` of ``argv`` (None: not given)."""
+    values = [a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")]
+    return values[-1] if values else None
+
+
+def run_folder_from(argv: Sequence[str], config_from: Sequence[str]) -> tuple[str, str] | None:
+    """(flag, run folder) of the first flag in ``config_from`` whose value lies in a run folder
+    holding its own config: ``--checkpoint=[LABEL=]PATH[@CONFIG]`` or ``--workdir=RUN``."""
+    for name in config_from:
+        value = _flag_value(argv, name)
+        if value is None:
+            continue
+        path = value.partition("@")[0]
+        if name == "checkpoint" and "=" in path:  # LABEL=PATH
+            path = path.split("=", 1)[1]
+        run = find_run_folder(path) if path else None
+        if run:
+            return name, run
+    return None
+
+
+def override_fields(argv: Sequence[str], flag: str = "config") -> list[str]:
+    """The dotted fields that ``--config.<field>=value`` arguments override, in order."""
+    return [a[len(flag) + 3:].split("=", 1)[0] for a in argv if a.startswith(f"--{flag}.")]
+
+
+def check_config_args(argv: Sequence[str], flag: str = "config",
+                      config_from: Sequence[str] = ()) -> list[str]:
     """``argv`` with ``--config`` resolved (run folders) and every ``--config.x.y=v`` override
-    checked against the loaded config. Raises ConfigError naming the first bad argument."""
+    checked against the loaded config. Without ``--config``, the run folder named by the first
+    of the ``config_from`` flags gives its own config (a line on stderr says so, with the
+    overrides applied on top). Raises ConfigError naming the first bad argument."""
     out, spec = list(argv), None
+    overrides = [a for a in argv if a.startswith(f"--{flag}.")]
+    if _flag_value(argv, flag) is None and config_from:
+        found = run_folder_from(argv, config_from)
+        if found is None:
+            raise ConfigError(
+                f"--{flag}: not given, and no --{' or --'.join(config_from)} names a run folder "
+                f"with its own config; give --{flag}=configs/x.py, or a run folder "
+                f"(--{flag}=runs/NAME)")
+        source, run = found
+        out.insert(1, f"--{flag}={run}")
+        said = f"; overrides: {' '.join(overrides)}" if overrides else ""
+        print(f"{os.path.basename(out[0] or 'kimi_k3')}: --{flag}={run} (the run's own config, "
+              f"from --{source}){said}", file=sys.stderr, flush=True)
+        argv = out
     for i, a in enumerate(argv):
         if a.startswith(f"--{flag}="):
             spec = resolve_config_path(a.split("=", 1)[1])
             out[i] = f"--{flag}={spec}"
-    overrides = [a for a in argv if a.startswith(f"--{flag}.")]
     if spec is None or not overrides:
         return out
     try:
@@ -133,13 +177,13 @@ def check_config_args(argv: Sequence[str], flag: str = "config") -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str], config_from: Sequence[str] = ()) -> list[str]:
     """absl's flag parsing after ``check_config_args``; any error is one line and exit 2."""
     if debug_requested(argv):
         argv = [a for a in argv if a != "--debug"]
-        return flags.FLAGS(check_config_args(argv))
+        return flags.FLAGS(check_config_args(argv, config_from=config_from))
     try:
-        return flags.FLAGS(check_config_args(argv))
+        return flags.FLAGS(check_config_args(argv, config_from=config_from))
     except Exception as e:  # a flag, a config file or a field: all usage errors
         fail(EXIT_USAGE, one_line(e))
     raise AssertionError("unreachable")
@@ -182,6 +226,8 @@ def guarded(main: Callable, debug: Callable[[], bool] = lambda: debug_requested(
     return run_main
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-    """``app.run(main)`` with ``parse_flags`` and ``guarded``."""
-    app.run(guarded(main, process=True), flags_parser=parse_flags)
+def run(main: Callable[[list[str]], None], config_from: Sequence[str] = ()) -> None:
+    """``app.run(main)`` with ``parse_flags`` and ``guarded``. ``config_from``: the flags whose
+    run folder gives ``--config`` when it is not given (``check_config_args``)."""
+    app.run(guarded(main, process=True),
+            flags_parser=lambda argv: parse_flags(argv, config_from=config_from))

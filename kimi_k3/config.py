@@ -211,8 +211,8 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "source": "stdlib",  # stdlib | text | tokens (see kimi_k3/data.py)
             "paths": "",  # comma-separated files / globs for text or tokens
             "eval_paths": "",  # held-out files; empty: split data by file with eval_fraction
-            "eval_fraction": 0.05,  # share of files held out (CRC32 of path)
-            "tokenizer": "",  # tokenizers JSON for text; empty: bytes, ids 0..255
+            "eval_fraction": 0.05,  # share held out: by file (CRC32 of path) or the tokens' tail (data.py)
+            "tokenizer": "",  # tokenizers JSON for text; "": bytes, ids 0..255; "none": no text
             "token_dtype": "uint16",  # uint16 | uint32, for token files
             "eos_id": -1,  # end-of-document id inside token files; -1: one document per file
             "seq_len": 256,  # T, tokens per row
@@ -745,7 +745,8 @@ def data_spec(cfg) -> DataSpec:
     return DataSpec(
         source=source, paths=paths, eval_paths=f.strings("eval_paths"),
         eval_fraction=eval_fraction,
-        tokenizer=f.get("tokenizer", lambda v: isinstance(v, str), "must be a path or ''"),
+        tokenizer=f.get("tokenizer", lambda v: isinstance(v, str),
+                        "must be a path, '' (bytes) or 'none' (no text)"),
         token_dtype=f.choice("token_dtype", TOKEN_DTYPES),
         eos_id=f.int("eos_id", -1, "must be an integer >= -1 (-1 = none)"),
         seq_len=seq_len, global_batch_size=f.int("global_batch_size", 1),

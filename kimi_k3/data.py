@@ -10,9 +10,25 @@ Sources (``config.data.source``):
               ``data.eos_id`` (if >= 0) marks the end of each document inside a file.
 
 Text is tokenised to bytes (ids 0..255) unless ``data.tokenizer`` names a Hugging Face
-``tokenizers`` JSON file. Held-out data is split by file: ``data.eval_paths`` if given, else the
-files whose CRC32 of their path (relative to the files' common folder) falls in the lowest
-``data.eval_fraction`` of the range.
+``tokenizers`` JSON file.
+
+Held-out data (``load_split``; the first screen names the rule and its sizes), the first rule
+that applies:
+
+    "eval_paths"  ``data.eval_paths`` when given: those files, and every ``data.paths`` file
+                  trains;
+    "none"        ``data.eval_fraction = 0``: nothing is held out;
+    "file"        by file: the files whose CRC32 of their path (relative to the files' common
+                  folder) falls in the lowest ``eval_fraction`` of the range, when that puts
+                  files on both sides and holds out between half and twice ``eval_fraction``
+                  of the bytes (the stdlib corpus);
+    "tail"        else (one file, a few files, or a hash that picked too much or too little):
+                  the last ``eval_fraction`` of the tokens of all files in order, cut at the
+                  last document boundary (a file's start, or after an ``eos_id``) that holds
+                  out between once and twice that share, or mid-document when none does.
+
+The split depends on the files, ``eval_fraction``, ``eos_id`` and the tokenizer only (never on
+``seq_len`` or the batch), so eval.py reads the held-out data a run held out.
 
 Packing: all documents of a split are one virtual stream (document after document, file after
 file); row r of an epoch is the window ``[w*T, (w+1)*T)`` of that stream with w = perm_epoch[r],
@@ -29,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import logging
 import math
@@ -92,6 +109,19 @@ class TokenStream:
         if self.eos_id >= 0:
             new_doc[1:] |= tokens[:-1] == self.eos_id
         return tokens, (1 + np.cumsum(new_doc)).astype(np.int32)
+
+    def split_at(self, position: int) -> tuple[TokenStream, TokenStream]:
+        """(tokens [0, position), tokens [position, end)): two streams of views of the same
+        chunks, nothing copied. The second starts a new document (a chunk start is one)."""
+        if not 0 <= position <= self.num_tokens:
+            raise IndexError(f"TokenStream.split_at: {position} outside [0, {self.num_tokens}]")
+        i = int(np.searchsorted(self.offsets, position, side="right")) - 1
+        i = min(i, len(self.chunks) - 1)
+        at = position - int(self.offsets[i]) if self.chunks else 0
+        head = self.chunks[:i] + ([self.chunks[i][:at]] if self.chunks else [])
+        tail = ([self.chunks[i][at:]] if self.chunks else []) + self.chunks[i + 1 :]
+        return (TokenStream(head, self.names[: len(head)], self.eos_id),
+                TokenStream(tail, self.names[len(self.chunks) - len(tail) :], self.eos_id))
 
 
 class PackedRows:
@@ -245,11 +275,124 @@ def split_by_file(files: Sequence[str], eval_fraction: float) -> tuple[list[str]
             [f for f, e in zip(files, ev, strict=True) if e])
 
 
+def file_bytes(files: Sequence[str]) -> int:
+    """The files' total size in bytes (what the split by file is weighed by)."""
+    total = 0
+    for f in files:
+        try:
+            total += os.path.getsize(f)
+        except OSError as e:
+            raise OSError(f"data.paths: cannot read {f!r} ({e.strerror or e})") from e
+    return total
+
+
+def split_by_file_fits(train_files: Sequence[str], eval_files: Sequence[str],
+                       eval_fraction: float) -> bool:
+    """Whether the split by file is used: files on both sides, and the held-out files hold
+    between half and twice ``eval_fraction`` of the bytes (else the tail rule)."""
+    if not train_files or not eval_files:
+        return False
+    held, total = file_bytes(eval_files), file_bytes(train_files) + file_bytes(eval_files)
+    return total > 0 and eval_fraction / 2 <= held / total <= 2 * eval_fraction
+
+
+def _last_boundary(stream: TokenStream, lo: int, hi: int) -> int | None:
+    """The last document boundary b with lo <= b <= hi: a chunk's start, or the position after
+    an ``eos_id`` token (scanned backwards from ``hi`` a block at a time); None if none."""
+    best = max((int(o) for o in stream.offsets[1:-1] if lo <= o <= hi), default=None)
+    if stream.eos_id < 0:
+        return best
+    end, first = hi, max(lo - 1, 0)  # token i ends a document at boundary i + 1
+    while end > first and (best is None or end > best):
+        start = max(first, end - _CHECK_CHUNK)
+        toks, _ = stream.read(start, end - start)
+        hits = np.nonzero(toks == stream.eos_id)[0]
+        if hits.size:
+            best = max(best or 0, start + int(hits[-1]) + 1)
+            break
+        end = start
+    return best
+
+
+def tail_start(stream: TokenStream, eval_fraction: float) -> tuple[int, bool]:
+    """(where the held-out tail of ``stream`` starts, whether that is a document boundary).
+
+    The tail holds h = ceil(eval_fraction x tokens) tokens or more: it starts at the last
+    document boundary b with tokens - 2h <= b <= tokens - h (b >= 1: the train side keeps a
+    token), or at tokens - h, inside a document, when there is none."""
+    n = stream.num_tokens
+    h = max(1, math.ceil(eval_fraction * n))
+    hi = n - h
+    if hi < 1:
+        return max(hi, 0), False
+    b = _last_boundary(stream, max(1, n - 2 * h), hi)
+    return (hi, False) if b is None else (b, True)
+
+
+RULES = ("eval_paths", "none", "file", "tail")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The train and held-out streams of ``config.data`` (``load_split``) and how they were
+    made: which rule (``RULES``, module docstring), and the sizes on each side."""
+
+    train: TokenStream
+    eval: TokenStream | None  # None: nothing held out, or fewer tokens than one row
+    rule: str
+    eval_fraction: float
+    train_files: int
+    eval_files: int  # the tail rule: files with tokens in the tail (the first maybe in part)
+    eval_tokens: int  # held out, counted even when too few for a row
+    tokenizer: str  # what made the ids, in words
+    at_boundary: bool = True  # the tail rule: cut at a document boundary (else inside one)
+    cut_file: str = ""  # the tail rule: the file the tail starts in
+
+    def describe(self) -> str:
+        """The rule and the sizes on each side, one line for the first screen."""
+        files = lambda k: f"{k:,} file{'s' if k != 1 else ''}"
+        train = f"train {files(self.train_files)}, {self.train.num_tokens:,} tokens"
+        held = f"held out {files(self.eval_files)}, {self.eval_tokens:,} tokens"
+        share = f"{self.eval_fraction * 100:.4g}%"
+        if self.rule == "eval_paths":
+            how = "data.eval_paths"
+        elif self.rule == "none":
+            return f"none (data.eval_fraction=0): {train}; no held-out loss"
+        elif self.rule == "file":
+            how = f"by file (CRC32 of each path in the lowest {share})"
+        else:
+            where = "at a document end" if self.at_boundary else "inside a document"
+            how = (f"tail (the last {share} of the tokens, cut {where} in "
+                   f"{os.path.basename(self.cut_file)})")
+        return f"{how}: {train}; {held}"
+
+
+def _tokenizer_words(data_cfg, tok: TextTokenizer | None) -> str:
+    if tok is None:  # data.tokenizer, if any, is generate.py's (text in and out)
+        named = f"; data.tokenizer {data_cfg.tokenizer!r}" if data_cfg.tokenizer else ""
+        return f"none (pre-tokenised {data_cfg.token_dtype} files){named}"
+    if not tok.path:
+        return f"bytes (ids 0..{BYTE_VOCAB - 1})"
+    return f"{os.path.abspath(tok.path)} ({tok.vocab_size:,} ids)"
+
+
+# data.tokenizer = NO_TOKENIZER: the model's ids are not bytes and no tokenizer is known (a
+# checkpoint imported without one): text is refused rather than read as bytes.
+NO_TOKENIZER = "none"
+
+
 class TextTokenizer:
-    """Bytes (ids 0..255) by default; a Hugging Face ``tokenizers`` JSON when a path is given."""
+    """Bytes (ids 0..255) by default; a Hugging Face ``tokenizers`` JSON when a path is given;
+    ``"none"`` (NO_TOKENIZER) refuses text, naming what to give instead."""
 
     def __init__(self, path: str = ""):
         self.path = path
+        if path == NO_TOKENIZER:
+            raise ValueError(
+                "config.data.tokenizer='none': this model's token ids are not bytes and no "
+                "tokenizer came with it, so text cannot be read; give token ids (generate.py "
+                "--prompt_ids=...) or token files (--config.data.source=tokens "
+                "--config.data.paths=FILE), or its tokenizers JSON (--config.data.tokenizer=PATH)")
         if path:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"data.tokenizer: {path!r} is not a file")
@@ -387,10 +530,11 @@ def _check_token_files(chunks, names, vocab_size: int) -> None:
         check_ids([chunks[i]], [names[i]], vocab_size)
 
 
-def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStream | None]:
-    """The train and held-out streams for ``config.data``; the held-out one is None when the
-    split leaves no eval file. Raises (naming the field and path) before any step runs.
-    ``data_cfg``: a DataSpec, or the ``config.data`` ConfigDict (checked into one)."""
+def load_split(data_cfg, vocab_size: int) -> Split:
+    """The train and held-out streams for ``config.data``, by the first rule that applies
+    (module docstring), with the rule and the sizes (``Split``). Raises (naming the field and
+    path) before any step runs. ``data_cfg``: a DataSpec, or the ``config.data`` ConfigDict
+    (checked into one)."""
     data_cfg = data_spec(data_cfg)
     source = data_cfg.source
     eval_fraction = float(data_cfg.eval_fraction)
@@ -398,43 +542,58 @@ def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStr
 
     if source == "stdlib":
         _, files = stdlib_files()
-        if eval_patterns:
-            train_files, eval_files = files, expand_paths(eval_patterns, "data.eval_paths")
-        else:
-            train_files, eval_files = split_by_file(files, eval_fraction)
     else:
         patterns = split_paths(data_cfg.paths)
         if not patterns:
             raise ValueError(f"data.paths: empty; data.source={source!r} needs files or globs")
         files = expand_paths(patterns, "data.paths")
-        if eval_patterns:
-            train_files, eval_files = files, expand_paths(eval_patterns, "data.eval_paths")
-        else:
-            train_files, eval_files = split_by_file(files, eval_fraction)
-        if not train_files:
-            raise ValueError(
-                f"data.paths: all {len(files)} files fell in the held-out split "
-                f"(data.eval_fraction={eval_fraction}); lower it or set data.eval_paths"
-            )
+    user = source != "stdlib"
+    tok = None if source == "tokens" else TextTokenizer(data_cfg.tokenizer)
 
     def build(split_files: list[str], user_files: bool) -> TokenStream:
-        if source == "tokens":
+        if tok is None:
             chunks = [open_token_file(f, data_cfg.token_dtype) for f in split_files]
             _check_token_files(chunks, split_files, vocab_size)
             return TokenStream(chunks, split_files, eos_id=int(data_cfg.eos_id))
-        tok = TextTokenizer(data_cfg.tokenizer)
         chunks = tok.encode_files(split_files, skip_empty=not user_files, check_text=user_files)
         check_ids(chunks, split_files, vocab_size)
         return TokenStream(chunks, split_files)
 
-    user = source != "stdlib"
-    train_stream = build(train_files, user)
-    eval_stream = build(eval_files, user or bool(eval_patterns)) if eval_files else None
-    if eval_stream is not None and eval_stream.num_tokens < data_cfg.seq_len:
-        logging.warning("data: held-out split has %d tokens, fewer than one row of %d; no eval",
-                        eval_stream.num_tokens, data_cfg.seq_len)
-        eval_stream = None
-    return train_stream, eval_stream
+    split = functools.partial(Split, eval_fraction=eval_fraction,
+                              tokenizer=_tokenizer_words(data_cfg, tok))
+    train_files, eval_files = split_by_file(files, eval_fraction)
+    if eval_patterns:
+        eval_files = expand_paths(eval_patterns, "data.eval_paths")
+        held = build(eval_files, True)
+        out = split(build(files, user), held, "eval_paths", train_files=len(files),
+                    eval_files=len(eval_files), eval_tokens=held.num_tokens)
+    elif eval_fraction == 0:
+        out = split(build(files, user), None, "none", train_files=len(files), eval_files=0,
+                    eval_tokens=0)
+    elif split_by_file_fits(train_files, eval_files, eval_fraction):
+        held = build(eval_files, user)
+        out = split(build(train_files, user), held, "file", train_files=len(train_files),
+                    eval_files=len(eval_files), eval_tokens=held.num_tokens)
+    else:
+        whole = build(files, user)
+        cut, at_boundary = tail_start(whole, eval_fraction)
+        train, held = whole.split_at(cut)
+        out = split(train, held, "tail", train_files=len(set(train.names)),
+                    eval_files=len(set(held.names)), eval_tokens=held.num_tokens,
+                    at_boundary=at_boundary, cut_file=held.names[0] if held.names else "")
+    if out.eval is not None and out.eval.num_tokens < data_cfg.seq_len:
+        logging.warning("data: the held-out split (%s) has %d tokens, fewer than one row of %d: "
+                        "no held-out loss; raise data.eval_fraction or give data.eval_paths",
+                        out.rule, out.eval.num_tokens, data_cfg.seq_len)
+        out = dataclasses.replace(out, eval=None)
+    return out
+
+
+def load_split_streams(data_cfg, vocab_size: int) -> tuple[TokenStream, TokenStream | None]:
+    """(train stream, held-out stream) of ``load_split``; the held-out one is None when nothing
+    is held out (``data.eval_fraction = 0``) or it holds fewer tokens than one row."""
+    split = load_split(data_cfg, vocab_size)
+    return split.train, split.eval
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,27 +1,58 @@
-"""Held-out perplexity at long context, and loss by token position: how the held-out data is
-cut into windows and how one model scores them. ``kimi_k3.evaluation`` runs this for every
-checkpoint and context length; ``kimi_k3.eval_report`` writes what it measured.
+"""Held-out perplexity at long context, bits per byte, and loss by token position: how the
+held-out data is cut into windows, how one model scores them, and how sure the figures are.
+``kimi_k3.evaluation`` runs this for every checkpoint and context length;
+``kimi_k3.eval_report`` writes what it measured.
 
 What is measured, per checkpoint and context length L:
 
-- windows: the held-out documents are cut into windows of L + 1 tokens (stride L); the model
-  reads the first L, and every one of them predicts its next token, so a window scores L
-  targets. The target after input position i (0-based) was predicted with i + 1 tokens of
-  context: that is its *position*, 1 ... L;
+- windows: documents are cut into windows of L + 1 tokens (stride L); the model reads the
+  first L, and every one of them predicts its next token, so a window scores L targets. The
+  target after input position i (0-based) was predicted with i + 1 tokens of context: that is
+  its *position*, 1 ... L;
 - perplexity = exp(mean next-token NLL over all targets of all windows), in nats;
-- loss by position: the mean NLL in log-spaced position buckets [1], [2, 3], [4, 7], ...,
-  [2^k, min(2^(k+1) - 1, L)]. A curve that keeps falling at large positions is a model that
-  uses far context.
+- bits per byte = (sum of the targets' NLL in nats) / (ln 2 x the UTF-8 bytes of the target
+  tokens), when the text behind the tokens is known (``token_byte_lengths``): with byte tokens
+  every token is one byte; with a tokenizers JSON each id counts the bytes it decodes to (exact
+  for byte-level BPE, whose token strings spell their bytes; other decoders: the bytes an id
+  adds after a fixed token). Token files without ``data.tokenizer`` hold no text: not computed,
+  and the report says so. Bits per byte compares models with different tokenizers; perplexity
+  only models that share one;
+- loss by position: the mean NLL in log-spaced position buckets [1], [2, 3], [4, 7], ...
+  (``scored_buckets``), each holding at least ``MIN_BUCKET_TARGETS`` targets (windows x
+  positions): a bucket with fewer is merged into the next one (the last into the one before),
+  and a last bucket narrower than half its log-spaced width (the single position L of
+  [L, 2L - 1], say) is merged into the one before. A curve that keeps falling at large
+  positions is a model that uses far context.
 
-The short-document rule (``short_docs``), always reported with its counts:
+Which text is scored: the short-document rule (``short_docs``), always reported with every
+document counted (total = too short + left out by the cap + scored):
 
-- ``"skip"``:   only documents of at least L + 1 tokens are used, each cut into
-  floor((len - 1) / L) windows; shorter documents are skipped and counted;
+- ``"same"`` (the default): every length scores the same text. With M the longest requested
+  length, only documents of at least M + 1 tokens are used; each is cut into spans of M + 1
+  tokens (stride M), and ``max_windows`` (> 0) keeps that many spans, spread evenly over all of
+  them. At a length L each kept span is cut into floor(M / L) windows of L + 1 tokens, so every
+  length scores the same targets (the first floor(M / L) x L of each span: all of them when L
+  divides M) and differences between lengths come from the context alone. ``max_windows``
+  counts windows at the longest length. No document of M + 1 tokens is an error that says so
+  (use ``"concat"``, or shorter lengths);
+- ``"skip"``: at each length L, the documents of at least L + 1 tokens, each cut into
+  floor((len - 1) / L) windows, ``max_windows`` of them kept, spread evenly. Longer lengths
+  then score fewer, longer documents: a curve over lengths mixes context and text;
 - ``"concat"``: all held-out documents, in order, are one stream (no separator is added beyond
-  what the data already has) cut into windows, so a window may span documents.
+  what the data already has) cut into windows, so a window may span documents; ``max_windows``
+  of them kept, spread evenly. The stream's last tokens short of a window are not scored.
 
-``max_windows`` (> 0) caps the windows per context length; the kept ones are spread evenly
-over the available ones (deterministic), and the output says how many were available.
+Intervals: a percentile bootstrap (``bootstrap_ci``, ``BOOTSTRAP_SAMPLES`` resamples with a
+fixed seed, so a report is reproducible) of the ratio sum(NLL) / sum(targets), resampling
+*documents* with their windows (windows of one document are not independent samples); when
+every window comes from one document, windows are resampled instead, and the report names the
+unit and how many there were ("concat" counts a window to the document of its first target).
+The interval is given for the loss, the perplexity (its exp), bits per byte and every position
+bucket. It measures the spread from which text was sampled, not from training noise (another
+seed of the same model). With "same", ``add_loss_changes`` also gives each length's change in
+loss from the shortest length with a *paired* interval (the same documents resampled together
+at every length): much narrower than the per-length intervals, whose width is mostly documents
+differing in difficulty, so it is the figure that says whether context helped.
 
 Memory stays bounded at long context: a batch of windows is fed to ``jax.jit(model.prefill)``
 in pieces of ``piece_len`` tokens (one compilation per context length), the cache (KDA state,
@@ -36,9 +67,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +84,16 @@ from kimi_k3.mesh import batch_sharding
 from kimi_k3.model import MAX_POSITIONS
 from kimi_k3.sharding import axis_rules
 
-SHORT_DOC_RULES = ("skip", "concat")
+SHORT_DOC_RULES = ("same", "skip", "concat")
+DEFAULT_SHORT_DOCS = "same"
+# Windows kept per context length (at the longest length with "same"): four times the old 16,
+# spread over tens of documents for the bootstrap, at a cost a CPU bears for a small model; the
+# interval printed beside every figure says when more are needed (--max_windows=0: all).
+DEFAULT_MAX_WINDOWS = 64
+MIN_BUCKET_TARGETS = 100  # targets (windows x positions) a position bucket holds at least
+CI_LEVEL = 0.95
+BOOTSTRAP_SAMPLES = 1000
+BOOTSTRAP_SEED = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,41 +116,83 @@ def split_documents(stream) -> list[np.ndarray]:
 
 @dataclasses.dataclass
 class Windows:
-    """Windows of L + 1 tokens for one context length, and how they were made."""
+    """Windows of L + 1 tokens for one context length, and how they were made: every document
+    is counted once, docs_total = docs_skipped + docs_dropped + docs_used."""
 
     context_length: int
     tokens_NxL1: np.ndarray  # int32 [N, L + 1]
     rule: str
     docs_total: int
     docs_used: int  # documents contributing at least one scored token
-    docs_skipped: int  # shorter than L + 1 tokens ("skip" only)
+    docs_skipped: int  # too short for the rule: < L + 1 tokens (skip), < span + 1 (same); concat: 0
     windows_available: int
+    docs_dropped: int = 0  # long enough, but in no kept window: the max_windows cap (concat: or the tail)
+    doc_of_window: np.ndarray | None = None  # int [N]: each window's document (concat: of its first target)
+    max_windows: int = 0  # the cap applied (0 = none)
+    span: int = 0  # "same": the longest length M (spans of M + 1 tokens); else L
+    tokens_total: int = 0  # tokens in all documents
+
+    def __post_init__(self):
+        if self.doc_of_window is None:
+            self.doc_of_window = np.arange(self.num_windows)
+        if not self.span:
+            self.span = self.context_length
 
     @property
     def num_windows(self) -> int:
         return int(self.tokens_NxL1.shape[0])
 
+    @property
+    def windows_per_span(self) -> int:
+        return self.span // self.context_length if self.rule == "same" else 1
+
     def summary(self) -> dict:
-        return {
+        out = {
             "context_length": self.context_length,
             "short_docs": self.rule,
             "docs_total": self.docs_total,
-            "docs_used": self.docs_used,
             "docs_skipped": self.docs_skipped,
+            "docs_dropped": self.docs_dropped,
+            "docs_used": self.docs_used,
+            "min_doc_tokens": self.span + 1 if self.rule != "concat" else 0,
+            "max_windows": self.max_windows,
             "windows_available": self.windows_available,
             "windows_used": self.num_windows,
             "targets": self.num_windows * self.context_length,
         }
+        if self.rule == "same":
+            k = self.windows_per_span
+            out |= {"span_tokens": self.span + 1, "spans_available": self.windows_available // k,
+                    "spans_used": self.num_windows // k}
+        return out
+
+    def count_documents(self) -> str:
+        """'75 documents = 16 shorter than 2049 tokens + 28 left out by --max_windows=64 + 31
+        scored' (skip and same; without a cap nothing is left out)."""
+        cap = (f" + {self.docs_dropped} left out by --max_windows={self.max_windows}"
+               if self.max_windows else "")
+        return (f"{self.docs_total} documents = {self.docs_skipped} shorter than {self.span + 1} "
+                f"tokens{cap} + {self.docs_used} scored")
 
     def describe(self) -> str:
-        L = self.context_length
+        """One line: where the windows came from, with every document counted."""
+        L, N, cap = self.context_length, self.num_windows, self.max_windows
+        kept = f"{N} of {self.windows_available} windows of {L + 1} tokens ({N * L} targets)"
+        if self.rule == "concat":
+            reach = f"reach {self.docs_used} documents"
+            if self.docs_dropped:
+                tail = self.tokens_total - (self.windows_available * L + 1 if self.windows_available else 0)
+                why = [f"--max_windows={cap}"] if cap else []
+                why += [f"the last {tail} tokens are less than a window"] if tail > 0 else []
+                reach += f"; {self.docs_dropped} are in no kept window ({'; '.join(why)})"
+            return (f"L={L}: short_docs=concat: {self.docs_total} documents as one stream of "
+                    f"{self.tokens_total} tokens; {kept} {reach}")
+        count = self.count_documents()
         if self.rule == "skip":
-            how = (f"short_docs=skip: {self.docs_skipped} of {self.docs_total} documents shorter "
-                   f"than {L + 1} tokens skipped, {self.docs_used} used")
-        else:
-            how = f"short_docs=concat: {self.docs_total} documents concatenated, {self.docs_used} scored"
-        return (f"L={L}: {how}; {self.num_windows} of {self.windows_available} windows "
-                f"({self.num_windows * L} targets)")
+            return f"L={L}: short_docs=skip: {count}; {kept}"
+        k = self.windows_per_span
+        return (f"L={L}: short_docs=same: {count}; {N // k} of {self.windows_available // k} "
+                f"spans of {self.span + 1} tokens, cut into {kept}")
 
 
 def _even_pick(n: int, k: int) -> np.ndarray:
@@ -118,41 +202,93 @@ def _even_pick(n: int, k: int) -> np.ndarray:
     return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))
 
 
-def make_windows(docs: Sequence[np.ndarray], L: int, rule: str, max_windows: int = 0) -> Windows:
-    """Cut ``docs`` into windows of L + 1 tokens by the short-document ``rule`` (module docstring)."""
+def make_windows(docs: Sequence[np.ndarray], L: int, rule: str, max_windows: int = 0, *,
+                 span: int | None = None) -> Windows:
+    """Cut ``docs`` into windows of L + 1 tokens by the short-document ``rule`` (module
+    docstring). ``span``: with "same", the longest context length of the evaluation (default L)."""
     if rule not in SHORT_DOC_RULES:
         raise ValueError(f"short_docs: {rule!r} is not one of {SHORT_DOC_RULES}")
     if L < 1:
         raise ValueError(f"context_lengths: {L} must be a positive integer")
     lengths = np.array([len(d) for d in docs], np.int64)
     ends = np.cumsum(lengths)
-    if rule == "skip":
-        per_doc = np.where(lengths >= L + 1, (lengths - 1) // L, 0)
-        first = np.concatenate([[0], np.cumsum(per_doc)])  # window index of each doc's first window
-        available = int(first[-1])
-        pick = _even_pick(available, max_windows)
-        doc_of = np.searchsorted(first, pick, side="right") - 1
-        rows = [np.asarray(docs[d][(i - first[d]) * L : (i - first[d]) * L + L + 1])
-                for i, d in zip(pick, doc_of, strict=True)]
-        used = len(set(doc_of.tolist()))
-        skipped = int(np.sum(lengths < L + 1))
-    else:
-        # Windows of the virtual concatenation, read without copying the whole stream.
-        total = int(ends[-1]) if len(ends) else 0
-        available = max((total - 1) // L, 0)
-        pick = _even_pick(available, max_windows)
-        begins = ends - lengths
-        doc_at = lambda t: int(np.searchsorted(ends, t, side="right"))  # document holding token t
-        rows, scored = [], np.zeros(len(docs), bool)
-        for i in pick:
-            lo, hi = int(i) * L, int(i) * L + L + 1  # tokens [lo, hi); targets [lo + 1, hi)
-            rows.append(np.concatenate([np.asarray(docs[d][max(lo - begins[d], 0) : hi - begins[d]])
-                                        for d in range(doc_at(lo), doc_at(hi - 1) + 1)]))
-            scored[doc_at(lo + 1) : doc_at(hi - 1) + 1] = True  # a document with a target is used
-        used = int(scored.sum())
-        skipped = 0
+    total = int(ends[-1]) if len(ends) else 0
+    if rule in ("skip", "same"):
+        S = int(span or L) if rule == "same" else L
+        if S < L:
+            raise ValueError(f"short_docs=same: the span {S} is shorter than the context length {L}")
+        k = S // L  # windows per span
+        per_doc = np.where(lengths >= S + 1, (lengths - 1) // S, 0)
+        first = np.concatenate([[0], np.cumsum(per_doc)])  # span index of each doc's first span
+        pick = _even_pick(int(first[-1]), max_windows)
+        doc_of_span = np.searchsorted(first, pick, side="right") - 1
+        offsets = np.arange(k)[:, None] * L + np.arange(L + 1)[None, :]  # [k, L + 1] in a span
+        rows = [np.asarray(docs[d])[(i - first[d]) * S + offsets]
+                for i, d in zip(pick, doc_of_span, strict=True)]
+        tokens = np.concatenate(rows) if rows else np.zeros((0, L + 1), np.int32)
+        doc_of = np.repeat(doc_of_span, k)
+        used = len(set(doc_of_span.tolist()))
+        skipped = int(np.sum(lengths < S + 1))
+        return Windows(L, tokens.astype(np.int32), rule, len(docs), used, skipped,
+                       int(first[-1]) * k, docs_dropped=len(docs) - skipped - used,
+                       doc_of_window=doc_of, max_windows=max_windows, span=S, tokens_total=total)
+    # "concat": windows of the virtual concatenation, read without copying the whole stream.
+    available = max((total - 1) // L, 0)
+    pick = _even_pick(available, max_windows)
+    begins = ends - lengths
+    doc_at = lambda t: int(np.searchsorted(ends, t, side="right"))  # document holding token t
+    rows, scored, doc_of = [], np.zeros(len(docs), bool), []
+    for i in pick:
+        lo, hi = int(i) * L, int(i) * L + L + 1  # tokens [lo, hi); targets [lo + 1, hi)
+        rows.append(np.concatenate([np.asarray(docs[d][max(lo - begins[d], 0) : hi - begins[d]])
+                                    for d in range(doc_at(lo), doc_at(hi - 1) + 1)]))
+        scored[doc_at(lo + 1) : doc_at(hi - 1) + 1] = True  # a document with a target is used
+        doc_of.append(doc_at(lo + 1))
     tokens = np.stack(rows).astype(np.int32) if rows else np.zeros((0, L + 1), np.int32)
-    return Windows(L, tokens, rule, len(docs), used, skipped, available)
+    used = int(scored.sum())
+    return Windows(L, tokens, rule, len(docs), used, 0, available, docs_dropped=len(docs) - used,
+                   doc_of_window=np.asarray(doc_of, np.int64), max_windows=max_windows,
+                   tokens_total=total)
+
+
+def cut_windows(docs: Sequence[np.ndarray], lengths: Sequence[int], rule: str,
+                max_windows: int = 0) -> dict[int, Windows]:
+    """{L: Windows} for every context length, by ``rule``. With "same" and no document of
+    max(lengths) + 1 tokens, a ValueError says so and what to do instead."""
+    longest = max(lengths)
+    out = {L: make_windows(docs, L, rule, max_windows, span=longest) for L in lengths}
+    if rule == "same" and not out[longest].num_windows:
+        most = max((len(d) for d in docs), default=0)
+        raise ValueError(
+            f"--short_docs=same: no held-out document holds {longest + 1} tokens (the longest "
+            f"--context_lengths + 1; the longest of the {len(docs)} documents has {most}), so no "
+            f"length can be scored on the same text; use --short_docs=concat (windows across "
+            f"documents), --short_docs=skip (each length on the documents long enough for it) "
+            f"or shorter --context_lengths")
+    return out
+
+
+def describe_windows(windows: Mapping[int, Windows]) -> list[str]:
+    """The lines eval.py prints about its windows: the rule, every document counted, and a
+    length with no window."""
+    lines = []
+    ws = list(windows.values())
+    same = bool(ws) and ws[0].rule == "same"
+    if same:
+        w = ws[-1]
+        lines.append(f"short_docs=same: every length scores the same text, {w.num_windows} of "
+                     f"{w.windows_available} spans of {w.span + 1} tokens (the longest length "
+                     f"+ 1), spread evenly")
+        lines.append(f"  {w.count_documents()}")
+    for w in ws:
+        L = w.context_length
+        lines.append(f"  L={L}: {w.num_windows} windows of {L + 1} tokens "
+                     f"({w.num_windows * L} targets)" if same else w.describe())
+        if w.num_windows == 0:
+            hint = " (try --short_docs=concat)" if w.rule == "skip" else ""
+            lines.append(f"  L={w.context_length}: no window of {w.context_length + 1} tokens in "
+                         f"the held-out data{hint}; not scored")
+    return lines
 
 
 def heldout_documents(config) -> list[np.ndarray]:
@@ -167,7 +303,65 @@ def heldout_documents(config) -> list[np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Position buckets
+# Bytes behind the tokens (bits per byte)
+# ---------------------------------------------------------------------------------------------
+
+
+def token_byte_lengths(data_cfg) -> tuple[np.ndarray | None, str]:
+    """(int64 [ids]: UTF-8 bytes of text behind each token id, where that comes from), or
+    (None, why bits per byte cannot be computed). ``data_cfg``: ``config.data``."""
+    source, tokenizer = str(data_cfg.get("source", "stdlib")), str(data_cfg.get("tokenizer", ""))
+    if not tokenizer:
+        if source == "tokens":
+            return None, ("not computed: data.source='tokens' holds token ids without their text; "
+                          "set data.tokenizer to the tokenizers JSON that made them")
+        return np.ones(256, np.int64), "byte tokens, one byte each"
+    return tokenizer_byte_lengths(tokenizer), f"{tokenizer}: the bytes each token id decodes to"
+
+
+def _has_decoder(spec, kind: str) -> bool:
+    if not isinstance(spec, dict):
+        return False
+    return spec.get("type") == kind or any(_has_decoder(d, kind) for d in spec.get("decoders") or ())
+
+
+def tokenizer_byte_lengths(path: str) -> np.ndarray:
+    """int64 [vocab]: the UTF-8 bytes each id of the tokenizers JSON at ``path`` stands for.
+
+    Byte-level BPE (a ``ByteLevel`` decoder): a token's string spells one byte per character,
+    so its length is exact even for a piece of a multi-byte character. Any other decoder: the
+    bytes an id adds when decoded after a fixed ordinary token (so a leading space that a
+    decoder drops at the start of a text is counted); a piece of a character counts as the
+    replacement character's 3 bytes there, so the figure is approximate. Special tokens: 0.
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tok = Tokenizer.from_file(path)
+    V = tok.get_vocab_size(with_added_tokens=True)
+    added = {int(i): t for i, t in tok.get_added_tokens_decoder().items()}
+    out = np.zeros(V, np.int64)
+    if _has_decoder(json.loads(tok.to_str()).get("decoder"), "ByteLevel"):
+        alphabet = set(ByteLevel.alphabet())
+        for i in range(V):
+            if i in added:
+                out[i] = 0 if added[i].special else len(added[i].content.encode())
+                continue
+            t = tok.id_to_token(i) or ""
+            out[i] = len(t) if set(t) <= alphabet else len(t.encode())
+        return out
+    ordinary = [i for i in tok.encode("a", add_special_tokens=False).ids if i not in added]
+    anchor = ordinary[:1]
+    base = len(tok.decode(anchor).encode()) if anchor else 0
+    texts = tok.decode_batch([anchor + [i] for i in range(V)])
+    out[:] = [max(len(t.encode()) - base, 0) for t in texts]
+    for i, t in added.items():
+        out[i] = 0 if t.special else out[i]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Position buckets and intervals
 # ---------------------------------------------------------------------------------------------
 
 
@@ -180,15 +374,97 @@ def position_buckets(L: int) -> list[tuple[int, int]]:
     return out
 
 
-def bucket_losses(nll_sum_L: np.ndarray, count_L: np.ndarray) -> list[dict]:
-    """Per bucket: mean NLL of the targets whose position falls in it, and their count."""
+def scored_buckets(L: int, windows: int, min_targets: int = MIN_BUCKET_TARGETS) -> list[tuple[int, int]]:
+    """``position_buckets(L)`` merged for ``windows`` windows (each puts one target at every
+    position): a last bucket narrower than half its log-spaced width joins the one before; then
+    a bucket of fewer than ``min_targets`` targets joins the next one, the last the one before."""
+    b = position_buckets(L)
+    if len(b) > 1 and b[-1][1] - b[-1][0] + 1 < b[-1][0] / 2:
+        b[-2:] = [(b[-2][0], b[-1][1])]
+    enough = lambda lo, hi: (hi - lo + 1) * windows >= min_targets
     out = []
-    for lo, hi in position_buckets(len(nll_sum_L)):
-        s, c = float(nll_sum_L[lo - 1 : hi].sum()), float(count_L[lo - 1 : hi].sum())
-        out.append({"lo": lo, "hi": hi, "loss": s / c if c else math.nan, "targets": int(c)})
+    for lo, hi in b:
+        if out and not enough(*out[-1]):
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    if len(out) > 1 and not enough(*out[-1]):
+        out[-2:] = [(out[-2][0], out[-1][1])]
     return out
 
 
+def bootstrap_ratios(num_UxC: np.ndarray, den_UxC: np.ndarray, *, samples: int = BOOTSTRAP_SAMPLES,
+                     seed: int = BOOTSTRAP_SEED) -> np.ndarray:
+    """float64 [samples, C]: each column's ratio sum(num) / sum(den) over the U rows (units:
+    documents, or windows) resampled with replacement, ``samples`` times from the fixed ``seed``.
+    The same U and seed draw the same resamples, so columns of several calls stay paired."""
+    num, den = np.asarray(num_UxC, np.float64), np.asarray(den_UxC, np.float64)
+    U = num.shape[0]
+    rng = np.random.default_rng(seed)
+    chunk = max(1, min(samples, 4_000_000 // max(U, 1)))  # draws [chunk, U] at a time
+    ratios = []
+    for start in range(0, samples, chunk):
+        W = rng.multinomial(U, np.full(U, 1.0 / U), size=min(chunk, samples - start))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratios.append((W @ num) / (W @ den))
+    return np.concatenate(ratios)
+
+
+def percentile_interval(samples_SxC: np.ndarray, level: float = CI_LEVEL) -> np.ndarray:
+    """float64 [C, 2]: the central ``level`` interval of each column's samples."""
+    tail = (1.0 - level) / 2 * 100
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: NaN, said by the caller
+        return np.stack([np.nanpercentile(samples_SxC, tail, axis=0),
+                         np.nanpercentile(samples_SxC, 100 - tail, axis=0)], axis=1)
+
+
+def bootstrap_ci(num_UxC: np.ndarray, den_UxC: np.ndarray, *, level: float = CI_LEVEL,
+                 samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
+    """float64 [C, 2]: the percentile bootstrap interval of each column's ratio
+    sum(num) / sum(den), resampling the U rows (``bootstrap_ratios``). NaN with fewer than 2
+    units."""
+    num = np.asarray(num_UxC, np.float64)
+    if num.shape[0] < 2:
+        return np.full((num.shape[1], 2), np.nan)
+    return percentile_interval(bootstrap_ratios(num, den_UxC, samples=samples, seed=seed), level)
+
+
+def add_loss_changes(results: Mapping[str, dict]) -> None:
+    """Pairs one model's lengths, in place: with ``short_docs="same"`` every length scored the
+    same documents, so the change in loss from the shortest length is bootstrapped over those
+    documents together (the same resamples at every length). That interval is much narrower than
+    the per-length ones, whose width comes mostly from documents differing in difficulty. Adds
+    ``loss_change`` = {"from": L0, "value", "ci"} to every other length; removes the per-unit
+    sums (``_units``) ``evaluate_windows`` left for this."""
+    units = {L: r.pop("_units", None) for L, r in results.items()}
+    if len(results) < 2 or any(r.get("short_docs") != "same" for r in results.values()):
+        return
+    lengths = sorted(results, key=int)
+    ids = units[lengths[0]] and units[lengths[0]]["ids"]
+    if ids is None or any(u is None or not np.array_equal(u["ids"], ids) for u in units.values()):
+        return
+    num = np.stack([units[L]["nll"] for L in lengths], 1)
+    den = np.stack([units[L]["targets"] for L in lengths], 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        point = num.sum(0) / den.sum(0)
+    if len(ids) >= 2:
+        r = bootstrap_ratios(num, den)
+        ci = percentile_interval(r[:, 1:] - r[:, :1])
+    else:
+        ci = np.full((len(lengths) - 1, 2), np.nan)
+    for k, L in enumerate(lengths[1:]):
+        results[L]["loss_change"] = {"from": int(lengths[0]), "value": float(point[k + 1] - point[0]),
+                                     "ci": _interval(ci[k])}
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def _interval(lo_hi) -> list[float] | None:
+    lo, hi = (float(v) for v in lo_hi)
+    return [lo, hi] if math.isfinite(lo) and math.isfinite(hi) else None
 # ---------------------------------------------------------------------------------------------
 # Scoring: piecewise with the cache, or in one pass
 # ---------------------------------------------------------------------------------------------
@@ -375,8 +651,8 @@ class EvalOptions:
     context_lengths: tuple[int, ...]
     piece_len: int = 2048  # tokens per prefill call
     batch_size: int = 1  # windows per call
-    short_docs: str = "skip"  # "skip" | "concat" (module docstring)
-    max_windows: int = 16  # per context length; 0 = all
+    short_docs: str = DEFAULT_SHORT_DOCS  # "same" | "skip" | "concat" (module docstring)
+    max_windows: int = DEFAULT_MAX_WINDOWS  # per context length (the longest, with "same"); 0 = all
     whole_check_max_len: int = 0  # also score the first batch in one pass for L <= this; 0 = never
 
     def validate(self) -> EvalOptions:
@@ -411,15 +687,20 @@ class EvalOptions:
 
 
 def evaluate_windows(
-    scorer: Scorer, windows: Windows, opts: EvalOptions, on_piece: Callable[[], None] | None = None
+    scorer: Scorer, windows: Windows, opts: EvalOptions, on_piece: Callable[[], None] | None = None,
+    byte_lengths: np.ndarray | None = None,
 ) -> dict:
-    """Perplexity and loss-by-position of one model on one context length's windows."""
-    L = windows.context_length
-    nll_sum_L = np.zeros(L, np.float64)
-    count_L = np.zeros(L, np.float64)
+    """Perplexity, bits per byte (given ``byte_lengths``, ``token_byte_lengths``' table) and
+    loss by position of one model on one context length's windows, each with its bootstrap
+    interval over documents (module docstring)."""
+    L, N = windows.context_length, windows.num_windows
+    buckets = scored_buckets(L, N)
+    starts = np.array([lo - 1 for lo, _ in buckets])
+    widths = np.array([hi - lo + 1 for lo, hi in buckets], np.float64)
+    nll_NxK = np.zeros((N, len(buckets)), np.float64)  # each window's NLL summed per bucket
     max_diff = None
     t0, compile0 = time.perf_counter(), scorer.compile_seconds
-    for start in range(0, windows.num_windows, opts.batch_size):
+    for start in range(0, N, opts.batch_size):
         batch = windows.tokens_NxL1[start : start + opts.batch_size]
         n = batch.shape[0]
         if n < opts.batch_size:  # pad the last batch to the compiled shape; padded rows don't count
@@ -428,18 +709,52 @@ def evaluate_windows(
         if start == 0 and 0 < L <= opts.whole_check_max_len:
             ref = scorer.whole_sequence_nll(batch)[:n]
             max_diff = float(np.max(np.abs(ref - nll_BxL)))
-        nll_sum_L += nll_BxL.sum(0)
-        count_L += n
-    total = float(count_L.sum())
-    loss = float(nll_sum_L.sum() / total) if total else math.nan
+        nll_NxK[start : start + n] = np.add.reduceat(nll_BxL.astype(np.float64), starts, axis=1)
+    seconds = time.perf_counter() - t0
+
+    # Per window: [NLL, bytes, NLL per bucket] over [targets, bytes, targets per bucket].
+    nbytes_N = np.zeros(N)
+    if byte_lengths is not None and N:
+        table = np.asarray(byte_lengths, np.int64)
+        top = int(windows.tokens_NxL1[:, 1:].max()) + 1
+        if top > len(table):  # ids the table does not know (none for checked data): no bytes
+            table = np.concatenate([table, np.zeros(top - len(table), np.int64)])
+        nbytes_N = table[windows.tokens_NxL1[:, 1:]].sum(axis=1).astype(np.float64)
+    num_NxC = np.concatenate([nll_NxK.sum(1, keepdims=True), nll_NxK.sum(1, keepdims=True), nll_NxK], 1)
+    den_NxC = np.concatenate([np.full((N, 1), float(L)), nbytes_N[:, None], np.tile(widths, (N, 1))], 1)
+    docs = np.asarray(windows.doc_of_window)
+    unit = "documents" if len(np.unique(docs)) >= 2 else "windows"
+    _, group = np.unique(docs if unit == "documents" else np.arange(N), return_inverse=True)
+    U = int(group.max()) + 1 if N else 0
+    num_UxC, den_UxC = np.zeros((U, num_NxC.shape[1])), np.zeros((U, num_NxC.shape[1]))
+    np.add.at(num_UxC, group, num_NxC)
+    np.add.at(den_UxC, group, den_NxC)
+    ci = bootstrap_ci(num_UxC, den_UxC)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        point = num_NxC.sum(0) / den_NxC.sum(0)
+
+    loss = float(point[0]) if N else math.nan
+    bpb_known = byte_lengths is not None and N and nbytes_N.sum() > 0
     out = {
         **windows.summary(),
         "loss": loss,
-        "perplexity": math.exp(loss) if total else math.nan,
-        "buckets": bucket_losses(nll_sum_L, count_L),
-        "seconds": time.perf_counter() - t0,  # compilation included
+        "loss_ci": _interval(ci[0]),
+        "perplexity": math.exp(loss) if N else math.nan,
+        "perplexity_ci": _interval(np.exp(ci[0])),
+        "bytes": int(nbytes_N.sum()) if byte_lengths is not None else None,
+        "bits_per_byte": _finite(point[1] / math.log(2)) if bpb_known else None,
+        "bits_per_byte_ci": _interval(ci[1] / math.log(2)) if bpb_known else None,
+        "ci_unit": unit,
+        "ci_units": U,
+        "buckets": [{"lo": lo, "hi": hi, "loss": float(point[2 + k]) if N else math.nan,
+                     "loss_ci": _interval(ci[2 + k]), "targets": int(widths[k]) * N}
+                    for k, (lo, hi) in enumerate(buckets)],
+        "seconds": seconds,  # compilation included
         "compile_seconds": scorer.compile_seconds - compile0,
     }
     if max_diff is not None:
         out["whole_vs_piecewise_max_abs_nll_diff"] = max_diff
+    # For add_loss_changes (which removes it): each unit's NLL and targets, by unit id.
+    out["_units"] = {"ids": np.unique(docs) if unit == "documents" else np.arange(N),
+                     "nll": num_UxC[:, 0], "targets": den_UxC[:, 0]}
     return out

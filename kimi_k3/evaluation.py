@@ -1,19 +1,22 @@
 """eval.py's body: held-out perplexity and loss by position for one or more checkpoints, each
 at every context length, in one table, one JSON, two CSVs and two plots.
 
-    main(config, workdir, ["mla=runs/r0/checkpoints/5000@configs/ablate_ratio.py:ratio=0",
-                           "3to1=runs/r3"], [2048, 8192])
+    main(config, workdir, ["mla=runs/r0/checkpoints/5000", "3to1=runs/r3",
+                           "other=/ckpts/9000@configs/ablate_ratio.py:ratio=1"], [2048, 8192])
 
 A checkpoint is given as ``[LABEL=]PATH[@CONFIG]`` (``CheckpointSpec``): PATH a step, checkpoints
 or run folder (``checkpoint.resolve_step_dir``), or ``init`` for the config's freshly initialised
-weights; CONFIG, when the checkpoint's model is not --config's, a ``config_files.load_config``
-spec. Each model is restored by ``checkpoint.load_model`` (parameters only, checked against
-its config), scored by ``eval_scoring`` (which also says what is measured and how), and
-reported by ``eval_report``.
+weights. Its model's config: CONFIG (a ``config_files.load_config`` spec) when given, else the
+config of the run folder PATH lies in, else --config's (``spec_config``). Each model is
+restored by ``checkpoint.load_model`` (parameters only, checked against its config), scored
+by ``eval_scoring`` (which also says what is measured and how), and reported by
+``eval_report``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import os
 import sys
@@ -27,12 +30,27 @@ from tqdm.auto import tqdm
 
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
-from kimi_k3.config import check_context, kda_chunk, model_spec, normalize_rules
+from kimi_k3.config import ConfigError, check_context, kda_chunk, model_spec, normalize_rules
 from kimi_k3.config_files import load_config
 from kimi_k3.data import first_bad_id
 from kimi_k3.eval_report import format_table, write_outputs
-from kimi_k3.eval_scoring import EvalOptions, Scorer, evaluate_windows, heldout_documents, make_windows
-from kimi_k3.run_dir import check_workdir
+from kimi_k3.eval_scoring import (
+    BOOTSTRAP_SAMPLES,
+    BOOTSTRAP_SEED,
+    CI_LEVEL,
+    DEFAULT_MAX_WINDOWS,
+    DEFAULT_SHORT_DOCS,
+    MIN_BUCKET_TARGETS,
+    EvalOptions,
+    Scorer,
+    add_loss_changes,
+    cut_windows,
+    describe_windows,
+    evaluate_windows,
+    heldout_documents,
+    token_byte_lengths,
+)
+from kimi_k3.run_dir import check_workdir, find_run_folder
 from kimi_k3.runtime import quiet_library_logs
 
 # ---------------------------------------------------------------------------------------------
@@ -46,13 +64,15 @@ class CheckpointSpec:
 
     path: str
     label: str
-    config: str | None = None  # a config spec; None: the --config given to eval.py
+    # a config spec; None: the run's own config when PATH lies in a run folder that has one,
+    # else the --config given to eval.py
+    config: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> CheckpointSpec:
         """``[LABEL=]PATH[@CONFIG_SPEC]``.
 
-        Example: ``r3=runs/r3/checkpoints/2000@configs/ablate_ratio.py:ratio=3``.
+        Example: ``r3=runs/r3/checkpoints/2000``, ``r3=/ckpts/2000@configs/ablate_ratio.py:ratio=3``.
 
         PATH ``init`` evaluates the config's freshly initialised weights (a baseline, a smoke
         run). The label defaults to the run directory's name (or ``init``).
@@ -75,15 +95,42 @@ def _default_label(path: str) -> str:
     return parts[-1]
 
 
-def spec_config(spec: CheckpointSpec, config):
-    """The config of ``spec``'s model: its own ``@CONFIG``, else ``config`` (eval.py's --config).
-    A config that cannot be loaded is a ValueError naming the --checkpoint it came with."""
-    if spec.config is None:
+def spec_config(spec: CheckpointSpec, config, overrides: Sequence[str] = ()):
+    """The config of ``spec``'s model: its own ``@CONFIG``, else the run's own config when its
+    path lies in a run folder that has one (``run_dir.find_run_folder``), else ``config``
+    (eval.py's --config). ``overrides`` (dotted fields given as ``--config.<field>=...``) are
+    copied from ``config`` onto a config of its own, so a command line's overrides reach every
+    checkpoint. A config that cannot be loaded is a ValueError naming the --checkpoint it came
+    with."""
+    source = spec.config
+    if source is None and spec.path != INIT_CHECKPOINT:
+        source = find_run_folder(spec.path)
+    if source is None:
         return config
     try:
-        return load_config(spec.config)
+        own = load_config(source)
     except ValueError as e:  # e names the file, or the argument that does not parse
-        raise ValueError(f"--checkpoint {spec.label}={spec.path}@{spec.config}: {e}") from e
+        raise ConfigError(f"--checkpoint {spec.label}={spec.path}@{source}: {e}") from e
+    return apply_overrides(own, config, overrides)
+
+
+def apply_overrides(target, source, fields: Sequence[str]):
+    """``target`` (a ConfigDict) with each dotted field of ``fields`` set to its value in
+    ``source``; a field ``target`` lacks is named in a ValueError."""
+    if not fields:
+        return target
+    target = copy.deepcopy(target)
+    for dotted in fields:
+        *path, leaf = dotted.split(".")
+        src, dst = source, target
+        for part in path:
+            src, dst = src[part], dst.get(part)
+            if dst is None:
+                raise ConfigError(f"--config.{dotted}: the checkpoint's own config has no "
+                                 f"section {part!r}")
+        with dst.unlocked() if hasattr(dst, "unlocked") else contextlib.nullcontext():
+            dst[leaf] = src[leaf]
+    return target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +148,7 @@ def run(
     models: dict | None = None,
     progress: bool = True,
     config_name: str = "--config",
+    overrides: Sequence[str] = (),  # --config.<field> given: they reach every checkpoint
 ) -> dict:
     """Evaluate every checkpoint at every context length; write JSON, CSV and PNGs to ``workdir``.
 
@@ -109,17 +157,12 @@ def run(
     """
     opts.validate()
     check_labels(checkpoints)
-    configs = {spec.label: spec_config(spec, config) for spec in checkpoints}
+    configs = {spec.label: spec_config(spec, config, overrides) for spec in checkpoints}
     if docs is None:
         docs = heldout_documents(config)
-    windows = {}
-    for L in opts.context_lengths:
-        w = make_windows(docs, L, opts.short_docs, opts.max_windows)
-        windows[L] = w
-        print(w.describe())
-        if w.num_windows == 0:
-            hint = " (try --short_docs=concat)" if opts.short_docs == "skip" else ""
-            print(f"  L={L}: no window of {L + 1} tokens in the held-out data{hint}; not scored")
+    windows = cut_windows(docs, opts.context_lengths, opts.short_docs, opts.max_windows)
+    print("\n".join(describe_windows(windows)))
+    byte_lengths, bytes_source = token_byte_lengths(config.data)  # the text is --config's data
 
     report = {
         "short_docs": opts.short_docs,
@@ -127,6 +170,10 @@ def run(
         "batch_size": opts.batch_size,
         "max_windows": opts.max_windows,
         "windows": {str(L): w.summary() for L, w in windows.items()},
+        "bits_per_byte": bytes_source,
+        "ci": {"level": CI_LEVEL, "method": "percentile bootstrap over documents",
+               "samples": BOOTSTRAP_SAMPLES, "seed": BOOTSTRAP_SEED},
+        "min_bucket_targets": MIN_BUCKET_TARGETS,
         "models": [],
     }
     pieces_per_model = sum(
@@ -170,7 +217,9 @@ def run(
                 if w.num_windows == 0:
                     continue
                 bar.set_postfix(L=L)
-                entry["results"][str(L)] = evaluate_windows(scorer, w, opts, on_piece=lambda: bar.update(1))
+                entry["results"][str(L)] = evaluate_windows(
+                    scorer, w, opts, on_piece=lambda: bar.update(1), byte_lengths=byte_lengths)
+        add_loss_changes(entry["results"])  # short_docs=same: each length against the shortest
         report["models"].append(entry)
         del scorer, model
 
@@ -226,11 +275,12 @@ def main(
     *,
     piece_len: int = 2048,
     batch_size: int = 1,
-    short_docs: str = "skip",
-    max_windows: int = 16,
+    short_docs: str = DEFAULT_SHORT_DOCS,
+    max_windows: int = DEFAULT_MAX_WINDOWS,
     whole_check_max_len: int = 0,
     progress: bool = True,
     config_name: str = "--config",
+    overrides: Sequence[str] = (),
 ) -> dict:
     """eval.py's body. With no ``checkpoints``, the latest checkpoint under ``workdir/checkpoints``.
 
@@ -264,7 +314,8 @@ def main(
     for s in specs:
         if s.path != INIT_CHECKPOINT and not os.path.exists(s.path):
             raise FileNotFoundError(f"--checkpoint: {s.path!r} does not exist")
-        spec_config(s, config)  # a @CONFIG that does not load fails now, not after the others
-    context_mesh(config, opts, [spec_config(s, config) for s in specs])  # --piece_len splits
+        spec_config(s, config, overrides)  # a @CONFIG that does not load fails now
+    context_mesh(config, opts, [spec_config(s, config, overrides) for s in specs])
     workdir = check_workdir(workdir, create=False)
-    return run(config, specs, opts, workdir, progress=progress, config_name=config_name)
+    return run(config, specs, opts, workdir, progress=progress, config_name=config_name,
+               overrides=overrides)

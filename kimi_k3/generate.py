@@ -1,13 +1,15 @@
-r"""Decoding: prompts in, continuations out (greedy, temperature or nucleus sampling), and the
-body of the ``generate.py`` command.
+r"""Decoding: prompts in, continuations out (greedy, temperature, top-k or nucleus sampling),
+and the body of the ``generate.py`` command.
 
     from kimi_k3.generate import Sampling, generate
 
     out = generate(model, [[72, 105], [68, 101, 102, 32]], max_new_tokens=32)     # greedy
-    out = generate(model, prompts, 32, sampling=Sampling(temperature=0.8, top_p=0.95),
-                   stop_ids=(10,), seed=1)
-    out.tokens[i]    # int32 [n_i]: prompt i's new tokens, its stop id last if it met one
-    out.finish[i]    # "stop" (met a stop id) | "length" (max_new_tokens reached)
+    out = generate(model, prompts, 32, sampling=Sampling(temperature=0.8, top_p=0.95, top_k=50),
+                   stop_ids=(10,), seed=1, num_samples=4)
+    out.tokens[j]    # int32 [n_j]: continuation j's new tokens, its stop id last if it met one
+    out.finish[j]    # "stop" (met a stop id) | "length" (max_new_tokens reached)
+    out.prompt_index(j), out.sample_index(j)   # continuation j = sample n of prompt i:
+                                               # j = i * num_samples + n
 
 ``model`` follows the ``HybridLM`` contract: ``init_cache(B, max_len)``,
 ``prefill(tokens_BxT, cache, last_only) -> (logits, cache)`` (logits [B, T, V], or [B, 1, V]
@@ -19,12 +21,18 @@ The next token, from the float32 logits z [B, V] at the last position read:
 
     greedy (temperature = 0)   next = argmax_v z_v
     temperature t > 0          next ~ p = softmax(z / t)
-    top-p, 0 < top_p < 1       sort p in decreasing order and keep the shortest head whose mass
-                               reaches top_p (the most probable token always; a token tied
-                               with the last one kept stays too), renormalise, sample in it
+    top-k, top_k = k > 0       keep the k most probable tokens (exactly k: a tie at the k-th is
+                               broken by the lower id), first
+    top-p, 0 < top_p < 1       then sort p (renormalised over what top-k kept) in decreasing
+                               order and keep the shortest head whose mass reaches top_p (the
+                               most probable token always; a token tied with the last one kept
+                               stays too), renormalise, sample in it
 
-The sample for sequence position s uses the key ``fold_in(key(seed), s)``: a run is
-deterministic in (seed, prompts).
+Sample n of prompt i (``num_samples`` per prompt) draws its token at sequence position s with
+the key ``fold_in(fold_in(fold_in(key(seed), i), n), s)``: a run is deterministic in (seed,
+prompts), and a continuation depends neither on the other prompts of the batch nor on
+``num_samples`` (sample 0 with ``num_samples=4`` is the one ``num_samples=1`` gives). Greedy
+decoding has one continuation per prompt: ``num_samples > 1`` with it is refused.
 
 One run, for B prompts of lengths L_i and N = ``max_new_tokens``:
 
@@ -93,32 +101,42 @@ from kimi_k3.runtime import device_memory_bytes, quiet_library_logs
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen (module docstring). ``temperature = 0`` is greedy."""
+    """How the next token is chosen (module docstring). ``temperature = 0`` is greedy;
+    ``top_k = 0`` and ``top_p = 1`` keep every token."""
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
 
     @classmethod
-    def from_flags(cls, temperature: float | None, top_p: float | None) -> Sampling:
-        """The command line's rule: greedy unless ``--temperature`` or ``--top_p`` is given;
-        ``--top_p`` alone samples at temperature 1."""
+    def from_flags(cls, temperature: float | None, top_p: float | None,
+                   top_k: int | None = None) -> Sampling:
+        """The command line's rule: greedy unless ``--temperature``, ``--top_p`` or
+        ``--top_k`` is given; ``--top_p`` or ``--top_k`` without ``--temperature`` samples at
+        temperature 1."""
         if temperature is None:
-            temperature = 0.0 if top_p is None else 1.0
-        return cls(float(temperature), 1.0 if top_p is None else float(top_p)).validate()
+            temperature = 0.0 if top_p is None and top_k is None else 1.0
+        return cls(float(temperature), 1.0 if top_p is None else float(top_p),
+                   0 if top_k is None else top_k).validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self) -> Sampling:
-        t, p = self.temperature, self.top_p
+        t, p, k = self.temperature, self.top_p, self.top_k
         if not (math.isfinite(t) and t >= 0):
             raise ValueError(f"--temperature: {t!r} must be a finite number >= 0 (0 = greedy)")
         if not (math.isfinite(p) and 0 < p <= 1):
             raise ValueError(f"--top_p: {p!r} must lie in (0, 1] (1 = the whole vocabulary)")
-        if t == 0 and p < 1:
-            raise ValueError(f"--top_p: {p} has no effect with --temperature=0 (greedy); give a "
-                             f"temperature > 0, or leave --temperature out to sample at 1")
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
+            raise ValueError(f"--top_k: {k!r} must be an integer >= 0 (0 = the whole "
+                             f"vocabulary)")
+        for flag, value, off in (("--top_p", p, p == 1), ("--top_k", k, k == 0)):
+            if t == 0 and not off:
+                raise ValueError(f"{flag}: {value} has no effect with --temperature=0 (greedy); "
+                                 f"give a temperature > 0, or leave --temperature out to sample "
+                                 f"at 1")
         return self
 
 
@@ -143,21 +161,37 @@ def _argmax(logits_BxV):
     return jnp.argmax(logits_BxV.astype(jnp.float32), axis=-1).astype(jnp.int32)
 
 
-@jax.jit
-def _sample(logits_BxV, key, position, temperature, top_p):
+def top_k_mask(logits_BxV: jax.Array, k: int) -> jax.Array:
+    """bool [B, V]: the ``k`` largest logits of each row, exactly k of them (``lax.top_k``: a
+    tie at the k-th breaks toward the lower id); every token when k = 0 or k >= V."""
+    B, V = logits_BxV.shape
+    if k <= 0 or k >= V:
+        return jnp.ones((B, V), bool)
+    _, idx_Bxk = jax.lax.top_k(logits_BxV, k)
+    return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], idx_Bxk].set(True)
+
+
+@functools.partial(jax.jit, static_argnames="top_k")
+def _sample(logits_BxV, key, position, temperature, top_p, top_k=0):
     scaled_BxV = logits_BxV.astype(jnp.float32) / temperature
+    scaled_BxV = jnp.where(top_k_mask(scaled_BxV, top_k), scaled_BxV, -jnp.inf)
     scaled_BxV = jnp.where(nucleus_mask(scaled_BxV, top_p), scaled_BxV, -jnp.inf)
-    return jax.random.categorical(jax.random.fold_in(key, position), scaled_BxV).astype(jnp.int32)
+    if key.ndim == 0:  # one key: the rows draw independently from it
+        return jax.random.categorical(jax.random.fold_in(key, position),
+                                      scaled_BxV).astype(jnp.int32)
+    draw = lambda k, z: jax.random.categorical(jax.random.fold_in(k, position), z)
+    return jax.vmap(draw)(key, scaled_BxV).astype(jnp.int32)
 
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, position: int, sampling: Sampling) -> jax.Array:
     """int32 [B]: the next token of each row from its logits [B, V] (module docstring), with the
-    randomness of sequence ``position`` (``fold_in(key, position)``). Jitted; the temperature
-    and top_p are traced, so every sampling setting shares one compilation."""
+    randomness of sequence ``position``: ``fold_in(key, position)`` for one ``key`` (the rows
+    draw independently from it), or row b's ``fold_in(key[b], position)`` for keys [B]. Jitted;
+    the temperature and top_p are traced, so they share one compilation (one per top_k)."""
     if sampling.greedy:
         return _argmax(logits_BxV)
     return _sample(logits_BxV, key, position, jnp.float32(sampling.temperature),
-                   jnp.float32(sampling.top_p))
+                   jnp.float32(sampling.top_p), top_k=int(sampling.top_k))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,21 +277,31 @@ class Decoder:
 
 @dataclasses.dataclass
 class Generation:
-    """What ``generate`` returns: per prompt, its new tokens and why it stopped."""
+    """What ``generate`` returns: per continuation j (sample n of prompt i, j = i x
+    ``num_samples`` + n), its new tokens and why it stopped."""
 
-    tokens: list[np.ndarray]  # int32 [n_i], n_i <= max_new_tokens; a stop id is the last token
+    tokens: list[np.ndarray]  # int32 [n_j], n_j <= max_new_tokens; a stop id is the last token
     finish: list[str]  # "stop" | "length"
-    prompt_lengths: list[int]
+    prompt_lengths: list[int]  # per prompt
     prefill_seconds: float  # the common prefix, compilation included
     decode_seconds: float  # the steps, compilation included
     steps: int  # step calls (one position of every row each)
+    num_samples: int = 1  # continuations per prompt
+
+    def prompt_index(self, j: int) -> int:
+        return j // self.num_samples
+
+    def sample_index(self, j: int) -> int:
+        return j % self.num_samples
 
     def summary(self) -> str:
         new = sum(len(t) for t in self.tokens)
         rate = new / self.decode_seconds if self.decode_seconds > 0 else math.nan
-        return (f"{len(self.tokens)} prompt(s) of {min(self.prompt_lengths)}-{max(self.prompt_lengths)} "
-                f"tokens; {new} new tokens in {self.steps} steps; prefill {self.prefill_seconds:.2f} s, "
-                f"decoding {self.decode_seconds:.2f} s ({rate:.1f} new tokens/s, compilation included)")
+        samples = f" x {self.num_samples} samples" if self.num_samples > 1 else ""
+        return (f"{len(self.prompt_lengths)} prompt(s){samples} of {min(self.prompt_lengths)}-"
+                f"{max(self.prompt_lengths)} tokens; {new} new tokens in {self.steps} steps; "
+                f"prefill {self.prefill_seconds:.2f} s, decoding {self.decode_seconds:.2f} s "
+                f"({rate:.1f} new tokens/s, compilation included)")
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None,
@@ -353,6 +397,7 @@ def generate(
     seed: int = 0,
     piece_len: int = 2048,
     progress: bool = False,
+    num_samples: int = 1,
 ) -> Generation:
     """Continue each prompt (token ids) by up to ``max_new_tokens`` tokens; module docstring.
 
@@ -360,10 +405,14 @@ def generate(
     ``stop_ids``: a row is done after it emits any of them (kept as its last token).
     ``piece_len``: tokens per prefill call (bounds the memory of the logits and activations).
     ``progress``: a bar on stderr, shown only when stderr is a terminal.
+    ``num_samples``: continuations per prompt, each drawn with its own key (module docstring),
+    decoded together as rows of one batch; more than 1 needs sampling (greedy's are one).
     """
     dec = model if isinstance(model, Decoder) else Decoder(model)
     sampling = sampling.validate()
-    rows = check_prompts(prompts, dec.vocab_size)
+    check_num_samples(num_samples, sampling)
+    prompt_rows = check_prompts(prompts, dec.vocab_size)
+    rows = [r for r in prompt_rows for _ in range(num_samples)]
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         raise ValueError(f"--max_new_tokens: {max_new_tokens!r} must be an integer >= 1")
     if not (isinstance(piece_len, int) and piece_len >= 1):
@@ -383,7 +432,7 @@ def generate(
     out_BxN = np.zeros((B, N), np.int32)
     n_new = np.zeros(B, np.int64)
     finish: list[str | None] = [None] * B
-    key = jax.random.key(seed)
+    key = None if sampling.greedy else row_keys(seed, len(prompt_rows), num_samples)
 
     total = dec.pieces(L_min, piece_len) + (L_max + N - 1 - L_min)
     with tqdm(total=total, desc="generate", unit="call",
@@ -420,11 +469,30 @@ def generate(
     return Generation(
         tokens=[out_BxN[i, : n_new[i]].copy() for i in range(B)],
         finish=[str(f) for f in finish],
-        prompt_lengths=[int(n) for n in lengths],
+        prompt_lengths=[len(r) for r in prompt_rows],
         prefill_seconds=t1 - t0,
         decode_seconds=t2 - t1,
         steps=steps,
+        num_samples=num_samples,
     )
+
+
+def row_keys(seed: int, num_prompts: int, num_samples: int) -> jax.Array:
+    """Keys [num_prompts x num_samples]: row j = sample n of prompt i (j = i x num_samples + n)
+    gets ``fold_in(fold_in(key(seed), i), n)`` (module docstring)."""
+    j = jnp.arange(num_prompts * num_samples)
+    fold = lambda i, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), n)
+    return jax.vmap(fold)(j // num_samples, j % num_samples)
+
+
+def check_num_samples(num_samples, sampling: Sampling) -> None:
+    """Raises ValueError naming ``--num_samples`` unless it is an integer >= 1, and > 1 only
+    with sampling: greedy decoding has one continuation per prompt."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"--num_samples: {num_samples!r} must be an integer >= 1")
+    if num_samples > 1 and sampling.greedy:
+        raise ValueError(f"--num_samples: {num_samples} continuations of greedy decoding would "
+                         f"all be the same one; sample with --temperature, --top_p or --top_k")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,25 +571,31 @@ def main(
     max_new_tokens: int = 64,
     temperature: float | None = None,
     top_p: float | None = None,
+    top_k: int | None = None,
+    num_samples: int = 1,
     stop_ids: Sequence[str] = (),
     seed: int = 0,
     piece_len: int = 2048,
     progress: bool = True,
+    echo: bool = True,
     config_name: str = "--config",
 ) -> list[str]:
     """generate.py's body: check every flag, restore the model, generate, print.
 
     ``prompts`` are text (through ``config.data.tokenizer``, bytes without one); ``prompt_ids``
-    are comma-separated token ids, one string per prompt. Prints, and returns, one output per
-    prompt: the continuation's text (a stop id left out) or its ids (a stop id included).
-    Everything is checked before the model is built, each error naming its flag.
+    are comma-separated token ids, one string per prompt. Returns one output per continuation
+    (``num_samples`` per prompt, prompt by prompt): its text (a stop id left out) or its ids
+    (a stop id included). Prints them on stdout (``format_outputs``): with ``echo`` each
+    prompt first, as text or ids as it was given. Everything is checked before the model is
+    built, each error naming its flag.
     """
     if config is None:
         raise ValueError("--config: required (the model, and its tokenizer for text prompts)")
     if bool(prompts) == bool(prompt_ids):
         raise ValueError("--prompt / --prompt_ids: give exactly one of them (text, or "
                          "comma-separated token ids); repeat it for a batch of prompts")
-    sampling = Sampling.from_flags(temperature, top_p)
+    sampling = Sampling.from_flags(temperature, top_p, top_k)
+    check_num_samples(num_samples, sampling)
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         raise ValueError(f"--max_new_tokens: {max_new_tokens!r} must be an integer >= 1")
     if not (isinstance(piece_len, int) and piece_len >= 1):
@@ -551,24 +625,60 @@ def main(
     path = resolve_checkpoint(checkpoint, workdir)
     # The cache sized from the model's shapes (nothing built), before any weight is read.
     abstract = nnx.eval_shape(lambda: HybridLM(config.model, rngs=nnx.Rngs(0)))
-    check_cache_fits(abstract.init_cache, _weight_bytes(abstract), len(rows), longest,
-                     max_new_tokens)
+    check_cache_fits(abstract.init_cache, _weight_bytes(abstract), len(rows) * num_samples,
+                     longest, max_new_tokens)
 
     quiet_library_logs()
     model, step = load_model(config, path, config_name=config_name)
     print(describe_weights(path, step), file=sys.stderr)
     gen = generate(model, rows, max_new_tokens, sampling=sampling, stop_ids=stops, seed=seed,
-                   piece_len=piece_len, progress=progress)
+                   piece_len=piece_len, progress=progress, num_samples=num_samples)
     outputs = []
     for tokens, why in zip(gen.tokens, gen.finish, strict=True):
         if prompt_ids:
-            outputs.append(",".join(str(int(t)) for t in tokens))
+            outputs.append(ids_text(tokens))
         else:
             body = tokens[:-1] if why == "stop" else tokens
             outputs.append(tokenizer.decode(body))
-    for i, (text, why) in enumerate(zip(outputs, gen.finish, strict=True)):
-        if len(outputs) > 1:
-            print(f"--- prompt {i} ({why}, {len(gen.tokens[i])} new tokens) ---")
-        print(text)
+    if prompt_ids:
+        shown = [ids_text(r) for r in rows]
+    else:  # as given; bytes that are not UTF-8 shown as U+FFFD, as in a continuation
+        shown = [p.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                 for p in prompts]
+    print(format_outputs(gen, shown, outputs, echo), end="")
     print(gen.summary(), file=sys.stderr)
     return outputs
+
+
+def ids_text(ids) -> str:
+    """Token ids as ``--prompt_ids`` takes them: ``"72,105"``."""
+    return ",".join(str(int(t)) for t in ids)
+
+
+def format_outputs(gen: Generation, prompts: Sequence[str], outputs: Sequence[str],
+                   echo: bool = True) -> str:
+    """What generate.py prints on stdout. With ``echo``, per prompt:
+
+        --- prompt 0 (4 tokens) ---
+        def
+        --- continuation (length, 64 new tokens) ---
+        fib(n):
+
+    (``--- continuation 2 of 3 (...) ---`` with ``--num_samples=3``). Without, the outputs
+    alone, with a header ``--- prompt 0, continuation 2 of 3 (...) ---`` when there are
+    several. Each text ends with a newline."""
+    lines = []
+    n_samples = gen.num_samples
+    for j, (text, why) in enumerate(zip(outputs, gen.finish, strict=True)):
+        i, n = gen.prompt_index(j), gen.sample_index(j)
+        which = "continuation" if n_samples == 1 else f"continuation {n + 1} of {n_samples}"
+        about = f"({why}, {len(gen.tokens[j])} new tokens)"
+        if echo:
+            if n == 0:
+                lines += [f"--- prompt {i} ({gen.prompt_lengths[i]} tokens) ---", prompts[i]]
+            lines.append(f"--- {which} {about} ---")
+        elif len(outputs) > 1:
+            lines.append(f"--- prompt {i}" + (f", {which}" if n_samples > 1 else "") +
+                         f" {about} ---")
+        lines.append(text)
+    return "".join(line + "\n" for line in lines)

@@ -5,6 +5,10 @@ Only process 0 writes. Each JSONL line is one report: ``{"step": s, "split": "tr
 moving the reports of steps past its checkpoint (steps it runs again) to
 ``metrics_superseded.jsonl``, so the file holds each step's report once.
 Per-layer series (``moe_load_max_mean/layer7``) go to the JSONL and TensorBoard, not the console.
+``<workdir>/curves.png`` (``plot_curves``) draws the loss (train and held-out), the learning rate
+and the gradient norm against the step from metrics.jsonl; the trainer redraws it at each
+evaluation and at the end (``MetricsWriter.plot``: a failure to draw is a warning, never the
+end of a run).
 
 MFU = model FLOPs per token (``kimi_k3.model.flops_per_token``: forward + backward, counting
 KDA's chunked recurrence and MLA's attention per token) x tokens per second / (peak FLOP/s per
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -101,6 +106,58 @@ def throughput_summary(jsonl_path: str | os.PathLike) -> dict:
     }
 
 
+CURVES = "curves.png"
+
+
+def _series(rows: list[dict], split: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` in the ``split`` reports, finite numbers only."""
+    pts = [(int(r["step"]), float(r[key])) for r in rows
+           if r.get("split", "train") == split and isinstance(r.get(key), int | float)
+           and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_curves(jsonl_path: str | os.PathLike, png_path: str | os.PathLike,
+                title: str = "") -> str:
+    """A PNG of a run's metrics.jsonl against the step, three panels: the loss (train, and
+    held-out where measured), the learning rate, the gradient norm (log scale). Written with
+    matplotlib's object API (no pyplot, no display) to a temporary file that then replaces
+    ``png_path``, so a viewer never reads half a PNG. Returns ``png_path``."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import LogFormatter
+
+    rows = read_reports(jsonl_path)
+    fig = Figure(figsize=(7.0, 8.0), dpi=100)
+    loss_ax, lr_ax, grad_ax = fig.subplots(3, 1, sharex=True)
+    steps, loss = _series(rows, "train", "loss")
+    loss_ax.plot(steps, loss, linewidth=1.4, label="train")
+    steps, loss = _series(rows, "eval", "loss")
+    if steps:
+        loss_ax.plot(steps, loss, marker="o", markersize=4, linewidth=1.4, label="held out")
+    loss_ax.set_ylabel("loss (nats per token)")
+    loss_ax.legend(fontsize=8)
+    lr_ax.plot(*_series(rows, "train", "lr"), linewidth=1.4, color="tab:green")
+    lr_ax.set_ylabel("learning rate")
+    steps, grad = _series(rows, "train", "grad_norm")
+    grad_ax.plot(steps, grad, linewidth=1.0, color="tab:red")
+    if grad and min(grad) > 0:
+        grad_ax.set_yscale("log")
+        grad_ax.yaxis.set_major_formatter(LogFormatter())  # 0.3, not 3 x 10^-1
+        grad_ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    grad_ax.set_ylabel("gradient norm")
+    grad_ax.set_xlabel("step")
+    for ax in (loss_ax, lr_ax, grad_ax):
+        ax.grid(True, alpha=0.35)
+    last = max((int(r["step"]) for r in rows), default=0)
+    fig.suptitle(f"{title + '  ' if title else ''}step {last:,}", fontsize=10)
+    fig.tight_layout()
+    png_path = os.fspath(png_path)
+    tmp = f"{png_path}.tmp"
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, png_path)
+    return png_path
+
+
 def peak_memory_bytes() -> int | None:
     """The largest allocator high-water mark over this process's devices, or None where the
     backend keeps no statistics (CPU)."""
@@ -163,6 +220,9 @@ class MetricsWriter:
         self.enabled = enabled
         self.console = console or logging.info
         self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+        self.curves_path = os.path.join(workdir, CURVES)
+        self._title = os.path.basename(os.path.normpath(workdir))
+        self._written = self._plotted = 0  # reports written, and written when last plotted
         self._jsonl = None
         self._tb = None
         if enabled:
@@ -188,6 +248,7 @@ class MetricsWriter:
             return
         record = {"step": int(step), "split": split, "time": round(time.time(), 3), **metrics}
         self._jsonl.write(json.dumps(record) + "\n")  # NaN / Infinity stay readable by json
+        self._written += 1
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
@@ -196,6 +257,22 @@ class MetricsWriter:
         shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()
                          if v is not None and "/" not in k)
         self.console(f"[{split}] step {step}: {shown}")
+
+    def plot(self) -> str | None:
+        """Redraws ``<workdir>/curves.png`` from metrics.jsonl (``plot_curves``) if a report
+        was written since the last drawing; returns its path, or None when nothing was drawn.
+        A failure (matplotlib missing, a full disk) is logged as a warning and training goes
+        on."""
+        if not self.enabled or self._written == self._plotted:
+            return None
+        self._plotted = self._written
+        try:
+            self._jsonl.flush()
+            return plot_curves(self.jsonl_path, self.curves_path, self._title)
+        except Exception as e:  # a picture is never worth stopping a run for
+            logging.warning("could not draw %s (%s: %s); training goes on", self.curves_path,
+                            type(e).__name__, e)
+            return None
 
     def text(self, tag: str, value: str) -> None:
         if self.enabled and self._tb is not None:

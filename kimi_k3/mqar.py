@@ -16,6 +16,23 @@ Zoology-style (Arora et al., 2023). One example of ``seq_len`` tokens:
 A layer with exact recall (softmax attention) can solve any N; a fixed state of d_k x d_v per
 head (KDA) holds about d_k keys before they interfere, so accuracy drops as N grows.
 
+Chance (``MQARSpec.chance``): values are drawn uniformly from the n_values = vocab_size - 1 -
+n_keys value ids, so a model that recalls nothing and guesses uniformly is right 1 / n_values
+of the time (1/128 for configs/mqar.py's vocabulary of 256). A model that has learned which
+values the context holds, but not which key each belongs to, gets about 1 / N. The sweep's
+table, CSV and plot carry both.
+
+Why a stack of MLA layers alone is expected to struggle: this codebase's MLA has no positional
+encoding (NoPE; order comes from the KDA layers, whose short convolution mixes each token with
+the ones just before it). Answering a query k_a means attending to the token *right after* the
+earlier k_a (an induction head), which needs each value to carry the key that preceded it.
+KDA's convolution makes that binding in one layer; NoPE attention sees the earlier tokens as an
+unordered set under the causal mask and has to derive relative position from the mask alone
+(possible in principle, hard to learn at this size in a few hundred steps). Without the binding
+the best it can do is pick among the values it saw: about 1 / N, which is what all-MLA scored
+in BENCHMARKS.md's sweep. A low all-MLA score here is the expected result, not a fault of the
+MLA layer's recall.
+
 Generation is NumPy, deterministic in ``seed``. ``train_mqar`` / ``mqar_accuracy`` train and
 score a ``HybridLM`` on it (used by ``benchmarks/mqar_sweep.py``).
 """
@@ -26,6 +43,7 @@ import csv
 import dataclasses
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -53,6 +71,15 @@ class MQARSpec:
     @property
     def n_keys(self) -> int:
         return (self.vocab_size - 1) // 2
+
+    @property
+    def n_values(self) -> int:
+        return self.vocab_size - 1 - self.n_keys
+
+    @property
+    def chance(self) -> float:
+        """Answer accuracy of a uniform guess among the values the generator draws from."""
+        return 1.0 / self.n_values
 
     @property
     def queries(self) -> int:
@@ -98,7 +125,7 @@ def generate(spec: MQARSpec, num_examples: int, seed: int | tuple[int, ...]) -> 
     T, N, Q = spec.seq_len, spec.num_kv_pairs, spec.queries
     rng = np.random.default_rng(seed)
     n_keys = spec.n_keys
-    n_values = spec.vocab_size - 1 - n_keys
+    n_values = spec.n_values
 
     # Distinct keys per example: the first N of a random permutation of the key range.
     keys_NxP = 1 + np.argsort(rng.random((num_examples, n_keys)), axis=1)[:, :N]
@@ -223,7 +250,8 @@ def train_mqar(
     # Training batches come from streams (seed, 0, step); the evaluation set from (seed, 1).
     t0 = time.perf_counter()
     loss = math.nan
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    # A bar on a terminal only: in a log file its carriage-return redraws would pile up.
+    bar = tqdm(range(steps), desc=desc, disable=not (progress and sys.stderr.isatty()), leave=False)
     for step in bar:
         b = generate(spec, batch_size, seed=(seed, 0, step))
         params, opt_state, loss = train_step(
@@ -281,7 +309,7 @@ def run_sweep(config, patterns, seq_lens, out_dir: str, *, progress: bool = True
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     runs = [(T, p) for T in seq_lens for p in patterns]
-    outer = tqdm(runs, desc="mqar sweep", disable=not progress)
+    outer = tqdm(runs, desc="mqar sweep", disable=not (progress and sys.stderr.isatty()))
     for T, pattern in outer:
         cfg = sweep_config(config, pattern, T)
         spec = spec_from_config(cfg.mqar)
@@ -289,17 +317,19 @@ def run_sweep(config, patterns, seq_lens, out_dir: str, *, progress: bool = True
         outer.set_postfix(model=label, T=T)
         r = train_mqar(cfg, spec, progress=progress, desc=f"{label} T={T}")
         row = {"label": label, "pattern": pattern, "seq_len": T, "kv_pairs": spec.num_kv_pairs,
-               "steps": int(cfg.train.steps), **r}
+               "steps": int(cfg.train.steps), **r, "chance": spec.chance}
         rows.append(row)
         outer.write(f"{label:>8} ({pattern}) T={T:<5} pairs={spec.num_kv_pairs:<4} "
-                    f"accuracy={r['accuracy']:.3f} loss={r['final_loss']:.3f} ({r['seconds']:.0f} s)")
+                    f"accuracy={r['accuracy']:.3f} loss={r['final_loss']:.3f} "
+                    f"(chance {spec.chance:.3f}; {r['seconds']:.0f} s)")
         table = write_sweep_outputs(rows, config, out_dir)  # after every run: a partial sweep is kept
     print(table)
     return rows
 
 
 def write_sweep_outputs(rows: list[dict], config, out_dir: str) -> str:
-    """mqar_sweep.csv, mqar_sweep.md (returned) and mqar_sweep.png in ``out_dir``."""
+    """mqar_sweep.csv, mqar_sweep.md (returned) and mqar_sweep.png (accuracy against length,
+    a dashed line at chance) in ``out_dir``."""
 
     with open(os.path.join(out_dir, "mqar_sweep.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -316,14 +346,24 @@ def write_sweep_outputs(rows: list[dict], config, out_dir: str) -> str:
         series[key][1].append(r["accuracy"])
     n = int(config.mqar.num_kv_pairs)
     pairs = f"{n} pairs" if n else f"seq_len / {int(config.mqar.kv_pairs_divisor)} pairs"
+    chance = rows[0].get("chance")
+    hlines = {f"chance (1 / {round(1 / chance)} values)": chance} if chance else None
+    by_len = sorted({(r["seq_len"], r["kv_pairs"]) for r in rows})
+    guess = {"1 / pairs (values seen, keys unknown)": ([T for T, _ in by_len], [1 / n for _, n in by_len])}
     plots.line_plot(os.path.join(out_dir, "mqar_sweep.png"), series,
                     title=f"MQAR recall accuracy ({pairs}, {int(config.train.steps)} steps)",
-                    xlabel="sequence length (tokens)", ylabel="answer accuracy", logx=True)
+                    xlabel="sequence length (tokens)", ylabel="answer accuracy", logx=True,
+                    hlines=hlines, references=guess,
+                    note="dashed: chance, a uniform guess among the values an answer is drawn "
+                         "from; dotted: a guess among the values in the context. MLA has no "
+                         "positional encoding: an all-MLA stack must learn which token follows "
+                         "which from the causal mask alone (kimi_k3/mqar.py)")
     return table
 
 
 def format_sweep_table(rows: list[dict]) -> str:
-    """Markdown: one row per model, one column per sequence length (with its pair count)."""
+    """Markdown: one row per model, one column per sequence length (with its pair count), then
+    the chance level when the rows carry it."""
     lengths = sorted({r["seq_len"] for r in rows})
     pairs = {r["seq_len"]: r["kv_pairs"] for r in rows}
     models = list(dict.fromkeys((r["label"], r["pattern"]) for r in rows))
@@ -334,4 +374,10 @@ def format_sweep_table(rows: list[dict]) -> str:
         cells = [f"{acc[(label, pattern, T)]:.3f}" if (label, pattern, T) in acc else "-"
                  for T in lengths]
         lines.append(f"| {label} | {pattern} | " + " | ".join(cells) + " |")
+    chance = rows[0].get("chance")
+    if chance:
+        guess = " / ".join(f"{1 / pairs[T]:.3f}" for T in lengths)
+        lines += ["", f"Chance: {chance:.3f} (a uniform guess among the {round(1 / chance)} values "
+                      f"an answer is drawn from); a guess among the values in the context, keys "
+                      f"unknown: 1 / pairs = {guess}."]
     return "\n".join(lines)

@@ -27,6 +27,11 @@ Scoring, per (L, d) cell of ``trials`` examples (``--mode``):
 - digit accuracy: the share of answer tokens right (with bytes, digits: chance 1/10);
 - exact match: every answer token right (chance 10^-digits).
 
+The chance levels (``chance_levels``) are in the report, the table's last line and the heat
+maps' colour bars. Every trial is kept in passkey.json (``answers`` of each cell): its context
+length, depth, the needle's actual depth, the key, the model's answer (decoded), the answer
+tokens it got right and whether all were.
+
 Exact match is the same in both modes (decoding and teacher forcing agree up to the first
 wrong token); digit accuracy differs only after a first mistake.
 
@@ -244,11 +249,16 @@ def predict_answers(decoder: Decoder, prompts_BxL: np.ndarray, answers_BxA: np.n
 
 
 def score_examples(decoder: Decoder, examples: Sequence[PasskeyExample], mode: str,
-                   batch_size: int, piece_len: int) -> dict:
+                   batch_size: int, piece_len: int,
+                   tokenizer: TextTokenizer | None = None) -> dict:
     """Digit accuracy and exact match over ``examples`` (all of one context length), in batches
-    of ``batch_size`` (the last one padded with copies of its first row, not counted)."""
+    of ``batch_size`` (the last one padded with copies of its first row, not counted), and
+    ``answers``: per example its key, the model's answer (decoded by ``tokenizer``; bytes by
+    default), the answer tokens it got right and whether all were right."""
+    tokenizer = tokenizer if tokenizer is not None else TextTokenizer("")
     A = max(len(e.answer_ids) for e in examples)
     right = total = exact = 0
+    kept = []  # per example: key and answer
     for start in range(0, len(examples), batch_size):
         batch = list(examples[start : start + batch_size])
         n = len(batch)
@@ -264,8 +274,14 @@ def score_examples(decoder: Decoder, examples: Sequence[PasskeyExample], mode: s
         right += int((hit & mask[:n]).sum())
         total += int(mask[:n].sum())
         exact += int(hit.all(axis=1).sum())
+        for i, e in enumerate(batch[:n]):
+            A_i = len(e.answer_ids)
+            kept.append({"key": e.key, "answer": tokenizer.decode(preds[i, :A_i]),
+                            "needle_depth": e.needle_depth,
+                            "digits_right": int((hit[i] & mask[i]).sum()),
+                            "exact": bool(hit[i].all())})
     return {"digit_accuracy": right / total, "exact_match": exact / len(examples),
-            "trials": len(examples)}
+            "trials": len(examples), "answers": kept}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +342,9 @@ def parse_depths(values: Sequence[str | float]) -> tuple[float, ...]:
 
 def evaluate(model, task: PasskeyTask, opts: PasskeyOptions, *, progress: bool = False) -> list[dict]:
     """One row per (context length, depth): digit accuracy, exact match, trials, the needle's
-    mean actual depth, seconds. ``model``: a HybridLM (or its ``Decoder``)."""
+    mean actual depth, seconds, and ``answers``: per trial its context length, depth, the
+    needle's actual depth, key, the model's answer, digits right and exact match. ``model``: a
+    HybridLM (or its ``Decoder``)."""
     opts.validate(task)
     decoder = model if isinstance(model, Decoder) else Decoder(model)
     if decoder.vocab_size is not None and task.max_token_id() >= decoder.vocab_size:
@@ -339,10 +357,12 @@ def evaluate(model, task: PasskeyTask, opts: PasskeyOptions, *, progress: bool =
             bar.set_postfix(L=L, depth=d)
             t0 = time.perf_counter()
             examples = task.examples(L, d, opts.trials, opts.seed)
-            r = score_examples(decoder, examples, opts.mode, opts.batch_size, opts.piece_len)
+            r = score_examples(decoder, examples, opts.mode, opts.batch_size, opts.piece_len,
+                               task.tokenizer)
+            answers = [{"context_length": L, "depth": d, **a} for a in r.pop("answers")]
             rows.append({"context_length": L, "depth": d,
                          "needle_depth": float(np.mean([e.needle_depth for e in examples])),
-                         **r, "seconds": time.perf_counter() - t0})
+                         **r, "seconds": time.perf_counter() - t0, "answers": answers})
     return rows
 
 
@@ -358,8 +378,15 @@ def _grid(rows: Sequence[dict], key: str):
     return lengths, depths, [[at.get((d, L)) for L in lengths] for d in depths]
 
 
-def format_table(rows: Sequence[dict]) -> str:
-    """Exact match (digit accuracy): one line per depth, one column per context length."""
+def chance_levels(digits: int) -> dict[str, float]:
+    """What guessing scores: each digit uniform among 10 (with bytes an answer token is a digit),
+    so 1/10 per digit and 10^-digits for the whole key."""
+    return {"digit_accuracy": 0.1, "exact_match": 10.0 ** -digits}
+
+
+def format_table(rows: Sequence[dict], digits: int | None = None) -> str:
+    """Exact match (digit accuracy): one line per depth, one column per context length; with
+    ``digits``, a last line with the chance levels."""
     lengths, depths, exact = _grid(rows, "exact_match")
     _, _, digit = _grid(rows, "digit_accuracy")
     head = ["depth"] + [f"L={L}" for L in lengths]
@@ -368,12 +395,18 @@ def format_table(rows: Sequence[dict]) -> str:
             for i, d in enumerate(depths)]
     widths = [max(len(c) for c in col) for col in zip(head, *body, strict=True)]
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
-    return "\n".join(["passkey exact match (digit accuracy)", fmt(head)] + [fmt(b) for b in body])
+    lines = ["passkey exact match (digit accuracy)", fmt(head)] + [fmt(b) for b in body]
+    if digits is not None:
+        chance = chance_levels(digits)
+        lines.append(f"chance: exact match {chance['exact_match']:.0e}, digit accuracy "
+                     f"{chance['digit_accuracy']:.2f}")
+    return "\n".join(lines)
 
 
 def write_outputs(report: dict, workdir: str) -> dict[str, str]:
-    """passkey.json (the whole report), passkey.csv (one row per cell), passkey_exact.png and
-    passkey_digits.png (depth x context length) in ``workdir``; returns {kind: path}."""
+    """passkey.json (the whole report, every trial's key and answer included), passkey.csv (one
+    row per cell), passkey_exact.png and passkey_digits.png (depth x context length, chance
+    marked on the colour bar) in ``workdir``; returns {kind: path}."""
     os.makedirs(workdir, exist_ok=True)
     paths = {"json": os.path.join(workdir, "passkey.json"),
              "csv": os.path.join(workdir, "passkey.csv"),
@@ -382,19 +415,22 @@ def write_outputs(report: dict, workdir: str) -> dict[str, str]:
     with open(paths["json"], "w") as f:
         json.dump(report, f, indent=1)
     rows = report["rows"]
-    with open(paths["csv"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    with open(paths["csv"], "w", newline="") as f:  # one row per cell; the answers are in the JSON
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "answers"],
+                           extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+    chance = report.get("chance") or chance_levels(report["digits"])
     note = (f"{report['label']}, {report['mode']}, {report['digits']} digits, "
-            f"{report['trials']} trials per cell, {report['tokenizer']}")
+            f"{report['trials']} trials per cell, {report['tokenizer']}; chance: "
+            f"{chance['digit_accuracy']:g} per digit, {chance['exact_match']:.0e} exact")
     for key, kind, what in (("exact_match", "exact_png", "exact match"),
                             ("digit_accuracy", "digits_png", "digit accuracy")):
         lengths, depths, grid = _grid(rows, key)
         plots.heatmap(paths[kind], grid, row_labels=[f"{d:g}" for d in depths],
                       col_labels=[plots.tokens_label(L) for L in lengths],
                       title=f"Passkey retrieval: {what}", xlabel="context length (tokens)",
-                      ylabel="needle depth", colorbar_label=what, note=note)
+                      ylabel="needle depth", colorbar_label=what, note=note, chance=chance[key])
     return paths
 
 
@@ -458,7 +494,8 @@ def main(
     report = {"label": describe_weights(path, step).removeprefix("weights: "),
               "checkpoint": path, "step": step, "config": config_name,
               "tokenizer": task.tokenizer_name, "digits": digits, "mode": mode, "trials": trials,
-              "min_context_length": task.min_context_length(), "train": None}
+              "min_context_length": task.min_context_length(), "chance": chance_levels(digits),
+              "train": None}
     if train_steps:
         t0 = time.perf_counter()
         model, loss = train_passkey(model, task, config.opt, steps=train_steps,
@@ -472,6 +509,6 @@ def main(
         report["label"] += f" + {train_steps} passkey steps"
     report["rows"] = evaluate(model, task, opts, progress=progress)
     paths = write_outputs(report, workdir)
-    print(format_table(report["rows"]))
+    print(format_table(report["rows"], digits))
     print(f"wrote {', '.join(os.path.basename(p) for p in paths.values())} to {workdir}")
     return report

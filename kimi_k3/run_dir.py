@@ -35,6 +35,17 @@ def absolute_path(path: str | os.PathLike) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def find_run_folder(path: str | os.PathLike) -> str | None:
+    """The run folder that ``path`` names or lies in, when it holds the run's config
+    (``config.py``, written by ``write_config``): the folder itself, its ``checkpoints/`` or a
+    step ``checkpoints/<step>``. None for anything else (``init``, another folder)."""
+    p = os.path.normpath(os.fspath(path))
+    for candidate in (p, os.path.dirname(p), os.path.dirname(os.path.dirname(p))):
+        if candidate and os.path.isfile(os.path.join(candidate, "config.py")):
+            return candidate
+    return None
+
+
 def check_workdir(workdir: str | os.PathLike, create: bool = True) -> str:
     """``workdir`` made absolute; created if missing (``create=False``: only checked, so that
     a run refused later leaves nothing behind; ``make_workdir`` creates it). Raises ValueError
@@ -190,6 +201,35 @@ def _write(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
+
+
+def previous_config(workdir: str) -> ml_collections.ConfigDict | None:
+    """The config the previous start of the run in ``workdir`` wrote (config.json), or None
+    when there is none or it cannot be read."""
+    path = os.path.join(workdir, "config.json")
+    try:
+        with open(path) as f:
+            return ml_collections.ConfigDict(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
+def config_changes(old, new) -> list[str]:
+    """``["opt.lr: 0.003 -> 0.001", ...]``: the fields whose value differs between two configs
+    (a field only one of them has shows as ``(none)`` on the other side)."""
+    def flat(config, prefix=""):  # as JSON records it: a tuple and a list are the same
+        tree = json.loads(config.to_json_best_effort()) if not isinstance(config, dict) else config
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = json.dumps(value)
+        return out
+
+    before, after = flat(old), flat(new)
+    return [f"{key}: {before.get(key, '(none)')} -> {after.get(key, '(none)')}"
+            for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
 
 
 def write_config(config, workdir: str, start: int) -> str:

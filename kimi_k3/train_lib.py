@@ -50,8 +50,9 @@ from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import data as data_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
+from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
-from kimi_k3.config import RunSpec, check_context, kda_chunk, run_spec
+from kimi_k3.config import RunSpec, check_context, kda_chunk, opt_spec, run_spec
 from kimi_k3.layers.attention import documents_per_row
 from kimi_k3.layers.dense import precast, with_copies
 from kimi_k3.layers.moe import MoeStat, update_bias
@@ -62,8 +63,10 @@ from kimi_k3.run_dir import (
     RunLock,
     absolute_path,
     check_workdir,
+    config_changes,
     flat_config,
     make_workdir,
+    previous_config,
     write_config,
 )
 from kimi_k3.runtime import (
@@ -482,14 +485,17 @@ def global_batch(local: dict[str, np.ndarray], sharding, global_rows: int) -> di
 
 
 def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_rows, eval_rows,
-                eval_batches, start, ckpt_dir, microbatch) -> str:
-    """The first screen of a run: what is trained, on what, where, and where things go."""
+                eval_batches, start, ckpt_dir, microbatch, split=None) -> str:
+    """The first screen of a run: what is trained, on what, where, and where things go.
+    ``split``: the ``data.Split`` read (its tokenizer, held-out rule and sizes)."""
     m, d, o, t = spec.model, spec.data, spec.opt, spec.train
     B, T = d.global_batch_size, d.seq_len
     mesh_text = " x ".join(f"{a} {n}" for a, n in mesh.shape.items())
     devices = f"{mesh.size} {jax.devices()[0].platform} device{'s' if mesh.size > 1 else ''}"
     source = d.source if d.source == "stdlib" else f"{d.source} {','.join(d.paths)!r}"
-    held_out = f"{eval_rows:,} held-out rows" if eval_rows else "no held-out split"
+    if split is not None:
+        source += f", tokenizer {split.tokenizer}"
+    held_out = f", {eval_rows:,} held-out rows" if eval_rows else ""
     resume = (f"resuming from step {start:,} of {t.steps:,}" if start
               else f"from scratch to step {t.steps:,}")
     experts = ""
@@ -510,19 +516,34 @@ def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_ro
         f"{m.pattern.count('M')} MLA), d_model {m.d_model}, vocab {m.vocab_size}, "
         f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}; {', '.join(kinds)}"
         f"{experts}",
-        f"  data        {source}: {train_rows:,} train rows, {held_out} of {T} tokens; "
+        f"  data        {source}: {train_rows:,} train rows{held_out} of {T} tokens; "
         f"batch {B} x {T} = {B * T:,} tokens per step"
         + (f" in micro-batches of {microbatch} rows" if microbatch < B else ""),
+        *([f"  held out    {split.describe()}{no_eval_hint(split, eval_rows, B, T)}"]
+          if split is not None else []),
         f"  mesh        {mesh_text} over {devices} ({jax.process_count()} process"
         f"{'es' if jax.process_count() > 1 else ''})",
         f"  steps       {resume}; {o.name} lr {o.lr:g} ({o.schedule}, warmup "
         f"{o.warmup_steps}); eval every {t.eval_every or t.steps} steps "
         f"({eval_batches} batches)",
         f"  checkpoints {ckpt_dir + f' every {spec.checkpoint.every_steps} steps' if ckpt_dir else 'off'}",
-        f"  writes      {workdir}/metrics.jsonl, config.json"
-        f"{', tensorboard/' if t.tensorboard else ''}",
+        f"  writes      {workdir}/metrics.jsonl, {metrics_lib.CURVES} (at each eval), "
+        f"config.json{', tensorboard/' if t.tensorboard else ''}",
     ]
     return "\n".join(lines)
+
+
+def no_eval_hint(split, eval_rows: int, B: int, T: int) -> str:
+    """For the first screen's held-out line: why there is no held-out loss, and the fix
+    ("" when there is one). The fraction that would give one batch of B rows is rounded up."""
+    if split.rule == "none" or eval_rows >= B:
+        return ""
+    total = split.train.num_tokens + split.eval_tokens
+    need = math.ceil(100 * B * (T + 1) / total) / 100 if total else 1.0  # rows cut at T
+    fix = (f"raise data.eval_fraction to {need:g} or give data.eval_paths" if need < 0.5
+           else "give data.eval_paths (or more data)")
+    return (f"; NO held-out loss: {eval_rows} rows of {T} tokens, fewer than one batch of {B} "
+            f"({fix})")
 
 
 class RunFolder:
@@ -570,6 +591,31 @@ class RunFolder:
             self._lock = None
 
 
+def resume_changes(old, config, spec: RunSpec, start: int) -> list[str]:
+    """What a resumed run changes from its previous start (``old``: that start's config, or
+    None), one line per field, and what a change of the optimizer's fields or of train.steps
+    does to the learning rate at the step it resumes from."""
+    if old is None:
+        return []
+    fields = config_changes(old, config)
+    if not fields:
+        return []
+    lines = [f"changed since the last start: {f}" for f in fields]
+    if any(f.startswith(("opt.", "train.steps")) for f in fields):
+        try:
+            was = float(optim.lr_schedule(opt_spec(old.opt), int(old.train.steps))(start))
+        except (ValueError, KeyError, AttributeError, TypeError):  # an older config's fields
+            was = None
+        now = float(optim.lr_schedule(spec.opt, spec.train.steps)(start))
+        if was is None:
+            lines.append(f"the learning rate at step {start} is now {now:.3g}")
+        else:
+            lines.append(f"the learning-rate schedule follows the new fields from step {start}: "
+                         f"{was:.3g} -> {now:.3g} there (a schedule is a function of the step, "
+                         f"so a new peak or length bends it from here on)")
+    return lines
+
+
 def train(config, workdir: str, config_name: str = "config") -> dict:
     """Trains ``config`` (the ConfigDict of a configs/ file) in ``workdir``, resuming from its
     latest checkpoint; returns the last train and eval metrics.
@@ -611,9 +657,9 @@ def _train(spec: RunSpec, config, workdir: str, config_name: str, folder: RunFol
     mesh = mesh_lib.make_mesh(spec.mesh)
 
     # ---- Input ------------------------------------------------------------------------------
-    train_stream, eval_stream = data_lib.load_split_streams(dc, spec.model.vocab_size)
-    train_rows = data_lib.PackedRows(train_stream, T, spec.seed, dc.shuffle)
-    eval_rows = data_lib.PackedRows(eval_stream, T, 0, False) if eval_stream else None
+    split = data_lib.load_split(dc, spec.model.vocab_size)
+    train_rows = data_lib.PackedRows(split.train, T, spec.seed, dc.shuffle)
+    eval_rows = data_lib.PackedRows(split.eval, T, 0, False) if split.eval else None
     eval_batches = min(tc.eval_batches, eval_rows.num_rows // B) if eval_rows else 0
     if eval_rows and eval_batches == 0:
         logging.warning("held-out split has %d rows, fewer than one batch of %d: no eval",
@@ -651,16 +697,19 @@ def _train(spec: RunSpec, config, workdir: str, config_name: str, folder: RunFol
             it.restore(data_state)
 
         # ---- Outputs: only now that the run can start ------------------------------------
+        changed = resume_changes(previous_config(workdir), config, spec, start) if start else []
         if chief:
             write_config(config, workdir, start)
         console(run_summary(spec, workdir=workdir, config_name=config_name, mesh=mesh,
                             n_params=n_params, train_rows=train_rows.num_rows,
                             eval_rows=eval_rows.num_rows if eval_rows else 0,
                             eval_batches=eval_batches, start=start, ckpt_dir=ckpt_dir,
-                            microbatch=setup.microbatch_size))
+                            microbatch=setup.microbatch_size, split=split))
         if restored is not None:
             console(f"resumed from step {start} ({ckpt_dir}/{start}); data position "
                     f"{it.position:,} rows")
+        for line in changed:
+            console(f"  {line}")
         for step, why, moved in ckpt.set_aside:
             console(f"  not from step {step}, which is unreadable ({why}): moved to {moved}")
         logging.info("config:\n%s", "\n".join(flat_config(config)))
@@ -683,6 +732,7 @@ def _train(spec: RunSpec, config, workdir: str, config_name: str, folder: RunFol
         if bar is not None:
             bar.close()
         if writer is not None:
+            writer.plot()  # curves.png to the last report, however the run ended
             writer.close()
     if loop is not None and loop.stopped_at is not None:
         step = loop.stopped_at
@@ -787,13 +837,18 @@ class _Loop:
         return {"train": self.last_train, "eval": self.last_eval}
 
     def _evaluate(self, state, step: int) -> None:
+        """The held-out loss at ``step`` (with held-out data), then curves.png redrawn;
+        neither counts as training time."""
         result = self.evaluator.loss(self.setup, state)
-        if not result:
-            return
-        self.last_eval = result
-        self.writer.write(step, result, split="eval")
-        if self.clock_t is not None:  # evaluation time is not training time
-            self.clock_t, self.clock_step = time.perf_counter(), step
+        if result:
+            self.last_eval = result
+            self.writer.write(step, result, split="eval")
+            if self.clock_t is not None:  # evaluation time is not training time
+                self.clock_t, self.clock_step = time.perf_counter(), step
+        drawing = time.perf_counter()
+        self.writer.plot()
+        if self.clock_t is not None:  # nor is drawing time
+            self.clock_t += time.perf_counter() - drawing
 
     def _report(self, step: int, m, newest, dispatched: int) -> None:
         """Host side of a finished step: NaN check, progress, periodic metrics. ``newest`` is

@@ -328,7 +328,8 @@ def test_relative_workdir_two_saves_a_resume_and_a_finished_run(tmp_path, jax_ca
     # The first screen: a short summary of what runs where, before anything else.
     lines = first.stderr.splitlines()
     assert lines[0].startswith("kimi_k3 train  ") and lines[0].endswith(f"->  {tmp_path}/runs/rel")
-    for i, word in enumerate(("model", "data", "mesh", "steps", "checkpoints", "writes"), 1):
+    for i, word in enumerate(("model", "data", "held out", "mesh", "steps", "checkpoints",
+                              "writes"), 1):
         assert lines[i].startswith(f"  {word} "), lines[i]
     assert "!!python" not in first.stderr and "\r" not in first.stderr  # no bar in a log
     run = tmp_path / "runs" / "rel"

@@ -151,6 +151,33 @@ def test_loss_curves_compares_each_run_with_the_first(tmp_path, capsys):
         curves.read_losses(tmp_path / "bad.jsonl")
 
 
+def test_loss_curves_steps_and_ranges_follow_the_runs(tmp_path, capsys):
+    """Without --steps and --ranges the table's rows spread over the span the runs logged
+    (2000 steps here, not a fixed 1..50), on steps the first run logged, and the gaps are
+    measured over the first and second half of that span."""
+    import json
+
+    curves = load("loss_curves")
+    paths = []
+    for name, last, shift in (("a", 2000, 0.0), ("b", 1500, 0.25)):
+        paths.append(tmp_path / f"{name}.jsonl")
+        paths[-1].write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 1000 + shift})
+                                     + "\n" for s in range(10, last + 1, 10)))
+    runs = {"a": curves.read_losses(paths[0]), "b": curves.read_losses(paths[1])}
+    assert curves.spread_steps(runs) == [10, 290, 580, 860, 1150, 1430, 1720, 2000]
+    assert curves.halves(runs) == [(10, 1005), (1006, 2000)]
+    assert curves.spread_steps({"a": {7: 1.0}}) == [7] and curves.halves({"a": {7: 1.0}}) == [
+        (7, 7)]
+    curves.main([f"a={paths[0]}", f"b={paths[1]}", "--rows=3"])
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in out.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert rows == ["10", "1000", "2000"], out
+    assert "| 2000 | 3.0000 | — |" in out
+    assert "| largest gap to a | steps 10-1005 | steps 1006-2000 |" in out
+    assert "| b | 0.2500 | 0.2500 |" in out
+
+
 def test_step_fingerprint_is_stable_and_sees_a_change():
     step_hlo = load("step_hlo")
     config = load_config("tiny.py")

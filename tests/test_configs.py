@@ -38,6 +38,8 @@ def test_tiny_is_the_cpu_default():
         ("ratio=7,layers=16", "KKKKKKKM" * 2),
         ("ratio=15", "K" * 15 + "M"),
         ("ratio=3,layers=6,base=tiny", "KKKMKM"),
+        ("ratio=all,layers=4,base=tiny", "KKKK"),
+        ("ratio=all", "K" * 16),
     ],
 )
 def test_ablate_ratio_argument_sets_the_pattern(arg, pattern):
@@ -48,11 +50,20 @@ def test_ablate_ratio_argument_sets_the_pattern(arg, pattern):
 
 @pytest.mark.parametrize(
     "arg,match",
-    [("rato=3", "rato"), ("ratio=three", "ratio"), ("ratio", "key=value"), ("base=huge", "base")],
+    [("rato=3", "rato"), ("ratio=three", "ratio='three'.*'all'"), ("ratio=ALL", "ratio"),
+     ("ratio", "key=value"), ("base=huge", "base")],
 )
 def test_ablate_ratio_bad_arguments_name_the_key(arg, match):
     with pytest.raises(ValueError, match=match):
         load_config(f"ablate_ratio.py:{arg}")
+
+
+def test_ablate_ratio_all_is_every_layer_kda_without_a_final_mla():
+    m = load_config("ablate_ratio.py:ratio=all,layers=3,base=tiny").model
+    assert (m.final_mla, model_spec(m).pattern) == (False, "KKK")
+    other = load_config("ablate_ratio.py:ratio=3,layers=3,base=tiny").model  # only the kinds differ
+    assert {k: v for k, v in m.items() if k not in ("kda_per_mla", "final_mla")} == {
+        k: v for k, v in other.items() if k not in ("kda_per_mla", "final_mla")}
 
 
 def test_negative_ratio_is_rejected_naming_the_field():

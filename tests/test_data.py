@@ -5,6 +5,7 @@ that must stop a run before its first step."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import ml_collections
@@ -172,3 +173,85 @@ def test_seq_len_longer_than_the_data_is_an_error(tmp_path):
     train, _ = data.load_split_streams(cfg, vocab_size=256)
     with pytest.raises(ValueError, match="data.seq_len: 64 is longer than the whole split"):
         data.PackedRows(train, 64, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The held-out split: data.eval_paths, none, by file, or the tail
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_stdlib_corpus_is_split_by_file_and_the_split_says_so():
+    split = data.load_split(data_config(), vocab_size=256)
+    assert split.rule == "file" and split.tokenizer == "bytes (ids 0..255)"
+    assert split.train_files + split.eval_files == len(data.stdlib_files()[1])
+    assert split.describe().startswith(
+        f"by file (CRC32 of each path in the lowest 5%): train {split.train_files:,} files, "
+        f"{split.train.num_tokens:,} tokens; held out {split.eval_files:,} files, "
+        f"{split.eval_tokens:,} tokens")
+
+
+def test_one_token_file_holds_out_its_tail_cut_after_an_eos(tmp_path):
+    """The README's recipe: one file from `python -m kimi_k3.data --eos_id=0`. The tail holds
+    between 5% and 10% of the tokens and starts right after an end-of-document id."""
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(1, 256, rng.integers(50, 300)), 0) for _ in range(100)]
+    corpus = np.concatenate(docs).astype(np.uint16)
+    corpus.tofile(tmp_path / "corpus.bin")
+    cfg = data_config(source="tokens", paths=str(tmp_path / "corpus.bin"), eos_id=0)
+    split = data.load_split(cfg, vocab_size=256)
+    n, cut = len(corpus), split.train.num_tokens
+    assert split.rule == "tail" and split.at_boundary and split.eval is not None
+    assert cut + split.eval.num_tokens == n and split.eval_tokens == n - cut
+    assert 0.05 * n <= n - cut <= 0.1 * n and corpus[cut - 1] == 0
+    # The last end of a document that holds out at least 5%: no later one does.
+    assert not (corpus[cut : n - math.ceil(0.05 * n) - 1] == 0).any()
+    np.testing.assert_array_equal(split.eval.read(0, 10)[0], corpus[cut : cut + 10])
+    assert split.eval.read(0, 10)[1][0] == 1  # a document of its own
+    assert split.describe() == (
+        f"tail (the last 5% of the tokens, cut at a document end in corpus.bin): train 1 "
+        f"file, {cut:,} tokens; held out 1 file, {n - cut:,} tokens")
+    assert split.tokenizer == "none (pre-tokenised uint16 files)"
+    # Without eos_id the one document is cut exactly at 95%.
+    split = data.load_split(data_config(source="tokens", paths=str(tmp_path / "corpus.bin"),
+                                        eval_fraction=0.1), vocab_size=256)
+    assert split.rule == "tail" and not split.at_boundary
+    assert split.eval_tokens == math.ceil(0.1 * n) and "cut inside a document" in split.describe()
+
+
+def test_a_few_text_files_hold_out_a_tail_at_a_file_start(tmp_path):
+    """Three files that the hash leaves all on the train side: the tail starts where the last
+    file does when that holds out between 1 and 2 times eval_fraction of the tokens."""
+    for name, size in (("a.txt", 900), ("b.txt", 1000), ("c.txt", 100)):
+        (tmp_path / name).write_text("x" * size)
+    files = sorted(str(p) for p in tmp_path.glob("*.txt"))
+    assert data.split_by_file(files, 0.05)[1] == []  # by file: nothing held out
+    split = data.load_split(data_config(source="text", paths=str(tmp_path / "*.txt")), 256)
+    assert split.rule == "tail" and split.at_boundary and split.eval_tokens == 100
+    assert split.eval.names == [files[2]] and split.train_files == 2 and split.eval_files == 1
+
+
+def test_tail_start_takes_the_last_boundary_within_twice_the_share():
+    stream = data.TokenStream([np.ones(100, np.int32), np.ones(100, np.int32)], ["a", "b"],
+                              eos_id=0)
+    # 10% of 200 = 20 tokens; the only boundary (200 - 100) holds out 50%: cut inside.
+    assert data.tail_start(stream, 0.1) == (180, False)
+    tokens = np.ones(200, np.int32)
+    tokens[[150, 170, 185]] = 0  # ends of documents: boundaries 151, 171, 186
+    stream = data.TokenStream([tokens], ["a"], eos_id=0)
+    assert data.tail_start(stream, 0.1) == (171, True)  # 186 holds out too little, 151 too much
+    assert data.tail_start(stream, 0.01) == (198, False)  # 2 to 4 tokens: no boundary there
+
+
+def test_eval_paths_and_no_held_out_split_are_named(tmp_path):
+    (tmp_path / "train.txt").write_text("abc " * 100)
+    (tmp_path / "held.txt").write_text("def " * 50)
+    split = data.load_split(data_config(source="text", paths=str(tmp_path / "train.txt"),
+                                        eval_paths=str(tmp_path / "held.txt")), 256)
+    assert split.rule == "eval_paths" and split.eval_tokens == 200
+    assert split.describe() == ("data.eval_paths: train 1 file, 400 tokens; held out 1 file, "
+                                "200 tokens")
+    split = data.load_split(data_config(source="text", paths=str(tmp_path / "train.txt"),
+                                        eval_fraction=0.0), 256)
+    assert split.rule == "none" and split.eval is None
+    assert split.describe() == ("none (data.eval_fraction=0): train 1 file, 400 tokens; no "
+                                "held-out loss")

@@ -279,6 +279,13 @@ def static_problems(cmd: Command) -> tuple[list[str], dict | None]:
             m = re.match(r"--config=([^:]+)(:.*)?$", arg)
             if m and not m.group(1).startswith("configs/") and not (REPO / m.group(1)).is_file():
                 argv[i] = f"--config={STANDIN_CONFIG}"
+        # A tool run as cli.run(main, config_from=(...)) takes --config from the run folder of
+        # one of those flags when --config is absent; the doc's run folders do not exist here.
+        m = re.search(r"config_from=\(([^)]*)\)", path.read_text())
+        named = re.findall(r"[\"'](\w+)[\"']", m.group(1)) if m else []
+        if (not any(a.startswith("--config=") for a in argv)
+                and any(a.startswith(f"--{n}=") for n in named for a in argv)):
+            argv.insert(0, f"--config={STANDIN_CONFIG}")
     return [], {"kind": kind, "module": cmd.target if cmd.kind == "module" else None,
                 "script": str(path), "argv": argv, "where": where}
 

@@ -42,6 +42,22 @@ class UniformModel:
 
 
 
+class CountModel(UniformModel):
+    """A cache model: the next token's logit is log(1 + its count among the tokens read so far in
+    the window). It uses all of its context, so on documents of skewed token frequencies its
+    loss falls with the context length."""
+
+    def init_cache(self, batch_size, max_len):
+        return {"counts": jnp.zeros((batch_size, self.vocab_size))}
+
+    def prefill(self, tokens_BxT, cache):
+        counts = cache["counts"][:, None] + jnp.cumsum(jax.nn.one_hot(tokens_BxT, self.vocab_size), axis=1)
+        return jnp.log1p(counts), {"counts": counts[:, -1]}
+
+    def __call__(self, tokens_BxT):
+        return self.prefill(tokens_BxT, self.init_cache(tokens_BxT.shape[0], 0))[0]
+
+
 def random_docs(rng, lengths, vocab):
     return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
 
@@ -63,6 +79,9 @@ def test_uniform_logits_score_perplexity_equal_to_vocab_size(rng, tmp_path):
         assert r["perplexity"] == pytest.approx(V, rel=1e-5)
         assert all(b["loss"] == pytest.approx(math.log(V), rel=1e-5) for b in r["buckets"])
         assert sum(b["targets"] for b in r["buckets"]) == r["targets"] == r["windows_used"] * int(L)
+        # Byte tokens (the config's data): one byte per target, so bits per byte = log2(V).
+        assert r["bytes"] == r["targets"] and r["bits_per_byte"] == pytest.approx(math.log2(V), rel=1e-5)
+        assert r["perplexity_ci"] == pytest.approx([V, V], rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +139,10 @@ def test_short_document_rule_counts():
     # Windows of 9 tokens with stride 8: 5 -> 0 (skipped), 17 -> 2, 33 -> 4, 8 -> 0 (skipped).
     assert (skip.docs_total, skip.docs_skipped, skip.docs_used, skip.num_windows) == (4, 2, 2, 6)
     np.testing.assert_array_equal(skip.tokens_NxL1[1], np.arange(8, 17))
-    assert "2 of 4 documents shorter than 9 tokens skipped" in skip.describe()
+    assert "4 documents = 2 shorter than 9 tokens + 2 scored" in skip.describe()
+    one = eval_scoring.make_windows(docs, 8, "skip", max_windows=1)
+    assert ("4 documents = 2 shorter than 9 tokens + 1 left out by --max_windows=1 + 1 scored"
+            in one.describe())
 
     concat = eval_scoring.make_windows(docs, 8, "concat")
     assert concat.num_windows == (5 + 17 + 33 + 8 - 1) // 8 == 7
@@ -155,6 +177,191 @@ def test_position_buckets_are_log_spaced_and_cover_every_position():
     assert sum(hi - lo + 1 for lo, hi in b) == 2048
 
 
+def test_every_document_is_counted_under_every_rule(rng):
+    docs = random_docs(rng, rng.integers(1, 120, 40), 50)
+    stream_ends = np.cumsum([len(d) for d in docs])
+    for rule in eval_scoring.SHORT_DOC_RULES:
+        for L in (3, 16, 40):
+            cap = int(rng.integers(0, 12))
+            w = eval_scoring.make_windows(docs, L, rule, cap, span=64 if rule == "same" else None)
+            assert w.docs_total == w.docs_skipped + w.docs_dropped + w.docs_used == len(docs)
+            need = {"same": 65, "skip": L + 1, "concat": 0}[rule]
+            assert w.docs_skipped == sum(len(d) < need for d in docs)
+            if rule == "concat":  # used: the documents holding a target of a kept window
+                picked = np.round(np.linspace(0, w.windows_available - 1, cap)).astype(int) if (
+                    0 < cap < w.windows_available) else np.arange(w.windows_available)
+                doc_of = lambda t: np.searchsorted(stream_ends, t, side="right")  # token t's document
+                targets = np.concatenate([np.arange(i * L + 1, i * L + L + 1) for i in picked])
+                assert w.docs_used == len(set(doc_of(targets).tolist()))
+                np.testing.assert_array_equal(w.doc_of_window, doc_of(picked * L + 1))
+            else:
+                assert w.docs_used == len(set(w.doc_of_window.tolist()))
+            if not cap:
+                assert w.num_windows == w.windows_available
+            assert f"{w.docs_total} documents" in w.describe()
+
+
+def test_same_rule_scores_the_same_targets_at_every_length(rng):
+    longest = 64
+    lengths = sorted({int(x) for x in rng.choice([1, 4, 8, 16, 32], 2, replace=False)} | {3, longest})
+    docs = random_docs(rng, [*rng.integers(1, 200, 30), 300], 50)
+    cap = int(rng.integers(0, 6))
+    ws = eval_scoring.cut_windows(docs, lengths, "same", cap)
+    spans = ws[longest].tokens_NxL1  # [S, 65]
+    assert len(spans) == (min(cap, ws[longest].windows_available) if cap else ws[longest].windows_available)
+    for row, d in zip(spans, ws[longest].doc_of_window, strict=True):  # each span is a slice of its document
+        assert any(np.array_equal(row, docs[d][o : o + longest + 1])
+                   for o in range(0, len(docs[d]) - longest, longest))
+    for L, w in ws.items():
+        k = longest // L
+        assert w.num_windows == k * len(spans) and w.windows_per_span == k
+        assert (w.docs_used, w.docs_skipped, w.docs_dropped) == (
+            ws[longest].docs_used, sum(len(d) < longest + 1 for d in docs), ws[longest].docs_dropped)
+        # The windows of a span, in order, score its first k * L targets: all of them when L
+        # divides the longest length, the first 63 of 64 at L = 3.
+        targets = w.tokens_NxL1[:, 1:].reshape(len(spans), k * L)
+        np.testing.assert_array_equal(targets, spans[:, 1 : k * L + 1])
+        np.testing.assert_array_equal(w.tokens_NxL1[:, 0].reshape(len(spans), k), spans[:, 0 : k * L : L])
+
+
+def test_same_rule_without_a_long_enough_document_says_what_to_do(rng):
+    docs = random_docs(rng, rng.integers(1, 100, 10), 50)
+    with pytest.raises(ValueError, match=r"--short_docs=same: no held-out document holds 129 tokens .* "
+                                         r"--short_docs=concat"):
+        eval_scoring.cut_windows(docs, [16, 128], "same", 8)
+
+
+def test_position_buckets_hold_the_minimum_count_and_cover_every_position(rng):
+    MIN = eval_scoring.MIN_BUCKET_TARGETS
+    for _ in range(200):
+        L, N = int(rng.integers(1, 5000)), int(rng.integers(1, 300))
+        b = eval_scoring.scored_buckets(L, N)
+        assert b[0][0] == 1 and b[-1][1] == L
+        assert all(b[i][1] + 1 == b[i + 1][0] for i in range(len(b) - 1))
+        edges = {lo for lo, _ in eval_scoring.position_buckets(L)}
+        assert {lo for lo, _ in b} <= edges  # unions of the log-spaced buckets
+        if len(b) > 1:
+            assert all((hi - lo + 1) * N >= MIN for lo, hi in b), (L, N, b)
+            assert b[-1][1] - b[-1][0] + 1 >= b[-1][0] / 2  # no sliver at the end
+    # Enough windows: only the last bucket, position 2048 alone, is merged.
+    assert eval_scoring.scored_buckets(2048, 1000) == [*eval_scoring.position_buckets(2048)[:-2],
+                                                       (1024, 2048)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Intervals: a bootstrap over documents, reproducible, and the paired change between lengths
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_bootstrap_interval_covers_the_truth_at_about_its_level(rng):
+    """300 experiments of 40 documents, each document's tokens sharing its own level around a
+    known mean (so tokens are not independent; resampling documents accounts for that). A 95%
+    interval should hold the mean in about 95% of them (the percentile bootstrap runs a little
+    under at this size); one from tokens or windows alone would hold it far less often."""
+    hits = 0
+    for _ in range(300):
+        sizes = rng.integers(50, 200, 40).astype(float)
+        levels = rng.normal(3.0, 0.5, 40)
+        nll = levels * sizes + rng.normal(0.0, 1.0, 40) * np.sqrt(sizes)
+        (lo, hi), = eval_scoring.bootstrap_ci(nll[:, None], sizes[:, None])
+        hits += lo <= 3.0 <= hi
+    assert 0.88 <= hits / 300 <= 0.99, hits
+    again = eval_scoring.bootstrap_ci(nll[:, None], sizes[:, None])
+    np.testing.assert_array_equal(again, eval_scoring.bootstrap_ci(nll[:, None], sizes[:, None]))
+    assert np.isnan(eval_scoring.bootstrap_ci(nll[:1, None], sizes[:1, None])).all()  # one unit: none
+
+
+def test_same_text_at_every_length_pairs_the_change_between_lengths(rng, tmp_path, capsys):
+    """Documents of very different difficulty (skewed or flat token frequencies) make each
+    length's interval wide; the change from the shortest length, over the same documents, is
+    sure: a cache model gains from context on every skewed document."""
+    V = 32
+    docs = [rng.choice(V, size=int(n), p=rng.dirichlet(np.full(V, a))).astype(np.int32)
+            for n, a in zip(rng.integers(300, 600, 12), [0.05, 0.5, 5.0] * 4, strict=True)]
+    docs.append(rng.integers(0, V, 100).astype(np.int32))  # too short for the longest length
+    opts = eval_scoring.EvalOptions((8, 32, 256), piece_len=64, batch_size=8, max_windows=0)
+    assert opts.short_docs == "same"  # the default
+    report = evaluation.run(tiny_config(vocab=V), [evaluation.CheckpointSpec("init", "counts")], opts,
+                            str(tmp_path), docs=docs, models={"counts": CountModel(V)}, progress=False)
+    res = report["models"][0]["results"]
+    assert len({r["targets"] for r in res.values()}) == 1  # the same targets at every length
+    for r in res.values():
+        assert (r["docs_used"], r["docs_skipped"], r["ci_unit"], r["ci_units"]) == (12, 1, "documents", 12)
+        lo, hi = r["perplexity_ci"]
+        assert lo < r["perplexity"] < hi
+    assert "loss_change" not in res["8"]
+    for L in ("32", "256"):
+        change = res[L]["loss_change"]
+        assert change["from"] == 8
+        assert change["value"] == pytest.approx(res[L]["loss"] - res["8"]["loss"], abs=1e-9)
+        lo, hi = change["ci"]
+        assert lo <= change["value"] <= hi < 0
+        assert hi - lo < res[L]["loss_ci"][1] - res[L]["loss_ci"][0]
+    assert all("_units" not in r for r in res.values())  # the per-document sums are not kept
+    json.dumps(report)
+    out = capsys.readouterr().out
+    assert "change in loss from L=8, nats [95% paired bootstrap interval" in out
+    assert "12 documents" in out and "13 documents = 1 shorter than 257 tokens + 12 scored" in out
+    with open(tmp_path / "eval_perplexity.csv") as f:
+        rows = {r["context_length"]: r for r in csv.DictReader(f)}
+    assert rows["8"]["loss_change"] == "" and float(rows["256"]["loss_change_ci_hi"]) < 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bits per byte
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bits_per_byte_counts_the_bytes_behind_the_tokens(rng, tmp_path, capsys):
+    from ml_collections import ConfigDict
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    # A byte-level BPE over text with characters of 1 to 4 UTF-8 bytes: tokens that hold part
+    # of a character count the bytes they hold.
+    alphabet = [*"abcdefgh ,.\n", "é", "ß", "ж", "中", "🙂"]
+    texts = ["".join(rng.choice(alphabet, int(rng.integers(20, 80)))) for _ in range(40)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(tmp_path / "bpe.json"))
+    table, how = eval_scoring.token_byte_lengths(
+        ConfigDict({"source": "text", "tokenizer": str(tmp_path / "bpe.json")}))
+    assert "bpe.json" in how
+    for text in [*texts[:10], "".join(rng.choice(alphabet, 300))]:
+        assert table[bpe.encode(text).ids].sum() == len(text.encode())
+    assert table[bpe.token_to_id("<eos>")] == 0
+
+    # Another decoder (SentencePiece-style spaces): each id's bytes after a fixed token, so a
+    # text's count is its length, plus the space the decoder drops at its start.
+    sp = Tokenizer(models.BPE())
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Metaspace()
+    words = ["".join(rng.choice(list("abcdefgh"), int(rng.integers(1, 7)))) for _ in range(60)]
+    sp.train_from_iterator([" ".join(words)], trainers.BpeTrainer(vocab_size=120, show_progress=False))
+    sp.save(str(tmp_path / "sp.json"))
+    sp_table = eval_scoring.tokenizer_byte_lengths(str(tmp_path / "sp.json"))
+    text = " ".join(rng.choice(words, 30))
+    assert sp_table[sp.encode(text).ids].sum() - len(text.encode()) in (0, 1)
+
+    ones, how = eval_scoring.token_byte_lengths(ConfigDict({"source": "stdlib", "tokenizer": ""}))
+    assert ones.tolist() == [1] * 256 and "one byte" in how
+    # Token files without their tokenizer: no text, no bits per byte; the report says why.
+    none, why = eval_scoring.token_byte_lengths(ConfigDict({"source": "tokens", "tokenizer": ""}))
+    assert none is None and "data.tokenizer" in why
+    cfg = tiny_config(vocab=64)
+    cfg.data.source = "tokens"
+    opts = eval_scoring.EvalOptions((16,), piece_len=16, max_windows=4)
+    report = evaluation.run(cfg, [evaluation.CheckpointSpec("init", "u")], opts, str(tmp_path / "ev"),
+                            docs=random_docs(rng, [200, 100], 64), models={"u": UniformModel(64)},
+                            progress=False)
+    r = report["models"][0]["results"]["16"]
+    assert r["bits_per_byte"] is None and r["bytes"] is None
+    assert "bits per byte: not computed: data.source='tokens'" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # Outputs: console table, JSON, CSV, PNGs; one line per checkpoint
 # ---------------------------------------------------------------------------------------------
@@ -184,8 +391,12 @@ def test_outputs_written_and_plots_are_valid_pngs(rng, tmp_path, capsys):
     report = evaluation.run(tiny_config(vocab=V), specs, opts, str(tmp_path), docs=docs, models=models,
                             progress=False)
     out = capsys.readouterr().out
-    assert "short_docs=skip: 1 of 3 documents shorter than 49 tokens skipped" in out
+    assert ("short_docs=skip: 3 documents = 1 shorter than 49 tokens + 0 left out by --max_windows=64 "
+            "+ 2 scored") in out
     assert "L=128" in out and "perplexity" in out
+    assert "bits per byte (byte tokens, one byte each)" in out
+    unigram = report["models"][1]["results"]["48"]
+    assert f"{unigram['perplexity']:.3f} [{unigram['perplexity_ci'][0]:.3f}, " in out
 
     with open(tmp_path / "eval.json") as f:
         saved = json.load(f)
@@ -196,11 +407,54 @@ def test_outputs_written_and_plots_are_valid_pngs(rng, tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert {(r["label"], r["context_length"]) for r in rows} == {
         (m, L) for m in ("uniform", "unigram") for L in ("16", "48", "128")}
+    for r in rows:
+        assert float(r["perplexity_ci_lo"]) <= float(r["perplexity"]) <= float(r["perplexity_ci_hi"])
+        assert int(r["docs_total"]) == int(r["docs_skipped"]) + int(r["docs_dropped"]) + int(r["docs_used"])
     with open(tmp_path / "eval_loss_by_position.csv") as f:
-        assert {int(r["position_hi"]) for r in csv.DictReader(f) if r["context_length"] == "128"} == {
-            1, 3, 7, 15, 31, 63, 127, 128}
+        buckets = [r for r in csv.DictReader(f) if r["context_length"] == "128"]
+    # Two windows at L=128: 2 targets per position, buckets of at least 100 targets, the last
+    # (a single position, 128) merged into the one before.
+    assert [(int(r["position_lo"]), int(r["position_hi"])) for r in buckets if r["label"] == "uniform"] == [
+        (1, 63), (64, 128)]
+    assert all(int(r["targets"]) >= eval_scoring.MIN_BUCKET_TARGETS for r in buckets)
     for name in ("eval_perplexity.png", "eval_loss_by_position.png"):
         assert plots.is_png(tmp_path / name)
+
+
+def test_a_long_footer_stays_inside_the_figure_below_the_axes(rng):
+    note = " ".join("".join(rng.choice(list("abcdefghij"), int(rng.integers(2, 12)))) for _ in range(80))
+    figures = [
+        plots.line_figure({"a": ([1, 2, 4], [3.0, 2.0, 1.0])}, title="t", xlabel="x", ylabel="y",
+                          note=note),
+        plots.heatmap_figure([[0.1, 0.5]], row_labels=["r"], col_labels=["1K", "2K"], title="t",
+                             xlabel="x", ylabel="y", colorbar_label="c", note=note, chance=0.1),
+    ]
+    for fig in figures:
+        renderer = fig.canvas.get_renderer()
+        (text,) = fig.texts
+        assert text.get_text().replace("\n", " ") == note and "\n" in text.get_text()
+        box = text.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 <= fig.bbox.height
+        for ax in fig.axes:  # the axes, with their labels, sit above the footer
+            assert ax.get_tightbbox(renderer).y0 >= box.y1
+
+
+def test_bands_and_reference_lines_are_drawn(tmp_path):
+    nan = float("nan")
+    fig = plots.line_figure({"a": ([1, 2, 4], [3.0, 2.0, 1.0]), "b": ([1, 2, 4], [1.0, 1.0, 1.0])},
+                            title="t", xlabel="x", ylabel="y",
+                            bands={"a": ([2.5, nan, 0.5], [3.5, nan, 1.5])}, hlines={"chance": 0.25})
+    ax = fig.axes[0]
+    (band,) = ax.collections  # one shaded band, for "a"
+    ys = np.concatenate([p.vertices[:, 1] for p in band.get_paths()])
+    assert ys.min() == pytest.approx(0.5) and ys.max() == pytest.approx(3.5)
+    assert any(line.get_linestyle() == "--" and line.get_ydata()[0] == 0.25 for line in ax.lines)
+    assert "chance" in [t.get_text() for t in ax.get_legend().get_texts()]
+    with pytest.raises(ValueError, match="band 'a' has 2 lows"):
+        plots.line_figure({"a": ([1, 2, 4], [3.0, 2.0, 1.0])}, title="t", xlabel="x", ylabel="y",
+                          bands={"a": ([1, 2], [2, 3])})
+    assert plots.is_png(plots.line_plot(tmp_path / "b.png", {"a": ([1, 2], [1.0, 2.0])}, title="t",
+                                        xlabel="x", ylabel="y", bands={"a": ([0.5, 1.5], [1.5, 2.5])}))
 
 
 def test_plot_is_a_png_matplotlib_can_read(tmp_path):

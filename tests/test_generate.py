@@ -93,6 +93,30 @@ def test_sampling_is_deterministic_in_its_seed(model):
     assert not all(np.array_equal(x, y) for x, y in zip(a.tokens, c.tokens, strict=True))
 
 
+def test_num_samples_draws_distinct_continuations_each_with_its_own_key(model):
+    """Three samples of one prompt differ; with the same seed the first is the one the prompt
+    gets as prompt 0 of another batch (its key is (seed, prompt 0, sample 0)), and a rerun
+    repeats them. Greedy decoding has one continuation: more are refused."""
+    hot = Sampling(temperature=4.0, top_p=0.95)
+    three = generate(model, [PROMPTS[0]], NEW, sampling=hot, seed=1, piece_len=PIECE,
+                     num_samples=3)
+    assert len(three.tokens) == 3 and three.num_samples == 3 and three.prompt_lengths == [8]
+    assert [three.prompt_index(j) for j in range(3)] == [0, 0, 0]
+    assert [three.sample_index(j) for j in range(3)] == [0, 1, 2]
+    drawn = {tuple(t) for t in three.tokens}
+    assert len(drawn) == 3, three.tokens
+    batch = generate(model, PROMPTS, NEW, sampling=hot, seed=1, piece_len=PIECE)
+    np.testing.assert_array_equal(three.tokens[0], batch.tokens[0])
+    again = generate(model, [PROMPTS[0]], NEW, sampling=hot, seed=1, piece_len=PIECE,
+                     num_samples=3)
+    assert {tuple(t) for t in again.tokens} == drawn
+    with pytest.raises(ValueError, match=r"--num_samples: 2 continuations of greedy decoding "
+                                         r"would all be the same one"):
+        generate(model, PROMPTS, NEW, num_samples=2)
+    with pytest.raises(ValueError, match=r"--num_samples: 0 must be an integer >= 1"):
+        generate(model, PROMPTS, NEW, sampling=hot, num_samples=0)
+
+
 def test_the_cache_is_donated_to_every_call(model):
     dec = Decoder(model)
     cache = dec.init_cache(3, max(map(len, PROMPTS)) + NEW)
@@ -128,12 +152,38 @@ def test_top_p_keeps_the_nucleus_and_temperature_flattens_the_softmax():
     # Ties with the last token kept stay in.
     mask = gen_lib.nucleus_mask(jnp.asarray([[2.0, 1.0, 1.0, 0.0]]), 0.6)
     np.testing.assert_array_equal(mask, [[True, True, True, False]])
+    # top_k = 2: the two most probable, renormalised; then top_p over what top_k kept.
+    np.testing.assert_allclose(freqs(Sampling(1.0, top_k=2)), [0.625, 0.375, 0, 0], atol=0.04)
+    # top_k = 3 keeps 0.95; top_p = 0.5 of that: 0.5 / 0.95 reaches it alone.
+    np.testing.assert_array_equal(freqs(Sampling(1.0, 0.5, top_k=3)), [1, 0, 0, 0])
+
+
+def test_top_k_keeps_exactly_k_candidates_even_when_tied():
+    """Eight tokens of equal probability: top_k keeps exactly k of them (a tie breaks toward
+    the lower id), and sampling draws from those k, each about equally often."""
+    logits_BxV = jnp.zeros((3000, 8), jnp.float32)
+    for k in (1, 3, 7):
+        mask = np.asarray(gen_lib.top_k_mask(logits_BxV[:1], k))
+        np.testing.assert_array_equal(mask[0], np.arange(8) < k)
+    k = 3
+    tokens = np.asarray(sample_tokens(logits_BxV, jax.random.key(0), 0, Sampling(1.0, top_k=k)))
+    counts = np.bincount(tokens, minlength=8)
+    assert set(np.nonzero(counts)[0]) == set(range(k))
+    np.testing.assert_allclose(counts[:k] / len(tokens), 1 / k, atol=0.04)
+    assert gen_lib.top_k_mask(logits_BxV[:1], 0).all() and gen_lib.top_k_mask(
+        logits_BxV[:1], 8).all()  # 0 = off, k >= V = everything
 
 
 def test_sampling_from_flags():
     assert Sampling.from_flags(None, None) == Sampling(0.0, 1.0)  # greedy
     assert Sampling.from_flags(None, 0.9) == Sampling(1.0, 0.9)  # --top_p alone samples at 1
     assert Sampling.from_flags(0.7, None) == Sampling(0.7, 1.0)
+    assert Sampling.from_flags(None, None, 40) == Sampling(1.0, 1.0, 40)  # --top_k alone too
+    assert Sampling.from_flags(0.7, 0.9, 0) == Sampling(0.7, 0.9, 0)  # 0: off
+    with pytest.raises(ValueError, match=r"--top_k: 5 has no effect with --temperature=0"):
+        Sampling.from_flags(0.0, None, 5)
+    with pytest.raises(ValueError, match=r"--top_k: -1 must be an integer >= 0"):
+        Sampling.from_flags(1.0, None, -1)
 
 
 def test_bytes_decode_and_encode_round_trip():
@@ -156,14 +206,30 @@ def test_generate_command_prints_the_continuation(model, capsys, monkeypatch):
     out = gen_lib.main(config, prompts=["def "], checkpoint="init", max_new_tokens=NEW,
                        piece_len=PIECE, progress=False)
     printed = capsys.readouterr()
-    assert len(out) == 1 and printed.out == out[0] + "\n"
+    # The prompt echoed as given, then the continuation under its own header.
+    assert len(out) == 1 and re.fullmatch(
+        r"--- prompt 0 \(4 tokens\) ---\ndef \n--- continuation \((stop|length), \d new "
+        r"tokens\) ---\n" + re.escape(out[0]) + r"\n", printed.out), printed.out
     assert "untrained" in printed.err and "new tokens" in printed.err
+    assert gen_lib.main(config, prompts=["def "], checkpoint="init", max_new_tokens=NEW,
+                        piece_len=PIECE, progress=False, echo=False) == out
+    assert capsys.readouterr().out == out[0] + "\n"  # --noecho: the continuation alone
     ids = gen_lib.main(config, prompt_ids=[",".join(map(str, p)) for p in PROMPTS],
                        checkpoint="init", max_new_tokens=NEW, piece_len=PIECE, progress=False)
-    assert "--- prompt 2 (" in capsys.readouterr().out  # a batch prints a header per prompt
+    printed = capsys.readouterr().out  # ids echoed as ids
+    assert "--- prompt 2 (5 tokens) ---\n105,109,112,111,114\n--- continuation (" in printed
     first = [int(i) for i in ids[1].split(",")]  # "def ": ids keep the stop id, text does not
     assert 1 <= len(first) <= NEW and 10 not in first[:-1]
     assert TextTokenizer("").decode(first[:-1] if first[-1] == 10 else first) == out[0]
+    three = gen_lib.main(config, prompt_ids=[",".join(map(str, PROMPTS[0]))], checkpoint="init",
+                         max_new_tokens=NEW, piece_len=PIECE, progress=False, temperature=4.0,
+                         top_k=50, num_samples=3, seed=1)
+    printed = capsys.readouterr().out
+    assert len(three) == 3 and printed.count("--- prompt 0 (8 tokens) ---\n") == 1
+    for n in (1, 2, 3):
+        assert f"--- continuation {n} of 3 (" in printed
+    with pytest.raises(ValueError, match="--num_samples: 3 continuations of greedy"):
+        gen_lib.main(config, prompts=["def "], checkpoint="init", num_samples=3)
 
 
 def _no_weights(*args, **kwargs):

@@ -425,3 +425,47 @@ def test_a_failed_export_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "_write_safetensors", write)
     written = save_hf_checkpoint(model, model_config, tmp_path / "empty", max_shard_bytes=8_000)
     assert sorted(written) == sorted(p.name for p in (tmp_path / "empty").iterdir())
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False], ids=["tokenizer", "no-tokenizer"])
+def test_the_commands_import_prints_work_as_printed(tmp_path, jax_cache, with_tokenizer):
+    """``import`` prints what to run next; each printed command runs as printed (from the
+    folder the import ran in) on the run's own config. Without a tokenizer.json the run reads
+    no text: generate takes ids, and eval.py says what it needs instead of reading bytes as
+    this model's ids (a 61-token vocabulary here)."""
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.helpers import REPO, env
+
+    src = tmp_path / "hf"
+    shutil.copytree(BASE, src)
+    if with_tokenizer:  # words of Python source, the rest unknown: ids below the vocabulary
+        words = ["def", "return", "import", "self", "if", "for", "in", "(", ")", ":", "=", "."]
+        vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(str(src / "tokenizer.json"))
+    cmd = [sys.executable, "-m", "kimi_k3.hf", "import", "--hf_dir=hf", "--workdir=run"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env(jax_cache), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    printed = [ln.strip() for ln in p.stdout.splitlines() if ln.strip().startswith("python ")]
+    assert [c.split()[1] for c in printed] == (["generate.py", "eval.py"] if with_tokenizer
+                                               else ["generate.py"]), p.stdout
+    for command in printed:
+        args = command.split()[1:]
+        args = [str(REPO / args[0])] + [a.replace("'", "") for a in args[1:]]
+        run = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env(jax_cache),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (command, run.stderr[-3000:])
+    if not with_tokenizer:
+        assert "give token files" in p.stdout
+        refused = subprocess.run(
+            [sys.executable, str(REPO / "eval.py"), "--checkpoint=run", "--workdir=ev",
+             "--context_lengths=64"], cwd=tmp_path, env=env(jax_cache), capture_output=True,
+            text=True, timeout=300)
+        assert refused.returncode != 0 and "config.data.tokenizer='none'" in refused.stderr
+        assert "first bad id" not in refused.stderr and not (tmp_path / "ev").exists()

@@ -86,6 +86,24 @@ def test_accuracy_counts_only_answers():
     assert mqar.mqar_accuracy(copy_last, data, batch_size=5) == 0.0
 
 
+def test_chance_is_a_uniform_guess_among_the_values(rng):
+    """A guesser that picks a uniformly random value id for every answer scores the spec's
+    chance (within 4 standard errors over 16000 answers)."""
+    vocab = int(rng.integers(12, 200))
+    spec = mqar.MQARSpec(seq_len=32, num_kv_pairs=8, vocab_size=vocab)
+    assert spec.chance == 1 / (vocab - 1 - (vocab - 1) // 2) == 1 / spec.n_values
+    data = mqar.generate(spec, 2000, seed=int(rng.integers(1 << 30)))
+
+    def guess(inputs_BxT):
+        x = np.asarray(inputs_BxT)
+        pick = rng.integers(1 + spec.n_keys, vocab, x.shape)
+        return np.eye(vocab, dtype=np.float32)[pick]
+
+    acc = mqar.mqar_accuracy(guess, data, batch_size=500)
+    answers = data["weights_NxT"].sum()
+    assert abs(acc - spec.chance) < 4 * np.sqrt(spec.chance * (1 - spec.chance) / answers)
+
+
 def test_config_and_its_argument():
     cfg = load_mqar_config("pattern=KKKM,seq_len=64,steps=7")
     assert cfg.model.pattern == "KKKM" and cfg.model.num_layers == 4 and cfg.train.steps == 7
@@ -97,7 +115,7 @@ def test_config_and_its_argument():
         "all-KDA", "3:1", "all-MLA", "1:1"]
 
 
-def test_tiny_sweep_trains_scores_and_writes_outputs(tmp_path, monkeypatch):
+def test_tiny_sweep_trains_scores_and_writes_outputs(tmp_path, monkeypatch, capsys):
     # Two steps and one scoring pass of a tiny model: the time is the compiles of the step and
     # of the logits (kimi_k3.mqar's jax.jit), so they compile with tests/compile_options.py's
     # FAST_COMPILE (the run and every check are the same). The fresh
@@ -108,12 +126,17 @@ def test_tiny_sweep_trains_scores_and_writes_outputs(tmp_path, monkeypatch):
     monkeypatch.setattr(mqar, "make_model", build)
     cfg = load_mqar_config("pattern=KM,steps=2,d_model=16,kda_head_dim=8")
     cfg.mqar.train_batch_size, cfg.mqar.eval_examples = 4, 8
-    rows = mqar.run_sweep(cfg, ["KM"], [32], str(tmp_path), progress=False)
+    # progress=True, with output captured (not a terminal): no bars, so no carriage returns.
+    rows = mqar.run_sweep(cfg, ["KM"], [32], str(tmp_path), progress=True)
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "accuracy=" in out
     assert [(r["label"], r["seq_len"], r["kv_pairs"]) for r in rows] == [("1:1", 32, 8)]
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0 and np.isfinite(r["final_loss"]) and r["params"] > 0
     with open(tmp_path / "mqar_sweep.csv") as f:
-        assert len(list(csv.DictReader(f))) == 1
+        (row,) = csv.DictReader(f)
+    assert float(row["chance"]) == pytest.approx(1 / 128)  # configs/mqar.py: values 128..255
     table = (tmp_path / "mqar_sweep.md").read_text()
     assert "| 1:1 | KM |" in table and "T=32 (8 pairs)" in table
+    assert "Chance: 0.008 (a uniform guess among the 128 values" in table and "1 / pairs = 0.125" in table
     assert plots.is_png(tmp_path / "mqar_sweep.png")

@@ -145,32 +145,48 @@ class Oracle:
 
 
 @pytest.mark.parametrize("mode", passkey.MODES)
-def test_scoring_an_oracle(mode):
+def test_scoring_an_oracle(mode, rng):
     opts = passkey.PasskeyOptions((128, 160), (0.0, 1.0), trials=5, mode=mode, batch_size=4,
-                                  piece_len=48)
+                                  piece_len=48, seed=int(rng.integers(1 << 30)))
     rows = passkey.evaluate(Oracle(5), TASK, opts)
     assert [(r["context_length"], r["depth"]) for r in rows] == [(128, 0.0), (128, 1.0), (160, 0.0),
                                                                   (160, 1.0)]
     assert all(r["exact_match"] == r["digit_accuracy"] == 1.0 and r["trials"] == 5 for r in rows)
+    # Every trial's answer is kept beside its key, length and depth.
+    for r in rows:
+        keys = [e.key for e in TASK.examples(r["context_length"], r["depth"], 5, opts.seed)]
+        assert [a["key"] for a in r["answers"]] == [a["answer"] for a in r["answers"]] == keys
+        assert all((a["context_length"], a["depth"], a["digits_right"], a["exact"]) ==
+                   (r["context_length"], r["depth"], 5, True) for a in r["answers"])
     # Right on the first digit only: teacher forcing and decoding agree (the oracle reads the
     # key from the needle, whatever answer tokens came before).
     rows = passkey.evaluate(Oracle(5, shift=3), TASK, opts)
     assert all(r["exact_match"] == 0.0 and r["digit_accuracy"] == pytest.approx(0.2) for r in rows)
+    shifted = lambda key: key[0] + "".join(str((int(d) + 3) % 10) for d in key[1:])
+    for r in rows:
+        assert all(a["answer"] == shifted(a["key"]) and a["digits_right"] == 1 and not a["exact"]
+                   for a in r["answers"])
 
 
-def test_outputs_are_written(tmp_path):
+def test_outputs_are_written(tmp_path, rng):
+    key = lambda: "".join(rng.choice(list("0123456789"), 5))
     rows = [{"context_length": L, "depth": d, "needle_depth": d, "digit_accuracy": a,
-             "exact_match": a / 2, "trials": 4, "seconds": 0.1}
+             "exact_match": a / 2, "trials": 4, "seconds": 0.1,
+             "answers": [{"context_length": L, "depth": d, "needle_depth": d, "key": key(),
+                          "answer": key(), "digits_right": 1, "exact": False} for _ in range(4)]}
             for L, a in ((128, 0.5), (1024, 1.0)) for d in (0.0, 0.5, 1.0)]
     report = {"label": "oracle", "mode": "greedy", "digits": 5, "trials": 4, "tokenizer": "bytes",
-              "rows": rows}
+              "chance": passkey.chance_levels(5), "rows": rows}
     paths = passkey.write_outputs(report, str(tmp_path))
-    assert json.loads((tmp_path / "passkey.json").read_text()) == report
+    assert json.loads((tmp_path / "passkey.json").read_text()) == report  # the answers included
     with open(paths["csv"]) as f:
-        assert len(list(csv.DictReader(f))) == 6
+        table_rows = list(csv.DictReader(f))
+    assert len(table_rows) == 6 and "answers" not in table_rows[0]
     assert plots.is_png(paths["exact_png"]) and plots.is_png(paths["digits_png"])
-    table = passkey.format_table(rows)
+    table = passkey.format_table(rows, digits=5)
     assert "L=1024" in table and "0.50 (1.00)" in table
+    assert "chance: exact match 1e-05, digit accuracy 0.10" in table
+    assert passkey.chance_levels(3) == {"digit_accuracy": 0.1, "exact_match": pytest.approx(1e-3)}
 
 
 def test_heatmap_leaves_missing_cells_blank_and_checks_its_labels(tmp_path):
@@ -202,7 +218,14 @@ def test_a_tiny_model_trained_on_short_haystacks_finds_the_needle(tmp_path):
                           batch_size=16, piece_len=128, train_steps=200,
                           train_lengths=[str(TASK.min_context_length()), "128"], progress=False)
     digit = np.mean([r["digit_accuracy"] for r in report["rows"]])
-    assert digit > 0.2, report["rows"]
+    assert digit > 0.2, [{k: v for k, v in r.items() if k != "answers"} for r in report["rows"]]
+    assert report["chance"]["digit_accuracy"] == 0.1
+    saved = json.loads((tmp_path / "passkey.json").read_text())
+    for r in saved["rows"]:  # every trial's answer, beside its key, length and depth
+        assert len(r["answers"]) == 16
+        assert all(len(a["key"]) == 5 and a["context_length"] == 128 for a in r["answers"])
+        right = sum(a["digits_right"] for a in r["answers"])
+        assert right == pytest.approx(r["digit_accuracy"] * 16 * 5)
     assert np.isfinite(report["train"]["final_loss"])
     for name in ("passkey.json", "passkey.csv", "passkey_exact.png", "passkey_digits.png"):
         assert (tmp_path / name).exists()

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import re
 import signal
 import socket
 import subprocess
@@ -302,6 +304,89 @@ def test_step_time_counts_the_steps_it_timed(runs_at_return, tmp_path, monkeypat
     records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     times = {r["step"]: r["step_time_s"] for r in records if r["split"] == "train"}
     assert times == {3: 1.0, 6: 1.0, 8: 1.0}, times
+
+
+def test_one_token_file_gets_a_held_out_tail_and_curves_redrawn_at_each_eval(
+        tmp_path, monkeypatch, capsys):
+    """The README's recipe, one token file from `python -m kimi_k3.data`: the run holds out
+    its tail, and the first screen names the tokenizer, the rule and the sizes on each side.
+    curves.png is a PNG, drawn at the eval of step 2 and redrawn at the end (step 4)."""
+    from kimi_k3.plots import PNG_SIGNATURE, is_png
+    from tests.helpers import load_config
+
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(1, 64, rng.integers(20, 60)), 0) for _ in range(200)]
+    corpus = np.concatenate(docs).astype(np.uint16)
+    corpus.tofile(tmp_path / "corpus.bin")
+    build = train_lib.build
+    monkeypatch.setattr(train_lib, "build", lambda spec, mesh: build(
+        spec, mesh, model_fn=lambda seed: StandIn(seed, spec.model.vocab_size)))
+    drawn, plot = [], metrics_lib.plot_curves
+
+    def plot_and_keep(*args, **kwargs):
+        path = plot(*args, **kwargs)
+        drawn.append(open(path, "rb").read())
+        return path
+
+    monkeypatch.setattr(metrics_lib, "plot_curves", plot_and_keep)
+    config = load_config("tiny.py")
+    config.model.vocab_size = 64
+    config.data.source, config.data.paths = "tokens", str(tmp_path / "corpus.bin")
+    config.data.eos_id, config.data.seq_len, config.data.global_batch_size = 0, 16, 8
+    config.train.steps, config.train.log_every, config.train.eval_every = 4, 1, 2
+    config.train.eval_batches = 1
+    config.train.progress_bar, config.train.tensorboard = False, False
+    config.checkpoint.enabled = False
+    out = train_lib.train(config, str(tmp_path / "run"))
+
+    lines = capsys.readouterr().err.splitlines()
+    data_line = next(x for x in lines if x.startswith("  data "))
+    assert "tokenizer none (pre-tokenised uint16 files)" in data_line, data_line
+    held = next(x for x in lines if x.startswith("  held out "))
+    assert ("tail (the last 5% of the tokens, cut at a document end in corpus.bin): train 1 "
+            "file, ") in held, held
+    train_tokens, held_tokens = (int(n.replace(",", "")) for n in
+                                 re.findall(r"([\d,]+) tokens", held))
+    assert train_tokens + held_tokens == len(corpus)
+    assert 0.05 <= held_tokens / len(corpus) <= 0.1 and corpus[train_tokens - 1] == 0
+    assert out["eval"]["loss"] > 0
+    curves = tmp_path / "run" / "curves.png"
+    assert is_png(curves) and curves.read_bytes() == drawn[-1]
+    assert len(drawn) == 2 and drawn[0] != drawn[1]
+    assert all(d.startswith(PNG_SIGNATURE) for d in drawn)
+
+
+def test_a_held_out_split_short_of_one_batch_says_the_fraction_that_fills_one(tmp_path):
+    from kimi_k3 import data as data_lib
+    from tests.helpers import load_config
+
+    np.arange(1, 1001, dtype=np.uint16).tofile(tmp_path / "t.bin")  # 1,000 tokens
+    config = load_config("tiny.py")
+    config.data.source, config.data.paths = "tokens", str(tmp_path / "t.bin")
+    config.data.seq_len, config.data.global_batch_size = 16, 8
+    config.model.vocab_size = 1024
+    split = data_lib.load_split(config.data, 1024)  # 5%: 50 tokens, 3 rows of 16
+    hint = train_lib.no_eval_hint(split, 50 // 16, 8, 16)
+    assert hint == ("; NO held-out loss: 3 rows of 16 tokens, fewer than one batch of 8 (raise "
+                    "data.eval_fraction to 0.14 or give data.eval_paths)")
+    config.data.eval_fraction = 0.14
+    split = data_lib.load_split(config.data, 1024)
+    assert split.eval_tokens // 16 >= 8 and train_lib.no_eval_hint(split, 8, 8, 16) == ""
+
+
+def test_a_curve_that_cannot_be_drawn_is_a_warning(tmp_path, monkeypatch, caplog):
+    w = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False, console=lambda s: None)
+    assert w.plot() is None  # nothing written yet: nothing drawn
+    w.write(1, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5})
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics_lib, "plot_curves", fail)
+    with caplog.at_level(logging.WARNING):
+        assert w.plot() is None
+    assert "could not draw" in caplog.text and "No space left" in caplog.text
+    w.close()
 
 
 def test_gradient_accumulation_equals_the_one_shot_step():

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shlex
 import shutil
 
 import jax
@@ -42,6 +43,7 @@ from kimi_k3 import cli
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3.config import DTYPES, ConfigError, run_spec
 from kimi_k3.config_files import load_config
+from kimi_k3.data import NO_TOKENIZER
 from kimi_k3.hf.config_map import hf_config_from_model, run_config_from_hf
 from kimi_k3.hf.files import (
     check_new_folder,
@@ -110,7 +112,9 @@ def import_to_workdir(hf_dir, workdir, dtype: str = "float32",
     if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise ValueError(f"--workdir: {str(workdir)!r} already holds checkpoints; import into "
                          f"a new folder, e.g. --workdir={unused_sibling(workdir)}")
-    tokenizer = ""
+    # Without a tokenizers JSON the model's ids are no text we can read: "none" makes eval.py
+    # and generate.py refuse text (naming what to give) rather than read bytes as its ids.
+    tokenizer = NO_TOKENIZER
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copy(hf_dir / "tokenizer.json", workdir / "tokenizer.json")
         tokenizer = os.fspath(workdir / "tokenizer.json")
@@ -212,11 +216,33 @@ def main(argv=None, process: bool = False) -> None:
     cli.guarded(_run, debug=lambda: args.debug or cli.debug_requested(()), process=process)(args)
 
 
+def next_commands(workdir: str) -> list[str]:
+    """What to run on an imported run folder, as commands that work as printed (each uses the
+    run's own config, tokenizer included): generate and evaluate; without a tokenizer, token
+    ids for generate and what eval.py needs instead of a command that would fail."""
+    config = load_config(workdir)
+    has_text = config.data.tokenizer != NO_TOKENIZER
+    run = shlex.quote(workdir)
+    prompt = "--prompt='Hello'" if has_text else "--prompt_ids=1,2,3"
+    lines = ["next:",
+             f"  python generate.py --checkpoint={run} {prompt} --max_new_tokens=16"]
+    if has_text:
+        lines.append(f"  python eval.py --checkpoint={run} --workdir={run}/eval "
+                     f"--context_lengths=512 --max_windows=4")
+    else:
+        lines.append("  eval.py and training need text in this model's tokens, and no "
+                     "tokenizer.json came with the checkpoint: give token files "
+                     "(--config.data.source=tokens --config.data.paths=FILE) or its tokenizer "
+                     "(--config.data.tokenizer=PATH)")
+    return lines
+
+
 def _run(args: argparse.Namespace) -> None:
     quiet_library_logs()  # Orbax's INFO lines and its harmless metadata warning
     if args.command == "import":
         step = import_to_workdir(args.hf_dir, args.workdir, args.dtype, args.param_dtype)
         print(f"imported {args.hf_dir} -> {step}; config: {args.workdir}/config.py")
+        print("\n".join(next_commands(args.workdir)))
     else:
         files = export_from_workdir(args.workdir, args.hf_dir, args.checkpoint, args.config)
         print(f"exported to {args.hf_dir}: {', '.join(files)}")
