@@ -153,6 +153,11 @@ REGISTRY: dict[str, Benchmark] = {
             "--config.train.steps=20", "--config.train.log_every=5", "--workdir={work}/run_small",
             "--out={out}/throughput_small.md", timeout_s=300),),
         writes=("throughput_small.md",), wheels=TRAIN),
+    "plan_check": Benchmark(
+        "The planner's memory estimate against the measured peak (configs/1b.py, small.py)",
+        (py("benchmarks/plan_check.py", "--cases=1b,small", "--steps=2",
+            "--out={out}/plan_check.md", timeout_s=540),),
+        writes=("plan_check.md",), wheels=TRAIN),
     "dense_anchor": Benchmark(
         "Training step and MFU: the dense same-card anchor (--anchor, a script the user supplies)",
         (Command(("{python}", "{anchor}", "--remat", "dots", "--batch", "8"), timeout_s=300,
@@ -283,7 +288,8 @@ REGISTRY: dict[str, Benchmark] = {
 
 GROUPS = {
     "kda": ("kda_kernel", "kda_kernel_long", "kda_breakdown"),
-    "train": ("train_1b", "train_small", "dense_anchor", "step_profile", "micro_batch_order"),
+    "train": ("train_1b", "train_small", "dense_anchor", "step_profile", "micro_batch_order",
+              "plan_check"),
     "long_context": ("long_context_3to1", "long_context_mla", "long_context_kda"),
     "moe": ("moe_layer", "moe_train", "grouped_matmul"),
     "kernels": ("attention", "cache_attention", "short_conv", "swiglu", "attn_res"),

@@ -151,7 +151,9 @@ def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {p for p, n in names.items() if "/device:" in n}
+    # libtpu, when installed, adds a "/device:CUSTOM:..." track of its own even on a CPU: not
+    # a device this step ran on.
+    device_pids = {p for p, n in names.items() if "/device:" in n and "CUSTOM" not in n}
     out = []
     for e in events:
         if e.get("ph") != "X" or "hlo_op" not in e.get("args", {}):

@@ -259,7 +259,7 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "steps": 1000,  # total optimizer steps
             "microbatch_size": 0,  # rows per forward/backward pass (all data-parallel devices
             # together); the global batch is their gradient sum. 0 = the largest that fits in
-            # device memory (from XLA's estimate), or the whole batch where memory is unknown
+            # device memory (kimi_k3.plan's estimate), or the whole batch where memory is unknown
             "log_every": 10,  # steps between console / JSONL / TensorBoard reports
             "eval_every": 200,  # steps between held-out evaluations; 0 = only at the end
             "eval_batches": 4,  # global batches per evaluation
@@ -267,6 +267,8 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "progress_bar": True,  # shown only when stderr is a terminal
             "tensorboard": True,
             "peak_tflops_per_device": 0.0,  # for MFU; 0 = look up the device kind
+            "memory_check": True,  # refuse, before compiling, a step the planner (kimi_k3.plan)
+            # says cannot fit the device, naming what would fit; False: try anyway
         },
     }
 
@@ -457,6 +459,7 @@ class TrainSpec:
     progress_bar: bool
     tensorboard: bool
     peak_tflops_per_device: float
+    memory_check: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -856,7 +859,8 @@ def train_spec(cfg) -> TrainSpec:
         eval_every=f.int("eval_every", 0, "must be an integer >= 0"),
         eval_batches=f.int("eval_batches", 1), nan_policy=f.choice("nan_policy", NAN_POLICIES),
         progress_bar=f.bool("progress_bar"), tensorboard=f.bool("tensorboard"),
-        peak_tflops_per_device=f.number("peak_tflops_per_device", 0.0))
+        peak_tflops_per_device=f.number("peak_tflops_per_device", 0.0),
+        memory_check=f.bool("memory_check"))
 
 
 def kda_chunk(model: ModelSpec | None) -> int | None:

@@ -10,6 +10,10 @@ The contract, for every operator with an ``impl`` argument:
 - every choice is reported once per process (``logging.info``), so a run's log says what it
   used.
 
+The backend, where a caller gives none, is the target platform (``device.target_platform``:
+the platform of the mesh in context, else JAX's default backend), so a program traced under a
+TPU topology's mesh on a CPU machine (``kimi_k3.aot``) takes the TPU's kernels.
+
 KDA (``kimi_k3.ops.kda``): "recurrent" (the definition), "xla" (chunked, plain JAX), "pallas"
 (the Pallas kernel; interpret mode on CPU). "auto": "pallas" on the backends in
 ``AUTO_PALLAS_BACKENDS`` when the kernel lowers there, else "xla".
@@ -97,7 +101,7 @@ def _kernels_on_the_gpu(requested: str, choices, what: str, backend) -> str:
         raise ValueError(f"{what}: impl must be one of {choices}, got {requested!r}")
     if requested != "auto":
         return requested
-    backend = backend or jax.default_backend()
+    backend = backend or device.target_platform()
     return "pallas" if backend == "gpu" and device.probe(backend).triton else "xla"
 
 
@@ -105,7 +109,7 @@ def choose_kda_impl(requested: str, backend: str | None = None) -> str:
     """The KDA implementation to run for ``requested`` on ``backend`` (default: JAX's)."""
     if requested not in KDA_IMPLS:
         raise ValueError(f"kda: impl must be one of {KDA_IMPLS}, got {requested!r}")
-    backend = backend or jax.default_backend()
+    backend = backend or device.target_platform()
     if requested == "pallas":
         error = kda_kernel_error(backend)
         if error:
@@ -138,7 +142,7 @@ def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool
     mask_bytes = 3 * batch * T * S  # cuDNN's packed-document mask: bool, then a bf16 bias
     if requested not in ATTN_IMPLS:
         raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {requested!r}")
-    backend = backend or jax.default_backend()
+    backend = backend or device.target_platform()
     whole = not continues_cache and T == S
     if requested in ("cudnn", "pallas") and not whole:
         raise ValueError(f"attention: impl={requested!r} needs q_offset=0 and S == T (got T={T}, "
@@ -200,7 +204,7 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     raise."""
     if requested not in ATTN_IMPLS:
         raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {requested!r}")
-    backend = backend or jax.default_backend()
+    backend = backend or device.target_platform()
     if requested == "cudnn" and backend != "gpu":
         raise ValueError(f"attention: impl='cudnn' needs a GPU, the backend is {backend!r}; use "
                          f"'auto' or 'xla'")
@@ -242,7 +246,7 @@ def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, 
 
     if requested not in EXPERT_MATMULS:
         raise ValueError(f"moe: expert_matmul must be one of {EXPERT_MATMULS}, got {requested!r}")
-    backend = backend or jax.default_backend()
+    backend = backend or device.target_platform()
     if requested == "dense" and tokens_move:
         raise ValueError("moe: expert_matmul='dense' cannot run with all-to-all expert "
                          "parallelism (tokens move to their experts' devices); use 'ragged' or "

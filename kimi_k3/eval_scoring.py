@@ -504,6 +504,13 @@ def _nnx_scoring_fns(graphdef):
     return _scoring_fns(lambda state: nnx.merge(graphdef, state))
 
 
+def piece_function(graphdef):
+    """The jitted piece function a ``Scorer`` runs for models of ``graphdef``:
+    (state, tokens [B, P], cache, targets [B, P]) -> (NLL [B, P], cache), the cache donated
+    (``kimi_k3.aot`` compiles it for a TPU topology)."""
+    return _nnx_scoring_fns(graphdef)[0]
+
+
 def align_cache(cache, like):
     """``cache`` re-nested as ``like`` (an abstract cache, e.g. what ``prefill`` returns) when
     the two hold the same arrays in the same order but nest them differently (an empty entry

@@ -219,6 +219,13 @@ def _nnx_decoder_fns(graphdef):
     return _decoder_fns(lambda state: nnx.merge(graphdef, state))
 
 
+def step_function(graphdef):
+    """The jitted decoding step a ``Decoder`` runs for models of ``graphdef``:
+    (state, token [B], cache) -> (logits [B, V], cache), the cache donated (``kimi_k3.aot``
+    compiles it for a TPU topology)."""
+    return _nnx_decoder_fns(graphdef)[1]
+
+
 class Decoder:
     """A model's jitted ``prefill`` (in pieces) and ``step``, the cache donated to each call, so
     the KDA state and the MLA latent cache are updated in place.

@@ -35,6 +35,11 @@ The mixture of experts leaves the compiler's automatic partitioning for its disp
 tokens per device and sends them to their experts' devices by all-to-all inside ``shard_map``.
 :func:`expert_layout` tells it, from the same rules, which mesh axes split its tokens, its
 experts and its experts' hidden width.
+
+Kernels (the Pallas KDA kernel, splash and Triton attention) are partitioned by hand: a custom
+call is opaque to the compiler's partitioner (Mosaic refuses outright: "Mosaic kernels cannot
+be automatically partitioned"), so :func:`per_device` runs one inside ``shard_map`` on each
+device's rows and heads, named by the same logical axes.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ BTD = ("activation_batch", "activation_length", "activation_embed")
 BTHK = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 BTF = ("activation_batch", "activation_length", "activation_mlp")
 BTV = ("activation_batch", "activation_length", "activation_vocab")
+# A kernel's [B, T, heads, dim] operand, split by rows and heads only: each device's kernel
+# call takes whole sequences (its work is independent across rows and heads, not tokens).
+ROWS_HEADS = ("activation_batch", None, "activation_heads", None)
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -118,6 +126,44 @@ def param(value: jax.Array, names: Sequence[str | None], kind: type = nnx.Param)
     if _rules_in_context():
         value = nn.with_logical_constraint(value, names)
     return kind(value, out_sharding=names, eager_sharding=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: partitioned by hand
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_names(x) -> bool:
+    """One array's logical axis names: a tuple of names (str) and unsplit axes (None)."""
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def per_device(fn: Callable, args: Sequence, names: Sequence, out_names):
+    """``fn(*args)``, run inside ``shard_map`` on each device's part of its arguments when the
+    mesh in context has more than one device (the module docstring says why kernels need it).
+
+    names: per argument, its logical axis names (one per dimension, None for an axis not split;
+    ``()`` for a scalar); an argument that is None passes through as None. out_names: the names
+    of ``fn``'s result, or a tuple of them for a tuple of results (a result that is None stays
+    None). The rules in force turn every name into mesh axes, so the caller names only the axes
+    along which ``fn`` is independent (rows, heads): each device computes its part alone, with
+    no collective. Without a mesh and rules in context, on one device, or inside ``shard_map``
+    already (axes in manual mode): ``fn(*args)``.
+    """
+    if len(names) != len(args):
+        raise ValueError(f"per_device: {len(names)} names for {len(args)} arguments")
+    if not _rules_in_context():
+        return fn(*args)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.size == 1 or mesh.manual_axes:
+        return fn(*args)
+    rules = core_spmd.get_logical_axis_rules()
+    in_specs = tuple(logical_to_spec(n, rules) for n in names)
+    out_specs = jax.tree.map(lambda n: logical_to_spec(n, rules), out_names, is_leaf=_is_names)
+    # check_vma=False: a Pallas call declares no per-device types for its outputs, which
+    # shard_map's type check would require; every output is split like the inputs it comes from.
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ same document (``segment_ids[t + 1] == segment_ids[t] != 0``); the last token of
 predicts nothing. With ``train.microbatch_size = m`` the global batch of B rows runs as B / m
 micro-batches (forward and backward each), gradients are summed in float32 and divided by the
 token count of the whole batch, so the update equals the one-shot step's. ``m = 0`` picks the
-largest micro-batch XLA's memory estimate says fits the device (``choose_microbatch``). Rows go
+largest micro-batch the planner says fits the device (``plan_microbatch``, ``kimi_k3.plan``;
+a stand-in model: XLA's estimate, ``choose_microbatch``), and a step the planner says cannot
+fit is refused before it compiles (``train.memory_check``). Rows go
 to micro-batches by ``micro_batch_order``: each device's own, fewer documents first.
 
 Non-finite loss or gradient norm: the update of that step is never applied (parameters and
@@ -52,7 +54,7 @@ from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
-from kimi_k3.config import RunSpec, check_context, kda_chunk, opt_spec, run_spec
+from kimi_k3.config import ConfigError, RunSpec, check_context, kda_chunk, opt_spec, run_spec
 from kimi_k3.layers.attention import documents_per_row
 from kimi_k3.layers.dense import precast, with_copies
 from kimi_k3.layers.moe import MoeStat, update_bias
@@ -364,6 +366,40 @@ def choose_microbatch(B: int, T: int, mesh, graphdef, rest, abstract_state, batc
     return chosen
 
 
+def plan_microbatch(config, mesh, microbatch: int = 0, check: bool = True,
+                    limit: int | None = None) -> int:
+    """The micro-batch a step runs: ``microbatch`` when given, else the largest the planner
+    (``kimi_k3.plan``) says fits the device, or the whole batch where the device's memory is
+    unknown (CPU). With ``check``, a step the planner says cannot fit is refused here, before
+    anything compiles: a ConfigError with the estimate, the device's memory and what would
+    fit (``plan.knobs``)."""
+    from kimi_k3 import plan
+
+    limit = device_memory_bytes() if limit is None else limit
+    B = int(config.data.global_batch_size)
+    if limit is None:
+        return microbatch or B
+    sizes = dict(mesh.shape)
+    device = plan.local_device(limit)
+    if microbatch:
+        chosen, estimate = microbatch, plan.memory_plan(config, sizes, microbatch, device, limit)
+    else:
+        chosen, estimate = plan.largest_microbatch(config, sizes, device, limit)
+    logging.info("memory plan: micro-batch %s rows, %.1f GiB of %.1f GiB per device",
+                 chosen or "no", estimate.total / 2**30, limit / 2**30)
+    if estimate.fits or not check:
+        return chosen or estimate.microbatch
+    fixes = plan.knobs(config, estimate, device)
+    raise ConfigError(
+        f"config.train.microbatch_size: {estimate.microbatch} rows per micro-batch need about "
+        f"{estimate.total / 2**30:.1f} GiB per device (python -m kimi_k3.plan --config=... "
+        f"--devices={math.prod(sizes.values())} shows the table), more than the "
+        f"{plan.MEMORY_HEADROOM:.0%} of {limit / 2**30:.1f} GiB a plan may use; "
+        + ("what would fit: " + "; ".join(fixes) if fixes else
+           "nothing on this mesh fits: more devices or a smaller model")
+        + "; --config.train.memory_check=False tries anyway")
+
+
 def build(config, mesh, model_fn=None) -> Setup:
     """Abstract shapes, shardings (checked for divisibility), the optimizer and the jitted
     init / train / eval functions on ``mesh``.
@@ -392,8 +428,12 @@ def build(config, mesh, model_fn=None) -> Setup:
 
     batch_sharding = mesh_lib.batch_sharding(mesh)
     batch_shardings = {"tokens": batch_sharding, "segment_ids": batch_sharding}
-    micro = spec.train.microbatch_size or choose_microbatch(
-        B, T, mesh, graphdef, abs_rest, abstract_state, batch_sharding, rules)
+    if model_fn is None and not isinstance(config, RunSpec):
+        micro = plan_microbatch(config, mesh, spec.train.microbatch_size,
+                                check=spec.train.memory_check)
+    else:  # a stand-in model, or a RunSpec: XLA's own estimate
+        micro = spec.train.microbatch_size or choose_microbatch(
+            B, T, mesh, graphdef, abs_rest, abstract_state, batch_sharding, rules)
     jit_init = jax.jit(lambda: init_state()[0], out_shardings=state_shardings,
                        compiler_options=run_once_compiler_options(_platform(mesh)))
     # The rest of the model's state: a constant of the steps. Measurements (MoeStat) are
@@ -666,7 +706,7 @@ def _train(spec: RunSpec, config, workdir: str, config_name: str, folder: RunFol
                         eval_rows.num_rows, B)
 
     # ---- Model, optimizer, sharding, update step ---------------------------------------------
-    setup = build(spec, mesh)
+    setup = build(config, mesh)
     host_rows = data_lib.host_batch_slice(setup.batch_sharding, (B, T))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state["params"]))
     fpt = float(flops_per_token(spec.model, T))

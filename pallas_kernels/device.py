@@ -1,7 +1,9 @@
 """The one place that asks what the card is and which compiled kernels apply to it.
 
-    dev = probe()            # the default backend's first device
+    dev = probe()            # the target platform's first device (below)
     dev = probe("gpu")       # a GPU as this JAX would compile for it (also on a CPU machine)
+    target_platform()        # "tpu" while tracing under a TPU topology's mesh on a CPU machine
+    memory_bytes(dev)        # a device's memory, a TPU topology's devices included
     dev.platform, dev.kind, dev.compute_capability      # "gpu", "NVIDIA H200", "9.0"
     dev.triton, dev.mosaic_gpu, dev.mosaic_tpu, dev.cudnn_lse
     dev.why_not("mosaic_gpu")                           # None, or one line saying why not
@@ -16,12 +18,26 @@ process.
 without a device: its kernels are those this JAX lowers for it (so a CPU machine can ask about
 the GPU path, as the tests and the TPU compile checks do), but its ``kind`` is unknown and no
 card-specific kernel (Mosaic GPU) applies.
+
+The target platform is the platform a program is traced for: the platform of the devices of the
+mesh in context (``jax.set_mesh``), else JAX's default backend. A program compiled ahead of
+time for a TPU topology on a CPU machine (``kimi_k3.aot``) is traced under a mesh of that
+topology's devices, so every choice made here (and in ``kimi_k3.dispatch``) is the TPU's, not
+the host's.
+
+A CPU machine with ``libtpu`` installed (the test extra installs it, to compile for TPUs ahead
+of time) starts libtpu whenever JAX looks for its backends, and libtpu, finding no TPU and no
+cloud metadata, prints a screen of warnings about its missing settings and takes a lock file
+that no second process can then take. Importing this module gives it the settings of a single
+host with no chip to guard (``settle_libtpu_without_a_tpu``), only where JAX found no TPU chip
+on the machine, so commands on a CPU print only their own lines.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +89,24 @@ class Device:
                 f"{', '.join(families) or 'none compiled (XLA only)'}")
 
 
+def target_platform() -> str:
+    """The platform the program being traced is for: the platform of the devices of the mesh
+    in context (its abstract device, which a TPU topology's mesh carries on a CPU machine too),
+    else JAX's default backend. Callable inside ``jit`` and ``shard_map``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    dev = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    if dev is not None and dev.platform in PLATFORMS:
+        return dev.platform
+    return jax.default_backend()
+
+
 def probe(platform: str | None = None) -> Device:
-    """The ``Device`` of ``platform`` (default: JAX's default backend), probed once per process.
+    """The ``Device`` of ``platform`` (default: ``target_platform()``), probed once per process.
 
     Never raises for a platform JAX knows: a family that cannot lower is reported as absent,
     with its reason in ``why_not``.
     """
-    platform = platform or jax.default_backend()
+    platform = platform or target_platform()
     if platform not in PLATFORMS:
         raise ValueError(f"device: platform must be one of {PLATFORMS}, got {platform!r}")
     return _probe(platform)
@@ -197,3 +224,48 @@ def _cudnn_lse_error() -> str | None:
     if not hasattr(fused, "MaskType"):
         return f"this JAX's ({jax.__version__}) cuDNN attention module is not the one expected"
     return None
+
+
+# HBM per chip and TensorCores per chip of each TPU generation (Google's published figures),
+# by a lower-case substring of ``device_kind``, first match wins: a TPU topology's devices have
+# no memory statistics to ask. A device that is one of a chip's cores gets its share.
+TPU_CHIPS = (("v6 lite", 32, 1), ("v6e", 32, 1), ("v5 lite", 16, 1), ("v5e", 16, 1),
+             ("v5p", 95, 2), ("v5", 95, 2), ("v4", 32, 2), ("v3", 32, 2), ("v2", 16, 2))
+
+
+def memory_bytes(dev) -> int | None:
+    """The memory one device (a ``jax.Device``) may hold: the allocator's limit where the
+    runtime keeps statistics, else for a TPU (a topology's device, compiled for ahead of time)
+    its chip's HBM (``TPU_CHIPS``) over the devices per chip; None when unknown (a CPU)."""
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # a compile-only device (a TPU topology's) has no statistics to give
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if dev.platform != "tpu":
+        return None
+    kind = dev.device_kind.lower()
+    for key, gib, cores in TPU_CHIPS:
+        if key in kind:
+            return gib * 2**30 * (getattr(dev, "num_cores", None) or 1) // cores
+    return None
+
+
+def settle_libtpu_without_a_tpu() -> None:
+    """Settings for libtpu where JAX found no TPU chip on this machine (JAX then sets
+    ``TPU_SKIP_MDS_QUERY`` at its import), so that starting it, as JAX's search for backends or
+    a TPU topology does, neither prints a screen of warnings about the accelerator type and
+    worker hostnames it could not determine (single-host values here, which name no
+    accelerator: a topology asked for by name is compiled for as it is) nor takes the lock file
+    that keeps a second process from a TPU's chips (there are none to share: without this, two
+    processes, two test workers say, could not both compile for a topology). A setting already
+    made is kept."""
+    if os.environ.get("TPU_SKIP_MDS_QUERY") != "1":
+        return
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+settle_libtpu_without_a_tpu()

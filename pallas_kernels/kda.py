@@ -20,7 +20,7 @@ saves the per-chunk states (O(T K V / C) memory, never O(T^2)) so the backward d
 replay the state pass, each chunk's cumulative gate G (instead of g) and its Akk and
 (I + Diag(beta) Akk)^-1 (O(T C)); the decayed intra-chunk factors are recomputed.
 
-Backends (``backend=``, default from ``interpret`` and ``jax.default_backend()``):
+Backends (``backend=``, default from ``interpret`` and ``device.target_platform()``):
     "gpu"            Pallas-Triton, compiled.          "tpu"  Pallas-Mosaic, compiled.
     "interpret"      the GPU kernels in Pallas' interpret mode (any machine; the CPU default).
     "tpu_interpret"  the TPU kernels in TPU interpret mode (pltpu.InterpretParams) on CPU.
@@ -48,6 +48,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import device
 from pallas_kernels import kda_calls as calls
 from pallas_kernels.kda_body import MAX_FACTORED_EXPONENT, KdaConfig
 from pallas_kernels.tuning import TARGET_PROGRAMS, KernelTuning
@@ -68,7 +69,7 @@ def _resolve_mode(interpret, backend) -> str:
         if backend not in MODES:
             raise ValueError(f"kda_pallas: backend must be one of {MODES}, got {backend!r}")
         return backend
-    platform = jax.default_backend()
+    platform = device.target_platform()  # a TPU topology's mesh in context: "tpu"
     if interpret is None:
         interpret = platform not in ("gpu", "tpu")
     if interpret:

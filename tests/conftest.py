@@ -12,6 +12,12 @@ os.environ.setdefault("NPROC", "8")
 import numpy as np
 import pytest
 
+# libtpu (the test extra installs it, for tests/test_aot.py) starts with every JAX process's
+# search for backends; on a machine without a TPU, pallas_kernels.device gives it settings
+# under which it prints nothing and takes no lock. Imported here, before any backend starts,
+# they hold for this process and every subprocess it runs.
+from pallas_kernels import device  # noqa: F401
+
 # A test's random inputs are fresh every run; the seed is printed with a failure, and
 # KIMI_K3_TEST_SEED=<seed> replays it:  KIMI_K3_TEST_SEED=1234 pytest tests/x.py::test_y
 SEED_ENV = "KIMI_K3_TEST_SEED"

@@ -311,6 +311,7 @@ def _parse_absl(job: dict, loaded: dict) -> str | None:
         before = set(FLAGS)
         spec = importlib.util.spec_from_file_location(f"_doc_check_{len(loaded)}", script)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)  # defines the flags; app.run is not reached
         loaded.clear()
         loaded[script] = module
@@ -447,7 +448,7 @@ def test_readme_is_short_and_links_every_guide():
     assert not [g.name for g in GUIDES if g.resolve() not in linked], "guides the README does not link"
 
 
-BENCHMARKS_MAX_LINES = 400
+BENCHMARKS_MAX_LINES = 430
 RESULTS_MAX_BYTES = 4 << 20
 
 

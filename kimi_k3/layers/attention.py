@@ -36,7 +36,9 @@ cache block by block with ``attention_lse`` (each block's output and log-sum-exp
 GPU, splash on TPU, the blockwise loop elsewhere) and merges the blocks by log-sum-exp.
 
 Value heads narrower than key heads (MLA: 192 vs 128) are zero-padded where a kernel wants
-equal head dims, and the padding is sliced off.
+equal head dims, and the padding is sliced off. Under a mesh of several devices the Pallas
+kernels run on each device's rows and heads (``sharding.per_device``): the compiler cannot
+partition a kernel itself.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kimi_k3.dispatch import attention_fallback, choose_attention_impl, cudnn_fused_attention
+from kimi_k3.sharding import ROWS_HEADS, per_device
+from pallas_kernels import device
 
 # Finite "minus infinity": masked scores never turn into NaN, even in fully masked blocks.
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -436,7 +440,7 @@ def _splash_attention(q, k, v, *, scale, segment_ids):
         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
     )
     kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                    interpret=jax.default_backend() != "tpu")
+                                    interpret=device.target_platform() != "tpu")
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     o = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=splash.SegmentIds(q=s, kv=s)))(
         qh, kh, vh, seg
@@ -509,9 +513,13 @@ def attention(q, k, v, *, scale=None, segment_ids=None, kv_segment_ids=None, q_o
         except (NotImplementedError, RuntimeError) as err:
             attention_fallback(impl, chosen, err)
     elif chosen == "pallas":
-        kernel = _triton_attention if jax.default_backend() == "gpu" else _splash_attention
+        kernel = _triton_attention if device.target_platform() == "gpu" else _splash_attention
+        run = lambda q, k, v, seg: kernel(q, k, v, scale=scale, segment_ids=seg)
         try:
-            return kernel(q, k, v, scale=scale, segment_ids=segment_ids)
+            # Under a mesh, on each device's rows and heads: the compiler cannot partition it.
+            return per_device(run, (q, k, v, segment_ids),
+                              (ROWS_HEADS, ROWS_HEADS, ROWS_HEADS, ("activation_batch", None)),
+                              ROWS_HEADS)
         except (ImportError, NotImplementedError, RuntimeError) as err:
             attention_fallback(impl, chosen, err)
     return blockwise_attention(q, k, v, scale=scale, q_segment_ids=segment_ids,
@@ -553,8 +561,12 @@ def attention_lse(q, k, v, *, scale, causal, kv_len=None, impl="xla"):
                                  q_len=jnp.full((B,), T, jnp.int32),
                                  kv_len=jnp.full((B,), kv_len, jnp.int32))
         return o.astype(jnp.float32), lse
-    if impl == "pallas":
-        return _splash_lse(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
+    if impl == "pallas":  # under a mesh, on each device's rows and heads (per_device)
+        run = lambda q, k, v, kv_len: _splash_lse(q, k, v, scale=scale, causal=causal,
+                                                  kv_len=kv_len)
+        kv_len = None if kv_len is None else jnp.asarray(kv_len, jnp.int32)
+        return per_device(run, (q, k, v, kv_len), (ROWS_HEADS, ROWS_HEADS, ROWS_HEADS, ()),
+                          (ROWS_HEADS, ("activation_batch", None, "activation_heads")))
     kv_pos = jnp.arange(S)
     kv_seg_BxS = jnp.zeros((B, S), jnp.int32)
     if kv_len is not None:  # keys at or past kv_len: another segment than the queries' 0
@@ -590,7 +602,7 @@ def _splash_lse(q, k, v, *, scale, causal, kv_len):
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk)
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([one] * H), head_shards=1, q_seq_shards=1, block_sizes=sizes,
-        save_residuals=True, interpret=jax.default_backend() != "tpu")
+        save_residuals=True, interpret=device.target_platform() != "tpu")
     kv_seg = jnp.zeros((S,), jnp.int32)
     if kv_len is not None:
         kv_seg = (jnp.arange(S) >= kv_len).astype(jnp.int32)

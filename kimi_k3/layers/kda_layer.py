@@ -23,7 +23,8 @@ last W-1 pre-convolution inputs of q, k and v.
 Context parallelism (a "context" mesh axis splitting the tokens, ``sharding.context_layout``):
 the recurrence passes states between the shards (``kimi_k3.ops.kda_context``) and each short
 convolution receives the previous shard's last W-1 inputs; everything else is per token.
-Without that axis (or with one device on it) the layer runs the one-device code unchanged.
+Without that axis (or with one device on it) the layer runs the one-device code unchanged,
+the Pallas kernel on each device's rows and heads under a mesh (``sharding.per_device``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
-from kimi_k3.sharding import BTHK, constrain, context_layout, param
+from kimi_k3.sharding import BTHK, ROWS_HEADS, constrain, context_layout, param, per_device
 
 
 class KDALayer(nnx.Module):
@@ -95,6 +96,32 @@ class KDALayer(nnx.Module):
             "conv_k": self.k_conv.init_tail(batch_size, self.dtype),
             "conv_v": self.v_conv.init_tail(batch_size, self.dtype),
         }
+
+    def _kda_whole(self, q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV,
+                   state_BxHVxKxV, segment_ids_BxT, A_log_HV, dt_bias_HVxK, with_state: bool):
+        """The KDA op on whole sequences: (o [B, T, HV, V], the final state or None). The
+        Pallas kernel, which the compiler cannot partition, runs under a mesh on each device's
+        rows and heads (``sharding.per_device``); the other forms are partitioned by it."""
+        spec = self.spec
+
+        def run(q, k, v, g, beta, S0, seg, A_log, dt_bias):
+            gate = {} if A_log is None else {"A_log": A_log, "dt_bias": dt_bias}
+            return kda(q, k, v, g, beta, **gate, initial_state=S0, output_final_state=with_state,
+                       segment_ids=seg, chunk_size=spec.chunk_size, lower_bound=spec.lower_bound,
+                       impl=spec.impl, tuning=spec.kernel_tuning,
+                       # A non-finite value anywhere makes the loss non-finite, and the trainer
+                       # then drops the whole step: keeping it inside its document buys nothing.
+                       isolate_documents=False)
+
+        args = (q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, g_BxTxHVxK, beta_BxTxHV, state_BxHVxKxV,
+                segment_ids_BxT, A_log_HV, dt_bias_HVxK)
+        if spec.impl != "pallas":
+            return run(*args)
+        rows, heads = "activation_batch", "activation_heads"
+        state = (rows, heads, None, None)
+        names = (ROWS_HEADS, ROWS_HEADS, ROWS_HEADS, ROWS_HEADS, (rows, None, heads), state,
+                 (rows, None), (heads,), (heads, None))
+        return per_device(run, args, names, (ROWS_HEADS, state))
 
     def __call__(
         self,
@@ -158,20 +185,10 @@ class KDALayer(nnx.Module):
                     chunk_size=self.spec.chunk_size, lower_bound=self.spec.lower_bound,
                     impl=self.spec.impl, tuning=self.spec.kernel_tuning)
             else:
-                o_BxTxHVxV, state = kda(
-                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, gate_BxTxHVxK, beta_BxTxHV,
-                    **gate_params,
-                    initial_state=c.get("state"),
-                    output_final_state=cache is not None,
-                    segment_ids=segment_ids_BxT,
-                    chunk_size=self.spec.chunk_size,
-                    lower_bound=self.spec.lower_bound,
-                    impl=self.spec.impl,
-                    tuning=self.spec.kernel_tuning,
-                    # A non-finite value anywhere makes the loss non-finite, and the trainer then
-                    # drops the whole step: keeping it inside its document would buy nothing.
-                    isolate_documents=False,
-                )
+                o_BxTxHVxV, state = self._kda_whole(
+                    q_BxTxHxK, k_BxTxHxK, v_BxTxHVxV, gate_BxTxHVxK, beta_BxTxHV, c.get("state"),
+                    segment_ids_BxT, gate_params.get("A_log"), gate_params.get("dt_bias"),
+                    with_state=cache is not None)
         with jax.named_scope("kda_out"):
             gate_BxTxHVxV = jax.nn.sigmoid(o_gate_BxTxHVxV.astype(jnp.float32))
             o_BxTxHVxV = (self.o_norm(o_BxTxHVxV) * gate_BxTxHVxV).astype(self.dtype)
