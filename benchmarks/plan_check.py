@@ -41,7 +41,6 @@ flags.DEFINE_string("time_auto", "", "A case whose automatic micro-batch to time
 
 def run_one(name: str, steps: int) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from kimi_k3 import mesh as mesh_lib
@@ -98,7 +97,6 @@ def run_one(name: str, steps: int) -> dict:
             jax.block_until_ready(m)
             measured, est = metrics.peak_memory_bytes(), estimate.total
     row["xla_gib"] = xla / 2**30
-    del jnp
     row.update(microbatch=setup.microbatch_size, mesh={k: v for k, v in sizes.items() if v > 1},
                estimate_gib=est / 2**30, measured_gib=measured / 2**30,
                ratio=est / measured, seconds=time.perf_counter() - t0,
@@ -113,7 +111,6 @@ def time_auto(name: str) -> dict:
     from kimi_k3 import train_lib
     from kimi_k3.config import run_spec
     from kimi_k3.config_files import load_config
-    from kimi_k3.runtime import run_once_compiler_options  # noqa: F401  (the estimate's own)
     from kimi_k3.train_state import state_layout
 
     config = load_config(CASES[name][0])

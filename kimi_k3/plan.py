@@ -153,7 +153,7 @@ class _Array:
 def _state_arrays(key) -> tuple[tuple[_Array, ...], dict]:
     """Every array of the train state with its PartitionSpec (the layout on an abstract mesh
     with every axis present), and the parameters' abstract tree (for one scan step's size)."""
-    layout = state_layout(key.spec, abstract_mesh(dict.fromkeys(MESH_AXES, 1)))
+    layout = state_layout(key.value, abstract_mesh(dict.fromkeys(MESH_AXES, 1)))
     out = []
     for group, tree in layout.abstract_state.items():
         for x in jax.tree.leaves(tree):
@@ -161,19 +161,25 @@ def _state_arrays(key) -> tuple[tuple[_Array, ...], dict]:
     return tuple(out), layout.abstract_state["params"]
 
 
-class _SpecKey:
-    """Hashes a RunSpec by what its state's arrays and their PartitionSpecs depend on: the
-    model, the optimizer and the axis rules (not the mesh's sizes, which ``state_bytes``
-    applies), so one layout serves every mesh a plan weighs."""
+class _Keyed:
+    """``value`` hashed and compared by ``text`` (a stable rendering of what matters in it),
+    so a cache can key on a ConfigDict or a RunSpec."""
 
-    def __init__(self, spec):
-        self.spec, self._r = spec, repr((spec.model, spec.opt, spec.mesh.axis_rules))
+    def __init__(self, value, text: str):
+        self.value, self._text = value, text
 
     def __hash__(self):
-        return hash(self._r)
+        return hash(self._text)
 
     def __eq__(self, other):
-        return self._r == other._r
+        return self._text == other._text
+
+
+def _spec_key(spec: RunSpec) -> _Keyed:
+    """What a state's arrays and their PartitionSpecs depend on: the model, the optimizer and
+    the axis rules (not the mesh's sizes, which ``state_bytes`` applies), so one layout serves
+    every mesh a plan weighs."""
+    return _Keyed(spec, repr((spec.model, spec.opt, spec.mesh.axis_rules)))
 
 
 def _shard_shape(a: _Array, sizes: dict[str, int], where: str) -> tuple[int, ...]:
@@ -208,7 +214,7 @@ def state_bytes(spec: RunSpec, sizes: dict[str, int]) -> StateBytes:
     """Per-device bytes of the parameters, optimizer state and routing biases on a mesh of
     ``sizes`` (shard shapes from the config's axis rules; a width that does not divide by its
     axes is a ConfigError)."""
-    return _state_bytes(_SpecKey(spec), tuple(sizes[a] for a in MESH_AXES))
+    return _state_bytes(_spec_key(spec), tuple(sizes[a] for a in MESH_AXES))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -444,8 +450,8 @@ def _fit(model_cfg, T: int) -> tuple[dict[str, int], dict[str, int]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _activations_cached(key) -> Activations:
-    model_cfg, T = _with_impls(key.model_cfg, key.platform), key.T
+def _activations_cached(key: _Keyed, T: int, platform: str) -> Activations:
+    model_cfg = _with_impls(key.value, platform)
     per_row, base = _fit(model_cfg, T)
     if model_spec(model_cfg).scan_layers:
         # The scan's residuals are attributed to the scan itself: the parts come from the same
@@ -483,20 +489,6 @@ def _one_layer_values(model_cfg, T: int) -> int:
     return best
 
 
-@dataclasses.dataclass(frozen=True)
-class _Key:
-    model_cfg: object
-    T: int
-    platform: str
-
-    def __hash__(self):
-        return hash((self.model_cfg.to_json(), self.T, self.platform))
-
-    def __eq__(self, other):
-        return (self.model_cfg.to_json(), self.T, self.platform) == (
-            other.model_cfg.to_json(), other.T, other.platform)
-
-
 def activations(config, sizes: dict[str, int], platform: str, exact: bool = True) -> Activations:
     """What one device keeps for the backward pass (module docstring), per row. ``exact``:
     traced at this mesh's local widths and tokens; else scaled from the one-device trace
@@ -507,8 +499,8 @@ def activations(config, sizes: dict[str, int], platform: str, exact: bool = True
     if T % cp:
         raise ConfigError(f"config.data.seq_len: {T} does not divide by mesh.context = {cp}")
     if exact or (cp == 1 and tp == 1):
-        return _activations_cached(_Key(local_model_config(config.model, sizes), T // cp,
-                                        platform))
+        local = local_model_config(config.model, sizes)
+        return _activations_cached(_Keyed(local, local.to_json()), T // cp, platform)
     one = activations(config, dict.fromkeys(MESH_AXES, 1), platform)
     local_model_config(config.model, sizes)  # a width tensor does not divide: the error
     scale = lambda p: 1 / cp / (1 if p in ("attn_res", "scan", "other") else tp)
@@ -645,28 +637,15 @@ def memory_plan(config, sizes: dict[str, int], microbatch: int, device: Device,
                       accum_steps=accum, rows=tuple(out), device_bytes=device_bytes)
 
 
-class _ConfigKey:
-    """Hashes a ConfigDict by its JSON, keeping the ConfigDict itself."""
-
-    def __init__(self, config):
-        self.config, self._json = config, config.to_json()
-
-    def __hash__(self):
-        return hash(self._json)
-
-    def __eq__(self, other):
-        return self._json == other._json
-
-
 def _run_spec(config) -> RunSpec:
     """``run_spec(config)``, checked once per distinct config: a plan asks for it for every
     mesh and micro-batch it weighs."""
-    return _run_spec_cached(_ConfigKey(config))
+    return _run_spec_cached(_Keyed(config, config.to_json()))
 
 
 @functools.lru_cache(maxsize=256)
-def _run_spec_cached(key: _ConfigKey) -> RunSpec:
-    return run_spec(key.config)
+def _run_spec_cached(key: _Keyed) -> RunSpec:
+    return run_spec(key.value)
 
 
 def microbatch_sizes(global_batch: int, sizes: dict[str, int]) -> list[int]:
@@ -809,29 +788,20 @@ def candidate_meshes(config, devices: int, device: Device) -> list[dict[str, int
     return out
 
 
-def _with_mesh(config, sizes):
-    cfg = copy.deepcopy(config)
-    with cfg.unlocked():
-        for a, v in sizes.items():
-            cfg.mesh[a] = v
-    return cfg
-
-
 def rank_meshes(config, devices: int, device: Device, device_bytes: int | None = None,
                 limit: int = 10) -> list[tuple[dict, int | None, MemoryPlan, StepTime | None]]:
     """(sizes, micro-batch, plan, step time) for the meshes that fit, fastest first; those
     that do not fit follow, smallest shortfall first. At most ``limit`` of each."""
     fits, short = [], []
-    for sizes in candidate_meshes(config, devices, device):
-        cfg = config  # the mesh's sizes travel with the plan; the config's own are not read
+    for sizes in candidate_meshes(config, devices, device):  # the config's own mesh is not read
         try:
-            mb, plan = largest_microbatch(cfg, sizes, device, device_bytes, exact=False)
+            mb, plan = largest_microbatch(config, sizes, device, device_bytes, exact=False)
         except (ConfigError, ValueError):  # a shape that does not shard on this mesh
             continue
         if mb is None:
             short.append((sizes, None, plan, None))
         else:
-            fits.append((sizes, mb, plan, step_time(cfg, plan, device)))
+            fits.append((sizes, mb, plan, step_time(config, plan, device)))
     fits.sort(key=lambda x: x[3].total)
     short.sort(key=lambda x: x[2].total)
     return fits[:limit] + short[:limit]
@@ -935,7 +905,7 @@ def knobs(config, plan: MemoryPlan, device: Device) -> list[str]:
     fsdp_more = dict(sizes, fsdp=sizes["fsdp"] * sizes["data"], data=1)
     if sizes["data"] > 1:
         try:
-            mb, p = largest_microbatch(_with_mesh(config, fsdp_more), fsdp_more, device,
+            mb, p = largest_microbatch(config, fsdp_more, device,
                                        plan.device_bytes)
             if mb:
                 out.append(f"--config.mesh.data=1 --config.mesh.fsdp={fsdp_more['fsdp']} "

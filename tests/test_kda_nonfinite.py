@@ -86,6 +86,30 @@ def _op(impl, seg=None, **kw):
                    chunk_size=C, impl=impl, **kw)
     return fn
 
+def _gate_params(rng):
+    """A_log [HV] and dt_bias [HV, K] of the softplus gate, drawn fresh."""
+    return (jnp.asarray(rng.uniform(0.0, 1.0, HV).astype(np.float32)),
+            jnp.asarray(rng.uniform(-1.0, 1.0, (HV, K)).astype(np.float32)))
+
+
+def _gate_in_the_op(impl):
+    """(q, k, v, f, beta, S0, A_log, dt_bias) -> (o, S): the op with the gate inside it."""
+    def op(q, k, v, f, beta, S0, A_log, dt_bias):
+        return _op(impl, A_log=A_log, dt_bias=dt_bias)(q, k, v, f, beta, S0)
+    return op
+
+
+def _gate_in_the_definition(q, k, v, f, beta, S0, A_log, dt_bias):
+    """The same from the definition: g = -exp(A_log) softplus(f + dt_bias), then the recurrence."""
+    g = -jnp.exp(A_log)[:, None] * jax.nn.softplus(f + dt_bias)
+    return _definition()(q, k, v, g, beta, S0)
+
+
+def _softplus_gate64(f, A_log, dt_bias):
+    """The softplus gate in float64 (NumPy), for the float64 reference."""
+    return -np.exp(np.float64(A_log))[:, None] * np.logaddexp(0.0, np.float64(f + dt_bias))
+
+
 
 def _weights(rng):
     return (jnp.asarray(rng.standard_normal((B, T, HV, V)).astype(np.float32)),
@@ -141,18 +165,11 @@ def test_neg_inf_gate_from_the_gate_in_the_op(rng, impl):
     q, k, v, _, beta, S0 = _inputs(rng)
     f = jnp.asarray(rng.standard_normal((B, T, HV, K)).astype(np.float32))
     f = f.at[0, 7, 1, 2].set(jnp.inf).at[1, 30, 3, :].set(jnp.inf).at[1, 31, 0, 5].set(jnp.inf)
-    A_log = jnp.asarray(rng.uniform(0.0, 1.0, HV).astype(np.float32))
-    dt_bias = jnp.asarray(rng.uniform(-1.0, 1.0, (HV, K)).astype(np.float32))
+    A_log, dt_bias = _gate_params(rng)
     args = (q, k, v, f, beta, S0, A_log, dt_bias)
 
-    def op(q, k, v, f, beta, S0, A_log, dt_bias):
-        return _op(impl, A_log=A_log, dt_bias=dt_bias)(q, k, v, f, beta, S0)
-
-    def definition(q, k, v, f, beta, S0, A_log, dt_bias):
-        g = -jnp.exp(A_log)[:, None] * jax.nn.softplus(f + dt_bias)
-        return _definition()(q, k, v, g, beta, S0)
-
-    g64 = -np.exp(np.float64(A_log))[:, None] * np.logaddexp(0.0, np.float64(f + dt_bias))
+    op, definition = _gate_in_the_op(impl), _gate_in_the_definition
+    g64 = _softplus_gate64(f, A_log, dt_bias)
     assert np.isneginf(g64).sum() == 3 + K - 1
     o, S = op(*args)
     o_ref, S_ref = _numpy(q, k, v, g64, beta, S0)
@@ -280,20 +297,13 @@ def test_a_bad_value_with_the_gate_in_the_op_without_segments(rng, impl):
     the rows, are NaN."""
     q, k, v, _, beta, S0 = _inputs(rng)
     f = jnp.asarray(rng.standard_normal((B, T, HV, K)).astype(np.float32))
-    A_log = jnp.asarray(rng.uniform(0.0, 1.0, HV).astype(np.float32))
-    dt_bias = jnp.asarray(rng.uniform(-1.0, 1.0, (HV, K)).astype(np.float32))
+    A_log, dt_bias = _gate_params(rng)
     v = v.at[0, _inside_a_chunk(rng), int(rng.integers(HV)), 0].set(jnp.nan)
     args = (q, k, v, f, beta, S0, A_log, dt_bias)
 
-    def op(q, k, v, f, beta, S0, A_log, dt_bias):
-        return _op(impl, A_log=A_log, dt_bias=dt_bias)(q, k, v, f, beta, S0)
-
-    def definition(q, k, v, f, beta, S0, A_log, dt_bias):
-        g = -jnp.exp(A_log)[:, None] * jax.nn.softplus(f + dt_bias)
-        return _definition()(q, k, v, g, beta, S0)
-
+    op, definition = _gate_in_the_op(impl), _gate_in_the_definition
     o, S = op(*args)
-    g64 = -np.exp(np.float64(A_log))[:, None] * np.logaddexp(0.0, np.float64(f + dt_bias))
+    g64 = _softplus_gate64(f, A_log, dt_bias)
     o_ref, S_ref = _numpy(q, k, v, g64, beta, S0)
     assert rel_err(o[1], o_ref[1]) < 1e-5 and rel_err(S[1], S_ref[1]) < 1e-5
     w_o, w_S = _weights(rng)
