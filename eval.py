@@ -9,10 +9,28 @@ r"""Held-out perplexity at long context and loss by token position, one line per
         --checkpoint=mla=runs/r0/checkpoints/5000 --checkpoint=3to1=runs/r3/checkpoints/5000 \
         --context_lengths=2048,8192,32768
 
+    # what is inside: KDA memory timescales, MLA reach, Attention Residual weights, expert load
+    python eval.py --workdir=runs/ablate_internals --internals --noperplexity \
+        --checkpoint=mla=runs/r0 --checkpoint=3to1=runs/r3
+
+    # lm-evaluation-harness tasks, in process (the [eval] extra): local YAML tasks, or its own
+    python eval.py --checkpoint=runs/tiny --workdir=runs/tiny_lm_eval \
+        --lm_eval_tasks=k3_choice,k3_rolling,k3_generate --lm_eval_include=tests/fixtures/lm_eval
+
+    # the RULER-style suite, generated here: a table by task x length, heat maps side by side
+    python eval.py --workdir=runs/ruler --checkpoint=r0=runs/r0 --checkpoint=r3=runs/r3 \
+        --ruler_tasks=all --ruler_lengths=4K,32K,128K --ruler_depths=0,0.5,1 --ruler_samples=4
+
+With --lm_eval_tasks or --ruler_tasks the perplexity evaluation runs only when --perplexity is
+given. Multi-host (lm-eval): every process runs the same command with
+``--coordinator_address=HOST:PORT --num_processes=N --process_id=I`` (or ``--multihost``);
+process 0 drives the harness and writes the results, the others score their share.
+
 Training and evaluating a list of variants in one command: ``python -m kimi_k3.sweep``.
 
 Writes eval.json, eval_perplexity.csv, eval_loss_by_position.csv, eval_perplexity.png and
-eval_loss_by_position.png to --workdir, and prints the perplexity table (and bits per byte when
+eval_loss_by_position.png to --workdir (with --internals also internals.json and
+internals_*.png, ``kimi_k3.internals``), and prints the perplexity table (and bits per byte when
 the text is known), each figure with its 95% bootstrap interval over documents. All logic lives in
 ``kimi_k3.evaluation`` (the run), ``kimi_k3.eval_scoring`` (what is measured) and
 ``kimi_k3.eval_report`` (the files).
@@ -24,6 +42,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from kimi_k3 import cli, compile_cache, eval_scoring, evaluation
+from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import ruler as ruler_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (model + held-out data), e.g. configs/tiny.py.", lock_config=True
@@ -70,6 +90,48 @@ _WHOLE = flags.DEFINE_integer(
     lower_bound=0,
 )
 
+_INTERNALS = flags.DEFINE_bool(
+    "internals", False,
+    "Also report each checkpoint's internals (KDA memory timescales, MLA attention entropy "
+    "and distance, Attention Residual weights, expert load) on the first held-out rows: "
+    "internals.json and internals_*.png, the checkpoints side by side.")
+_PERPLEXITY = flags.DEFINE_bool(
+    "perplexity", True,
+    "The perplexity evaluation over --context_lengths; --noperplexity --internals runs the "
+    "internals report alone.")
+
+_LM_EVAL_TASKS = flags.DEFINE_list(
+    "lm_eval_tasks", [], "lm-evaluation-harness tasks to run (names of its own tasks or of the "
+    "YAML files under --lm_eval_include); needs the [eval] extra.")
+_LM_EVAL_INCLUDE = flags.DEFINE_string(
+    "lm_eval_include", None, "A folder of task YAML files (local data: dataset_path: json with "
+    "dataset_kwargs: data_files).")
+_LM_EVAL_LIMIT = flags.DEFINE_float(
+    "lm_eval_limit", None, "Documents per task, at most (below 1: that share of them).")
+_LM_EVAL_FEWSHOT = flags.DEFINE_integer(
+    "lm_eval_num_fewshot", None, "Few-shot examples per prompt (default: each task's own).")
+_LM_EVAL_OUTPUT = flags.DEFINE_string(
+    "lm_eval_output", None, "Where the harness's results go (JSON); default WORKDIR/lm_eval.json.")
+_RULER_TASKS = flags.DEFINE_list(
+    "ruler_tasks", [], "RULER-style tasks (kimi_k3/ruler.py): niah_single, niah_multikey, "
+    "niah_multivalue, niah_multiquery, vt, cwe, fwe, or all.")
+_RULER_LENGTHS = flags.DEFINE_list(
+    "ruler_lengths", ["4K"], "RULER prompt lengths in tokens, with K / M as --context_lengths.")
+_RULER_DEPTHS = flags.DEFINE_list(
+    "ruler_depths", ["0", "0.25", "0.5", "0.75", "1"],
+    "Where the needle asked about goes, as a share of the filler (0 first, 1 last).")
+_RULER_SAMPLES = flags.DEFINE_integer(
+    "ruler_samples", 4, "RULER examples per (task, length, depth).", lower_bound=1)
+_RULER_DIGITS = flags.DEFINE_integer(
+    "ruler_value_digits", 7, "Digits of the numbers the RULER needles hide.", lower_bound=2)
+_RULER_SEED = flags.DEFINE_integer("ruler_seed", 0, "Seed of the RULER examples.")
+_MULTIHOST = flags.DEFINE_bool(
+    "multihost", False, "Call jax.distributed.initialize() and let JAX detect the cluster.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "HOST:PORT of process 0 (multi-host).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+
 _CACHE = compile_cache.define_flag()
 
 
@@ -79,6 +141,20 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:  # the command prints its own lines; -v 0 for library logs
         logging.set_verbosity(logging.WARNING)
     compile_cache.enable(_CACHE.value)
+    mesh_lib.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                    force=_MULTIHOST.value)
+    lm_eval = ruler = None
+    if _LM_EVAL_TASKS.value:
+        lm_eval = evaluation.LmEvalOptions(
+            tuple(_LM_EVAL_TASKS.value), _LM_EVAL_INCLUDE.value, _LM_EVAL_LIMIT.value,
+            _LM_EVAL_OUTPUT.value, _LM_EVAL_FEWSHOT.value)
+    if _RULER_TASKS.value:
+        ruler = ruler_lib.parse_options(
+            _RULER_TASKS.value, _RULER_LENGTHS.value, _RULER_DEPTHS.value,
+            samples=_RULER_SAMPLES.value, batch_size=_BATCH.value, piece_len=_PIECE.value,
+            seed=_RULER_SEED.value, value_digits=_RULER_DIGITS.value)
+    # a suite alone unless --perplexity is given too
+    perplexity = _PERPLEXITY.value if flags.FLAGS["perplexity"].present else not (lm_eval or ruler)
     evaluation.main(
         _CONFIG.value,
         _WORKDIR.value,
@@ -91,6 +167,10 @@ def main(argv):
         whole_check_max_len=_WHOLE.value,
         config_name=config_flags.get_config_filename(flags.FLAGS["config"]),
         overrides=cli.override_fields(sys.argv),
+        internals=_INTERNALS.value,
+        perplexity=perplexity,
+        lm_eval=lm_eval,
+        ruler=ruler,
     )
 
 

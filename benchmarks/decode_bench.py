@@ -1,17 +1,23 @@
-r"""Decoding speed against context length: time per output token, all-MLA vs 3:1 (issue #15).
+r"""Decoding speed against context length: time per output token, all-MLA vs 3:1, beside the
+floor of what a step must read (issues #15, #57).
 
-    # a GPU at the 1B shapes (the defaults, spelled out): batch 1 and the largest
-    # power-of-two batch that fits, found from a memory estimate (--search=jump); the
-    # compilation cache lets every worker after a variant's first skip the model's init compile
+    # a GPU at the 1B shapes (the defaults): batch 1 and the largest power-of-two batch that
+    # fits, found from a memory estimate (--search=jump); the compilation cache lets every
+    # worker after a variant's first skip the model's init compile
     JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache python benchmarks/decode_bench.py \
-        --out_dir=benchmarks/results/decode \
-        --d_model=2048 --num_layers=20 --heads=16 --head_dim=128 --kv_lora_rank=512 \
-        --contexts=8192,131072,524288,1048576 --variants=all-MLA,3:1 \
-        --search=jump --max_batch=64 --warmup=2 --steps=3 --max_seconds=60
+        --out_dir=benchmarks/results/decode --contexts=131072,1048576 --variants=all-MLA,3:1 \
+        --search=jump --max_batch=64 --warmup=2 --steps=20 --max_seconds=150
     # every power of two from batch 1 up to the cap timed (ms per token against the batch)
     python benchmarks/decode_bench.py --out_dir=/tmp/decode --search=double --max_batch=16
     # CPU, toy sizes, seconds (what the tests run)
     python benchmarks/decode_bench.py --smoke --out_dir=/tmp/decode
+
+The model: ``long_context_memory``'s shapes (``--d_model`` ... ``--dtype``; the defaults are
+the 1B model's: 20 layers of width 2048, 16 heads of 128, MLA latent 512 + 64), its weights
+stored in the compute dtype, its layers unrolled as in configs/1b.py (``bench_config``), the
+MLA caches read as ``--decode_impl`` says (``model.mla.decode_impl``; before timing, where it
+resolves to the Pallas kernel, the kernel is checked against XLA's form on the card, and with
+"auto" a kernel that fails the check gives way to "xla": the tables say which read ran).
 
 What is timed: the jitted one-token step that ``kimi_k3/generate.py`` decodes with
 (``Decoder.step``: ``HybridLM.step`` under ``jax.jit``, the cache donated), called ``--steps``
@@ -20,6 +26,13 @@ times back to back after ``--warmup`` calls (the first compiles), then synchroni
     ms per step = wall time of the timed steps / their number   (each row gets one token per
                   step: the time per output token of every sequence in the batch)
     tokens/s    = batch / (seconds per step)
+    floor ms    = the bytes the step must read / the card's memory bandwidth    (``read_bytes``:
+                  every weight once, as the decoder holds it; each KDA state and convolution
+                  tail; of each MLA cache the context + 1 entries a row attends to)
+    x floor     = ms per step / floor ms
+
+The bandwidth is kimi_k3/plan.py's figure for the card (``plan.local_device``: its table of
+cards, not repeated here; a CPU gets that table's "cpu" entry), or ``--hbm_gbps``.
 
 No prefill: a step's time does not depend on what the cache holds, so the cache is
 ``init_cache(batch, context + warmup + steps)`` (``generate``'s sizing: prompt + new tokens),
@@ -27,7 +40,7 @@ filled in place with random values of its own dtypes (MLA latents and conv tails
 normal, the KDA states 0.1 x standard normal), and its position counter set to ``context``:
 every step attends over the whole context, as after a prefill of that many tokens. The
 weights are the model's initialisation. tests/test_bench_decode.py checks that a step from
-such a cache gives the logits of ``model.step`` called directly.
+such a cache gives the logits of the model's ``prefill`` of that one token.
 
 Largest batch that fits: powers of two up to ``--max_batch``, tried in the worker process, an
 out-of-memory error (XLA's RESOURCE_EXHAUSTED) caught and the next size chosen (``next_batch``):
@@ -54,10 +67,11 @@ Columns of ``decode.csv`` (one row per batch tried): variant, pattern, context, 
 (ok | oom | no_fit | budget | timeout | error | not_run; ``running`` while it runs),
 ms_per_step, tokens_per_s, steps (timed), first_call_s (compilation + one step), peak_bytes
 (the worker's allocator high-water mark so far, where the backend reports it: GPU/TPU),
-cache_bytes (the cache the step is given), params, detail. ``decode.md`` holds the tables (ms
-per step at each context and batch, with all-MLA / other at the same batch; the largest batch
-of each; the ratios beside the Kimi Linear report's) and ``decode_ms_per_token.png`` the plot;
-the three are rewritten after every batch.
+cache_bytes (the cache the step is given), params, read_bytes, hbm_gbps, floor_ms, x_floor
+(above), cache_read (how the MLA caches were read), detail. ``decode.md`` holds the tables (ms
+per step at each context and batch, with all-MLA / other at the same batch, the floor and the
+multiple of it; the largest batch of each; the ratios beside the Kimi Linear report's) and
+``decode_ms_per_token.png`` the plot; the three are rewritten after every batch.
 """
 
 from __future__ import annotations
@@ -80,7 +94,8 @@ from benchmarks import timing  # noqa: E402
 # process: the driver only spawns them and gathers their rows, so it never holds a device.
 
 FIELDS = ("variant", "pattern", "context", "batch", "status", "ms_per_step", "tokens_per_s", "steps",
-          "first_call_s", "peak_bytes", "cache_bytes", "params", "detail")
+          "first_call_s", "peak_bytes", "cache_bytes", "params", "read_bytes", "hbm_gbps",
+          "floor_ms", "x_floor", "cache_read", "detail")
 REFERENCE = "all-MLA"  # the variant the others are compared with
 # The 1B model's shapes, as long_context_memory.py's flags take them (configs/1b.py's width,
 # depth, heads and latent; that script's vocabulary, FFN width and full-rank queries).
@@ -112,6 +127,82 @@ def build_model(cfg, seed: int = 0):
     if key not in _MODELS:
         _MODELS[key] = nnx.jit(lambda: HybridLM(cfg, rngs=nnx.Rngs(jax.random.key(seed, impl="rbg"))))()
     return _MODELS[key]
+
+
+def bench_config(args, variant: str):
+    """The benchmark's model: ``long_context_memory``'s shapes, its weights stored in the
+    compute dtype (what a decoding step reads: 2 bytes a weight in bf16, not float32 masters),
+    the layers unrolled as in configs/1b.py, the latent cache read by ``--decode_impl``."""
+    cfg = lcm.model_config(args, variant)
+    cfg.param_dtype = args.dtype
+    cfg.scan_layers = False
+    cfg.mla.decode_impl = args.decode_impl
+    return cfg
+
+
+def read_bytes(weight_bytes: int, cache, context: int) -> int:
+    """The bytes one step must read at least: every weight once (``weight_bytes``, as the
+    decoder holds them), each KDA state and convolution tail once, and of each MLA latent
+    cache the ``context + 1`` entries per row it attends to (not the unused rest of the cache).
+    ``cache``: the cache (or its shapes)."""
+    import jax
+
+    total = weight_bytes
+    for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        name = getattr(path[-1], "key", None)
+        itemsize = x.dtype.itemsize
+        if name == "latent_kv":  # [..., B, S, L]: the entries up to the context
+            total += x.size // x.shape[-2] * min(context + 1, x.shape[-2]) * itemsize
+        elif name != "pos":
+            total += x.size * itemsize
+    return total
+
+
+def card_bandwidth(override: float = 0.0) -> tuple[float, str]:
+    """(GB/s, whose figure) of this process's device: ``override`` when given, else the
+    planner's figure for the card (``kimi_k3.plan.DEVICES``, by ``local_device``; a CPU gets
+    its "cpu" entry), else (0, why): no floor is computed."""
+    from kimi_k3 import plan
+
+    if override:
+        return float(override), "--hbm_gbps"
+    card = plan.local_device(None)
+    if card.hbm_gbps:
+        return float(card.hbm_gbps), f"{card.name} (kimi_k3/plan.py)"
+    if card.platform == "cpu":
+        cpu = plan.DEVICES["cpu"]
+        return float(cpu.hbm_gbps), f"{cpu.name} (kimi_k3/plan.py)"
+    return 0.0, f"{card.name}: not in kimi_k3/plan.py's DEVICES (give --hbm_gbps)"
+
+
+def check_decode_kernel(decode_impl: str, dtype) -> str:
+    """The correctness gate before timing: where the latent cache's read resolves to the
+    Pallas kernel on this device, the kernel against the "xla" form on a random cache at the
+    1B model's latent (16 heads, 512 + 64, 3 rows of 5,000 entries, 4,321 visible); raises
+    when they differ by more than bf16 rounding. Returns what was checked."""
+    import jax
+    import jax.numpy as jnp
+
+    from kimi_k3.dispatch import choose_decode_attention_impl
+    from kimi_k3.layers.attention import latent_decode_attention
+    from pallas_kernels import latent_decode
+
+    H, R, D = 16, 512, 64
+    impl = choose_decode_attention_impl(decode_impl, dtype=jnp.dtype(dtype).name,
+                                        unsupported=latent_decode.unsupported(H, R, D))
+    if impl != "pallas":
+        return f"latent cache read: {impl}"
+    k1, k2 = jax.random.split(jax.random.key(0))
+    q = jax.random.normal(k1, (3, H, R + D), jnp.float32).astype(dtype)
+    kv = jax.random.normal(k2, (3, 5000, R + D), jnp.float32).astype(dtype)
+    run = jax.jit(lambda impl, q, kv: latent_decode_attention(
+        q, kv, jnp.int32(4321), scale=0.05, value_dim=R, impl=impl), static_argnums=0)
+    got, want = run("pallas", q, kv), run("xla", q, kv)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    if not err < 2e-2:
+        raise RuntimeError(f"the Pallas latent-cache read differs from XLA's by {err:.3g} "
+                           f"(relative): run with --decode_impl=xla")
+    return f"latent cache read: pallas (agrees with xla to {err:.1e})"
 
 
 def random_cache(model, batch: int, max_len: int, context: int, seed: int = 0) -> dict:
@@ -256,9 +347,22 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
     from kimi_k3.generate import Decoder
 
     deadline = (time.perf_counter() if started is None else started) + args.max_seconds
-    cfg = lcm.model_config(args, variant)
+    cfg = bench_config(args, variant)
     model = build_model(cfg, args.seed)
     decoder = Decoder(model)
+    gate = ""
+    if "M" in cfg.pattern:
+        try:
+            gate = check_decode_kernel(args.decode_impl, cfg.dtype)
+        except Exception as err:  # a kernel that does not compile or agree on this card
+            if args.decode_impl != "auto":
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            gate = f"latent cache read: xla (the Pallas kernel failed its check: {first})"
+            cfg.mla.decode_impl = "xla"
+            model = build_model(cfg, args.seed)
+            decoder = Decoder(model)
+    hbm_gbps, _ = card_bandwidth(args.hbm_gbps)
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     fixed_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
     max_len = context + args.warmup + args.steps
@@ -275,7 +379,8 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
 
     while (batch := next_batch(tried, args.max_batch, guess)) is not None:
         row = {"variant": variant, "pattern": cfg.pattern, "context": context, "batch": batch,
-               "params": params, "status": "running", "detail": ""}
+               "params": params, "status": "running", "detail": "", "hbm_gbps": hbm_gbps,
+               "cache_read": gate}
         need = predicted_peak(peaks, batch)
         if need and limit and need > NO_FIT_MARGIN * limit:
             row.update(status="no_fit", detail=f"not run: predicted peak {need / 2**30:.1f} GiB > "
@@ -296,6 +401,10 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
         t_try = time.perf_counter()
         try:
             row["cache_bytes"] = lcm.cache_bytes(model, max_len, batch)
+            row["read_bytes"] = read_bytes(decoder.weight_bytes, jax.eval_shape(
+                lambda: model.init_cache(batch, max_len)), context)
+            if hbm_gbps:
+                row["floor_ms"] = 1e3 * row["read_bytes"] / (hbm_gbps * 1e9)
             token_B = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch,)), jnp.int32)
             cache = random_cache(model, batch, max_len, context, args.seed)
             cache = step_ready_cache(decoder, token_B, cache)
@@ -316,6 +425,8 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
             seconds = timed.seconds / n
             row.update(status="ok", steps=n, ms_per_step=1e3 * seconds,
                        tokens_per_s=batch / seconds, peak_bytes=lcm.peak_bytes_in_use())
+            if row.get("floor_ms"):
+                row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
             if not np.isfinite(np.asarray(logits_BxV)).all():
                 row["detail"] = "non-finite logits"
             del cache, logits_BxV
@@ -365,6 +476,14 @@ def _ratio(a, b) -> str:
 
 def format_tables(rows: list[dict], device: str, args) -> str:
     variants = [v for v in args.variants if any(r["variant"] == v for r in rows)]
+    gbps = sorted({r["hbm_gbps"] for r in rows if r.get("hbm_gbps")})
+    reads = {v: sorted({r["cache_read"] for r in rows if r["variant"] == v and r.get("cache_read")})
+             for v in variants}
+    floor = (f"floor = the bytes a step must read (every weight once, in the dtype the decoder "
+             f"holds it; each KDA state and convolution tail; each MLA cache's entries up to the "
+             f"context) / the card's bandwidth, {', '.join(f'{g:g}' for g in gbps)} GB/s "
+             f"(kimi_k3/plan.py's figure for the card, or --hbm_gbps); x floor = ms / floor ms"
+             if gbps else "floor: no bandwidth known for this card (give --hbm_gbps)")
     others = [v for v in variants if v != REFERENCE] if REFERENCE in variants else []
     contexts = sorted({r["context"] for r in rows})
     at = {(r["variant"], r["context"], r["batch"]): r for r in rows}
@@ -380,9 +499,13 @@ def format_tables(rows: list[dict], device: str, args) -> str:
         f"(--search={args.search}, --max_batch={args.max_batch})",
         "",
         "Time per output token = ms per step (every row of the batch gets one token per step).",
+        floor,
+        "how each step read the MLA caches: " + ("; ".join(
+            f"{v}: {', '.join(r)}" for v, r in reads.items() if r) or "no MLA layer"),
         "",
     ]
     head = ["context", "batch"] + [f"{v} ms" for v in variants] + [f"{REFERENCE} / {v}" for v in others]
+    head += [f"{v} floor ms" for v in variants] + [f"{v} x floor" for v in variants]
     head += [f"{v} tokens/s" for v in variants] + [f"{v} peak (GiB)" for v in variants]
     head += [f"{v} cache (GiB)" for v in variants]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -395,6 +518,8 @@ def format_tables(rows: list[dict], device: str, args) -> str:
             line += [_num(ms.get(v)) if v in ms else (c["status"] if c else "")
                      for v, c in zip(variants, cells, strict=True)]
             line += [_ratio(ms.get(REFERENCE), ms.get(v)) for v in others]
+            line += [_num(c.get("floor_ms")) if c else "" for c in cells]
+            line += [_num(c.get("x_floor"), "{:.2f}x") if c else "" for c in cells]
             line += [_num(c.get("tokens_per_s"), "{:,.1f}") if c else "" for c in cells]
             line += [lcm.gib(c.get("peak_bytes")) if c else "" for c in cells]
             line += [lcm.gib(c.get("cache_bytes")) if c else "" for c in cells]
@@ -402,17 +527,18 @@ def format_tables(rows: list[dict], device: str, args) -> str:
 
     lines += ["", "Largest power-of-two batch that ran (stopped by: the larger batch's status, or "
                   "the cap):", "",
-              "| context | variant | batch | stopped by | ms per step | tokens/s | peak (GiB) | "
-              "cache (GiB) |", "|---|---|---|---|---|---|---|---|"]
+              "| context | variant | batch | stopped by | ms per step | floor ms | x floor | "
+              "tokens/s | peak (GiB) | cache (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for T in contexts:
         for v in variants:
             best, why = largest(rows, v, T)
             if best is None:
                 status = ", ".join(sorted({r["status"] for r in rows if r["variant"] == v
                                            and r["context"] == T})) or "not run"
-                lines.append(f"| {T:,} | {v} | none | {status} | | | | |")
+                lines.append(f"| {T:,} | {v} | none | {status} | | | | | | |")
                 continue
             lines.append(f"| {T:,} | {v} | {best['batch']} | {why} | {_num(best['ms_per_step'])} | "
+                         f"{_num(best.get('floor_ms'))} | {_num(best.get('x_floor'), '{:.2f}x')} | "
                          f"{best['tokens_per_s']:,.1f} | {lcm.gib(best.get('peak_bytes'))} | "
                          f"{lcm.gib(best.get('cache_bytes'))} |")
 
@@ -492,6 +618,12 @@ def parse_args(argv=None):
                    help="budget of one (variant, context) point, worker start included")
     p.add_argument("--grace_seconds", type=float, default=120.0,
                    help="a worker still running this long after its budget is killed")
+    p.add_argument("--decode_impl", default="auto", choices=("auto", "xla", "pallas"),
+                   help="how a step reads the MLA latent cache (model.mla.decode_impl); 'auto' "
+                        "falls back to 'xla' when the Pallas kernel fails its check on the card")
+    p.add_argument("--hbm_gbps", type=float, default=0.0,
+                   help="the card's memory bandwidth for the floor, GB/s; 0 = kimi_k3/plan.py's "
+                        "figure for the card")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in_process", action=argparse.BooleanOptionalAction, default=False,
                    help="run every point in this process (peak memory then accumulates)")
@@ -541,7 +673,9 @@ def main(argv=None) -> list[dict]:
             print(f"  batch {r['batch']:>5} ...", flush=True)
         else:
             ms = "" if r.get("ms_per_step") is None else f"{r['ms_per_step']:.4g} ms/step"
-            print(f"  batch {r['batch']:>5}: {r['status']:<7} {ms:<18} peak "
+            if r.get("x_floor"):
+                ms += f" ({r['x_floor']:.2f}x the floor {r['floor_ms']:.3g} ms)"
+            print(f"  batch {r['batch']:>5}: {r['status']:<7} {ms:<40} peak "
                   f"{lcm.gib(r.get('peak_bytes')) or '-'} GiB, cache {lcm.gib(r.get('cache_bytes')) or '-'} "
                   f"GiB {r.get('detail', '')}", flush=True)
         # The CSV and tables after every batch (a cut-short run keeps them), the plot after

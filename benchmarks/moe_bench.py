@@ -46,9 +46,9 @@ subprocess per config, ``--dense_config`` then ``--moe_config`` at the same ``--
 per step), micro-batches ``--microbatch`` (0: the trainer's automatic choice); tokens/s, s/step,
 MFU from ``model.flops_per_token`` (a mixture's active FLOPs) against the device's dense bf16
 peak, parameters and ``count_params(active=True)``, peak memory. The MoE run uses its config's
-``expert_matmul`` ("auto": "mosaic_gpu" on a Hopper GPU); ``moe_dense`` in ``--train_runs``
-adds it with ``expert_matmul="dense"``, ``moe_cudnn`` with "ragged" and the cuDNN ragged-dot
-flag.
+``expert_matmul``; ``moe_blocked``, ``moe_mosaic`` and ``moe_dense`` in ``--train_runs`` add it
+with ``expert_matmul`` "blocked", "mosaic_gpu" and "dense", ``moe_cudnn`` with "ragged" and the
+cuDNN ragged-dot flag.
 
 Every measurement runs in a subprocess of its own (``--jobs`` at a time; ``--isolate``: each
 layer variant alone), inside ``--budget_s`` seconds overall, in this order: the ragged, onehot
@@ -107,7 +107,10 @@ def load_config(spec: str):
 LAYER_VARIANTS = ("mosaic_gpu", "ragged", "onehot", "dense", "capacity", "dense_equiv",
                   "ragged_cudnn")
 EXTRA_VARIANTS = ("dense_equiv", "ragged_cudnn")  # measured after the training runs
-TRAIN_RUNS = ("dense", "moe", "moe_dense", "moe_cudnn")
+TRAIN_RUNS = ("dense", "moe", "moe_blocked", "moe_mosaic", "moe_dense", "moe_cudnn")
+# the MoE run with its config's expert_matmul replaced
+TRAIN_MATMULS = {"moe_blocked": "blocked", "moe_mosaic": "mosaic_gpu", "moe_dense": "dense",
+                 "moe_cudnn": "ragged"}
 # Asks XLA to hand ragged dots to cuDNN instead of rewriting them as dense dots over every
 # group (the flag exists in jaxlib 0.10.2; where cuDNN is too old, XLA falls back silently, and
 # the "XLA FLOPs / useful" column shows it).
@@ -447,9 +450,8 @@ def train_jobs(a, work: Path) -> list[Job]:
                f"--config.train.microbatch_size={a.microbatch}",
                "--config.train.tensorboard=False", *a.train_overrides]
         env = {"XLA_FLAGS": CUDNN_RAGGED_DOT_FLAG} if run == "moe_cudnn" else {}
-        if run in ("moe_dense", "moe_cudnn"):
-            cmd.append("--config.model.moe.expert_matmul="
-                       + ("dense" if run == "moe_dense" else "ragged"))
+        if run in TRAIN_MATMULS:
+            cmd.append(f"--config.model.moe.expert_matmul={TRAIN_MATMULS[run]}")
         jobs.append(Job(key=f"train {run}", cmd=cmd, log=work / f"train_{run}.log",
                         cap_s=a.train_timeout_s, env_extra=env, workdir=wd,
                         expect=[{"section": "train", "name": run, "config": config}]))
@@ -602,7 +604,7 @@ def train_table(rows: list[dict], a) -> list[str]:
             f"{'%' if mfu else ''} | {_f(r.get('peak_gib'), '.1f')} | "
             f"{_f(r.get('final_loss'), '.3f', '')} | {r['status']} |")
     by = {r["name"]: r for r in rows if r.get("tokens_per_s")}
-    for moe in ("moe", "moe_dense", "moe_cudnn"):
+    for moe in ("moe", *TRAIN_MATMULS):
         if "dense" in by and moe in by:
             d, m = by["dense"], by[moe]
             mfus = (f"; MFU {100 * m['mfu']:.1f}% against {100 * d['mfu']:.1f}%"

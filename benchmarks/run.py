@@ -153,6 +153,11 @@ REGISTRY: dict[str, Benchmark] = {
             "--config.train.steps=20", "--config.train.log_every=5", "--workdir={work}/run_small",
             "--out={out}/throughput_small.md", timeout_s=300),),
         writes=("throughput_small.md",), wheels=TRAIN),
+    "internals_cost": Benchmark(
+        "The internals report's cost: configs/small.py's training step against one report",
+        (py("benchmarks/internals_cost.py", "--config=configs/small.py",
+            "--out={out}/internals_cost_small.md", timeout_s=420),),
+        writes=("internals_cost_small.md",)),
     "plan_check": Benchmark(
         "The planner's memory estimate against the measured peak (configs/1b.py, small.py)",
         (py("benchmarks/plan_check.py", "--cases=1b,small", "--steps=2",

@@ -31,4 +31,12 @@ def get_config(arg: str | None = None):
     moe.num_shared = 2  # shared SwiGLU of width 1024
     moe.first_k_dense = 1  # layer 1 keeps the dense SwiGLU (model.mlp_dim = 5632)
     moe.routed_scaling_factor = 2.446  # Kimi Linear's: the renormalised weights sum to it
+    # What makes 4.4B parameters fit one 80 GB card (docs/moe.md, "Memory"): the Adam moments
+    # and the micro-batches' gradient sums in bf16 (the float32 master weights stay), the
+    # experts' hidden activations computed again in the backward pass, and a layer keeping only
+    # its matmuls' outputs for it (KDA's kernel runs again there).
+    config.opt.moments_dtype = "bfloat16"
+    config.train.grad_accum_dtype = "bfloat16"
+    moe.remat_experts = True
+    config.model.remat = "dots"
     return config

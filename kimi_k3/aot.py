@@ -175,7 +175,8 @@ def lower_train(spec: RunSpec, mesh: Mesh) -> tuple[jax.stages.Lowered, Mesh, st
         B, T, mesh, layout.graphdef, rest, layout.abstract_state, batch_sharding, layout.rules,
         limit=device.memory_bytes(mesh.devices.flat[0]))
     step = train_lib.make_train_step(layout.graphdef, rest, layout.tx, layout.schedule,
-                                     B // micro, mesh, spec.model, moe_layers)
+                                     B // micro, mesh, spec.model, moe_layers,
+                                     spec.train.grad_accum_dtype)
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding)
              for k in ("tokens", "segment_ids")}
     jitted = jax.jit(step, in_shardings=(layout.state_shardings, {k: batch_sharding for k in batch}),

@@ -586,7 +586,7 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config",
         f"config.model came from {config_name}; pass the config the checkpoint was trained with"
         + (f": {give_config(run)}" if run else "")))
 
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     on_device = lambda tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
     item = {"params": on_device(want)}

@@ -69,6 +69,7 @@ TOKEN_DTYPES = ("uint16", "uint32")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 NAN_POLICIES = ("stop", "skip")
+STATE_DTYPES = ("float32", "bfloat16")  # opt.moments_dtype, train.grad_accum_dtype
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 # Weight decay is off for every vector (also when stacked over layers) and for parameters whose
@@ -153,6 +154,7 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.mla.output_gate = True  # elementwise sigmoid gate per head before W_o
     cfg.mla.attn_impl = "auto"  # "auto" | "xla" | "cudnn" | "pallas" | "reference"
     cfg.mla.attn_block_size = 512  # query/key block of the blockwise "xla" attention
+    cfg.mla.decode_impl = "auto"  # decoding's read of the latent cache: "auto" | "xla" | "pallas"
 
     cfg.mlp_dim = 384  # SwiGLU hidden width F (every layer's FFN, or the dense first layers of
     # a mixture of experts)
@@ -178,9 +180,12 @@ def default_model_config() -> ml_collections.ConfigDict:
     # at most ceil(c * n * top_k / E), the rest of its assignments are dropped (fixed shapes)
     cfg.moe.expert_matmul = "auto"  # dropless experts: "ragged" (jax.lax.ragged_dot on rows
     # sorted by expert) | "mosaic_gpu" (the same rows through Hopper grouped-matmul kernels,
-    # sm_90+, bf16, D and F multiples of 128) | "dense" (every token through every local
-    # expert, weighted by its routing weights, zero off its top-k: E / k x the FLOPs, no sort)
-    # | "auto" (kimi_k3/dispatch.py)
+    # sm_90+, bf16, D and F multiples of 128) | "blocked" (Pallas-Triton kernels on a blocked
+    # layout that gather their own rows: no [tokens x top_k, D] copies) | "dense" (every token
+    # through every local expert, weighted by its routing weights, zero off its top-k: E / k x
+    # the FLOPs, no sort) | "auto" (kimi_k3/dispatch.py)
+    cfg.moe.remat_experts = False  # "blocked": keep only the experts' input for the backward
+    # pass and compute their hidden activations again there (less memory, one more matmul)
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
     # How each read and the RMSNorm after it run in an unrolled stack (scan_layers=False):
@@ -200,6 +205,27 @@ def default_model_config() -> ml_collections.ConfigDict:
     # keeps for its backward pass (the rest is recomputed; see REMAT_POLICIES)
     cfg.scan_layers = True  # scan over the repeating unit of the pattern
     return cfg
+
+
+def fill_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A whole run's config recorded by an earlier version (a run folder's ``config.json``) with
+    every field added since at its default, so that the run resumes and evaluates as it ran:
+    the training sections' fields and, where there is a model section, the model's. Fields the
+    record has keep their values. Returns ``config``."""
+    add_training_defaults(config)
+    if "model" in config:
+        with config.unlocked() if config.is_locked else contextlib.nullcontext():
+            _fill_missing(config.model, default_model_config())
+    return config
+
+
+def _fill_missing(section: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict):
+    for k, v in defaults.items():
+        if k not in section:
+            section[k] = v
+        elif isinstance(v, ml_collections.ConfigDict) and isinstance(
+                section[k], ml_collections.ConfigDict):
+            _fill_missing(section[k], v)
 
 
 def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -232,6 +258,8 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "weight_decay": 0.1,  # decoupled, times lr
             "no_decay": NO_DECAY,  # regexes of parameter paths without weight decay
             "grad_clip": 1.0,  # global-norm clip; 0 = off
+            "moments_dtype": "float32",  # float32 | bfloat16: the stored Adam / Muon moments
+            # (the update is computed in float32 either way; bfloat16 halves their memory)
             "muon_beta": 0.95,  # Muon momentum
             "muon_ns_steps": 5,  # Newton-Schulz iterations
             "muon_rms": 0.2,  # Muon update RMS (matches AdamW's, so lr and decay carry over)
@@ -263,10 +291,16 @@ def add_training_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
             "log_every": 10,  # steps between console / JSONL / TensorBoard reports
             "eval_every": 200,  # steps between held-out evaluations; 0 = only at the end
             "eval_batches": 4,  # global batches per evaluation
+            "internals_every": -1,  # steps between internals reports (kimi_k3/internals.py:
+            # per-layer KDA timescales, MLA reach, Attention Residual weights, expert load on
+            # held-out rows); -1 = at each held-out evaluation, 0 = off
             "nan_policy": "stop",  # stop | skip, on a non-finite loss or gradient
             "progress_bar": True,  # shown only when stderr is a terminal
             "tensorboard": True,
             "peak_tflops_per_device": 0.0,  # for MFU; 0 = look up the device kind
+            "grad_accum_dtype": "float32",  # float32 | bfloat16: with micro-batches, each
+            # micro-batch's gradient and their running sum (bfloat16: taken with respect to the
+            # weights rounded to the compute dtype; the float32 master weights stay)
             "memory_check": True,  # refuse, before compiling, a step the planner (kimi_k3.plan)
             # says cannot fit the device, naming what would fit; False: try anyway
         },
@@ -325,6 +359,7 @@ class MlaSpec:
     output_gate: bool
     attn_impl: str  # as requested; "auto" is decided per call (it depends on the shapes)
     attn_block_size: int
+    decode_impl: str = "auto"  # as requested; "auto" is decided per call (dispatch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,8 +381,9 @@ class MoeSpec:
     bias_update_rate: float  # >= 0, per optimizer step
     balance_loss_coef: float  # >= 0
     capacity_factor: float  # 0 = dropless
-    expert_matmul: str = "auto"  # "auto" | "ragged" | "mosaic_gpu" | "dense": how dropless
-    # experts multiply
+    expert_matmul: str = "auto"  # "auto" | "ragged" | "mosaic_gpu" | "blocked" | "dense": how
+    # dropless experts multiply
+    remat_experts: bool = False  # "blocked": the hidden activations computed again backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,6 +463,7 @@ class OptSpec:
     muon_adam_axes: tuple[str, ...]
     muon_batch_axes: tuple[str, ...]
     muon_exclude: tuple[str, ...]
+    moments_dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,6 +497,8 @@ class TrainSpec:
     tensorboard: bool
     peak_tflops_per_device: float
     memory_check: bool = True
+    grad_accum_dtype: str = "float32"
+    internals_every: int = -1  # -1: at each evaluation (eval_every), 0: never
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,7 +681,10 @@ def _mla_spec(cfg, d_model: int) -> MlaSpec:
         qk_nope_head_dim=dims["qk_nope_head_dim"] or d_model // H,
         shared_head_dim=f.int("shared_head_dim", 0), v_head_dim=dims["v_head_dim"] or d_model // H,
         output_gate=f.bool("output_gate"), attn_impl=f.choice("attn_impl", dispatch.ATTN_IMPLS),
-        attn_block_size=block)
+        attn_block_size=block,
+        # absent from a model section written before decoding had its own kernel: "auto"
+        decode_impl=(f.choice("decode_impl", dispatch.DECODE_ATTN_IMPLS)
+                     if "decode_impl" in cfg.mla else "auto"))
 
 
 def _moe_spec(cfg, num_layers: int) -> MoeSpec | None:
@@ -688,7 +730,8 @@ def _moe_spec(cfg, num_layers: int) -> MoeSpec | None:
         balance_loss_coef=f.number("balance_loss_coef", 0.0),
         capacity_factor=f.number("capacity_factor", 0.0,
                                  allowed="must be >= 0 (0 = dropless)"),
-        expert_matmul=f.choice("expert_matmul", dispatch.EXPERT_MATMULS))
+        expert_matmul=f.choice("expert_matmul", dispatch.EXPERT_MATMULS),
+        remat_experts=f.bool("remat_experts"))
 
 
 def model_spec(cfg, backend: str | None = None) -> ModelSpec:
@@ -774,7 +817,8 @@ def opt_spec(cfg) -> OptSpec:
         muon_beta=f.number("muon_beta", 0.0, 1.0),
         muon_ns_steps=f.int("muon_ns_steps", 1), muon_rms=f.number("muon_rms", 0.0),
         muon_adam_axes=f.strings("muon_adam_axes"), muon_batch_axes=f.strings("muon_batch_axes"),
-        muon_exclude=f.strings("muon_exclude"))
+        muon_exclude=f.strings("muon_exclude"),
+        moments_dtype=f.choice("moments_dtype", STATE_DTYPES))
 
 
 def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
@@ -860,7 +904,10 @@ def train_spec(cfg) -> TrainSpec:
         eval_batches=f.int("eval_batches", 1), nan_policy=f.choice("nan_policy", NAN_POLICIES),
         progress_bar=f.bool("progress_bar"), tensorboard=f.bool("tensorboard"),
         peak_tflops_per_device=f.number("peak_tflops_per_device", 0.0),
-        memory_check=f.bool("memory_check"))
+        memory_check=f.bool("memory_check"),
+        grad_accum_dtype=f.choice("grad_accum_dtype", STATE_DTYPES),
+        internals_every=f.int("internals_every", -1, "must be an integer >= -1 (-1 = at each "
+                              "held-out evaluation, 0 = off, N = every N steps)"))
 
 
 def kda_chunk(model: ModelSpec | None) -> int | None:

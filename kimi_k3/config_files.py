@@ -21,6 +21,8 @@ import pathlib
 
 import ml_collections
 
+from kimi_k3.config import fill_defaults
+
 
 def load_config(spec: str | os.PathLike) -> ml_collections.ConfigDict:
     """``"configs/ablate_ratio.py:ratio=3"`` -> that file's ``get_config("ratio=3")``; a run
@@ -31,12 +33,13 @@ def load_config(spec: str | os.PathLike) -> ml_collections.ConfigDict:
     """
     path, _, arg = os.fspath(spec).partition(":")
     file = pathlib.Path(path).expanduser()
-    if file.is_dir():  # a run folder: its config.py (kimi_k3.run_dir.write_config)
+    record = file.is_dir()
+    if record:  # a run folder: its config.py (kimi_k3.run_dir.write_config)
         file = file / "config.py"
     elif file.suffix == ".json" and file.is_file():  # a config as JSON, e.g. a run's record
         if arg:
             raise ValueError(f"config file {path!r} is JSON and takes no argument, got {arg!r}")
-        return ml_collections.ConfigDict(json.loads(file.read_text()))
+        return fill_defaults(ml_collections.ConfigDict(json.loads(file.read_text())))
     if not file.is_file():
         where = f" (from {os.getcwd()})" if not file.is_absolute() else ""
         raise ValueError(f"no config file {path!r}{where}: give the path of a Python file "
@@ -46,7 +49,9 @@ def load_config(spec: str | os.PathLike) -> ml_collections.ConfigDict:
     module_spec.loader.exec_module(module)
     if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"config file {path!r} defines no get_config(arg=None)")
-    return module.get_config(arg or None)
+    config = module.get_config(arg or None)
+    # A run's record may predate fields added since: they take their defaults.
+    return fill_defaults(config) if record else config
 
 
 def parse_arg(arg: str | None, allowed: dict[str, type]) -> dict:

@@ -10,7 +10,9 @@ Sources (``config.data.source``):
               ``data.eos_id`` (if >= 0) marks the end of each document inside a file.
 
 Text is tokenised to bytes (ids 0..255) unless ``data.tokenizer`` names a Hugging Face
-``tokenizers`` JSON file.
+``tokenizers`` JSON file, or a tiktoken BPE file (``tiktoken.model``: one base64 token and its
+rank per line, as Kimi's checkpoints ship it), read with Kimi's pre-tokenizer and the special
+tokens of the ``tokenizer_config.json`` beside it (``TextTokenizer``).
 
 Held-out data (``load_split``; the first screen names the rule and its sizes), the first rule
 that applies:
@@ -44,12 +46,16 @@ its devices hold under the batch sharding.
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import dataclasses
 import functools
 import glob
+import json
 import logging
 import math
 import os
+import re
 import sysconfig
 import zlib
 from collections.abc import Iterator, Sequence
@@ -380,35 +386,177 @@ def _tokenizer_words(data_cfg, tok: TextTokenizer | None) -> str:
 # checkpoint imported without one): text is refused rather than read as bytes.
 NO_TOKENIZER = "none"
 
+# Kimi's pre-tokenizer: the regular expression ``TikTokenTokenizer.pat_str`` of the
+# tokenization_kimi.py that ships with Moonshot AI's checkpoints on the Hugging Face Hub
+# (moonshotai/Kimi-Linear-48B-A3B-Instruct, moonshotai/Kimi-K2-Instruct). Runs of Han
+# characters stand alone; a word is an optional leading non-letter, its cased letters (Han
+# excluded) and an English contraction; numbers go in groups of up to three digits; then
+# punctuation, newlines and whitespace as in GPT-4's cl100k pattern.
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+# tokenization_kimi.py's special ids: the ``num_reserved_special_tokens`` (256) + 2 ids right
+# after the BPE ranks, named by tokenizer_config.json's added_tokens_decoder (the rest
+# "<|reserved_token_{id}|>"); [BOS] and [EOS] unless the config names other ones.
+TIKTOKEN_SPECIAL_IDS = 256 + 2
+TIKTOKEN_CONFIG = "tokenizer_config.json"  # read from the folder of the tiktoken file
+# tiktoken's encoder fails on very long inputs and on very long runs of whitespace or of
+# non-whitespace (openai/tiktoken#195): texts are cut into pieces of at most this many
+# characters, and such runs every this many characters, before encoding, as Kimi's does.
+TIKTOKEN_MAX_CHARS = 400_000
+TIKTOKEN_MAX_RUN = 25_000
+
+
+def is_tiktoken_file(path: str) -> bool:
+    """Whether ``path`` is a tiktoken BPE file (its first line a base64 token and a rank),
+    not a tokenizers JSON."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(4096).split()
+    except OSError:
+        return False
+    return len(first) == 2 and first[1].isdigit() and not first[0].startswith(b"{")
+
+
+def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """{token bytes: rank} of a tiktoken BPE file: one ``<base64 token> <rank>`` per line.
+    Raises ValueError naming ``data.tokenizer``, the file and the line that does not parse, or
+    ranks that are not 0 .. n - 1 (the special ids follow the last rank)."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            try:
+                token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+                if len(parts) != 2:
+                    raise ValueError
+            except (ValueError, IndexError, binascii.Error):
+                raise ValueError(f"data.tokenizer: {path!r} line {n} is not '<base64 token> "
+                                 f"<rank>': {line[:80]!r}") from None
+            ranks[token] = rank
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"data.tokenizer: {path!r}: the ranks of its {len(ranks)} tokens are "
+                         f"not 0 .. {len(ranks) - 1} each once (a token listed twice, or a gap)")
+    return ranks
+
+
+def _token_name(value) -> str | None:
+    """A tokenizer_config.json token entry: a string, or {"content": string, ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tiktoken_special_tokens(config_path: str | None, num_base: int) -> tuple[dict[str, int], str, str]:
+    """(special tokens {name: id}, the BOS name, the EOS name) for a tiktoken file of
+    ``num_base`` ranks, as tokenization_kimi.py makes them: ids num_base .. num_base + 257,
+    named by ``config_path``'s added_tokens_decoder (None or no file: all reserved)."""
+    names, cfg = {}, {}
+    if config_path and os.path.isfile(config_path):
+        try:
+            with open(config_path) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"data.tokenizer: {config_path!r} is not a JSON file: {e}") from e
+        for key, entry in (cfg.get("added_tokens_decoder") or {}).items():
+            name = _token_name(entry)
+            if not (str(key).isdigit() and isinstance(name, str)):
+                raise ValueError(f"data.tokenizer: {config_path!r}: added_tokens_decoder entry "
+                                 f"{key!r} is not '<id>': {{'content': '<token>'}}")
+            names[int(key)] = name
+    special = {names.get(i, f"<|reserved_token_{i}|>"): i
+               for i in range(num_base, num_base + TIKTOKEN_SPECIAL_IDS)}
+    bos = _token_name(cfg.get("bos_token")) or "[BOS]"
+    eos = _token_name(cfg.get("eos_token")) or "[EOS]"
+    return special, bos, eos
+
+
+def _tiktoken_pieces(text: str, max_chars: int = TIKTOKEN_MAX_CHARS,
+                     max_run: int = TIKTOKEN_MAX_RUN) -> Iterator[str]:
+    """``text`` cut as tokenization_kimi.py cuts it before tiktoken: pieces of at most
+    ``max_chars`` characters, and in each a run of whitespace or of non-whitespace longer than
+    ``max_run`` split every ``max_run`` characters."""
+    long_run = re.compile(rf"\s{{{max_run + 1},}}|\S{{{max_run + 1},}}")
+    for lo in range(0, len(text), max_chars):
+        chunk, at = text[lo : lo + max_chars], 0
+        for m in long_run.finditer(chunk):
+            for cut in range(m.start() + max_run, m.end(), max_run):
+                yield chunk[at:cut]
+                at = cut
+        yield chunk[at:]
+
 
 class TextTokenizer:
-    """Bytes (ids 0..255) by default; a Hugging Face ``tokenizers`` JSON when a path is given;
-    ``"none"`` (NO_TOKENIZER) refuses text, naming what to give instead."""
+    """Bytes (ids 0..255) by default; a Hugging Face ``tokenizers`` JSON, or a tiktoken BPE file
+    (``is_tiktoken_file``: Kimi's ``tiktoken.model``), when a path is given; ``"none"``
+    (NO_TOKENIZER) refuses text, naming what to give instead.
+
+    A tiktoken file is read as Kimi's tokenization_kimi.py reads it: ``KIMI_PAT_STR`` splits the
+    text, the ranks merge the bytes of each piece, and the special tokens
+    (``tiktoken_special_tokens``) come from the ``tokenizer_config.json`` beside the file; a
+    special token's text in the input encodes to its id, as there. ``bos_id`` / ``eos_id``: the
+    tokenizer's own, when it names them (tiktoken), else None.
+    """
 
     def __init__(self, path: str = ""):
         self.path = path
+        self.kind = "bytes"
+        self.bos_id = self.eos_id = None
+        self._tok = self._tiktoken = None
+        self._known = None  # tiktoken: the number of ranks (ids below it are tokens)
+        self._containing: dict[tuple[str, ...], list[int]] = {}  # ids_containing's answers
         if path == NO_TOKENIZER:
             raise ValueError(
                 "config.data.tokenizer='none': this model's token ids are not bytes and no "
                 "tokenizer came with it, so text cannot be read; give token ids (generate.py "
                 "--prompt_ids=...) or token files (--config.data.source=tokens "
-                "--config.data.paths=FILE), or its tokenizers JSON (--config.data.tokenizer=PATH)")
-        if path:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"data.tokenizer: {path!r} is not a file")
-            from tokenizers import Tokenizer
+                "--config.data.paths=FILE), or its tokenizer (--config.data.tokenizer=PATH: a "
+                "tokenizers JSON, or a tiktoken.model)")
+        if not path:
+            self.vocab_size = BYTE_VOCAB
+            return
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data.tokenizer: {path!r} is not a file")
+        if is_tiktoken_file(path):
+            self._init_tiktoken(path)
+            return
+        from tokenizers import Tokenizer
 
-            try:
-                self._tok = Tokenizer.from_file(path)
-            except Exception as e:  # the library's own error types vary by version
-                raise ValueError(f"data.tokenizer: {path!r} is not a tokenizers JSON: {e}") from e
-            self.vocab_size = self._tok.get_vocab_size()
-        else:
-            self._tok, self.vocab_size = None, BYTE_VOCAB
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # the library's own error types vary by version
+            raise ValueError(f"data.tokenizer: {path!r} is neither a tokenizers JSON nor a "
+                             f"tiktoken file ('<base64 token> <rank>' lines): {e}") from e
+        self.kind = "tokenizers"
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def _init_tiktoken(self, path: str) -> None:
+        import tiktoken  # only for a tiktoken file
+
+        ranks = read_tiktoken_ranks(path)
+        config = os.path.join(os.path.dirname(os.path.abspath(path)), TIKTOKEN_CONFIG)
+        special, bos, eos = tiktoken_special_tokens(config, len(ranks))
+        self._tiktoken = tiktoken.Encoding(os.path.basename(path), pat_str=KIMI_PAT_STR,
+                                           mergeable_ranks=ranks, special_tokens=special)
+        self.kind, self._known = "tiktoken", len(ranks)
+        self._special_ids = set(special.values())
+        self.bos_id, self.eos_id = special.get(bos), special.get(eos)
+        self.vocab_size = self._tiktoken.n_vocab
 
     def encode(self, text: str) -> np.ndarray:
         """int32 ids of ``text``: its UTF-8 bytes, or the tokenizer's ids (no special tokens
-        added)."""
+        added; with tiktoken a special token's text is its id)."""
+        if self._tiktoken is not None:
+            ids = [i for piece in _tiktoken_pieces(text)
+                   for i in self._tiktoken.encode(piece, allowed_special="all")]
+            return np.asarray(ids, np.int32)
         if self._tok is None:
             return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
@@ -416,8 +564,12 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``. Bytes are decoded as UTF-8 with U+FFFD for invalid sequences and
         for ids outside 0..255 (a model whose vocabulary is wider than the bytes can emit them);
-        the tokenizer skips ids it does not know."""
+        a tokenizer skips ids it does not know (tiktoken: U+FFFD for a token's bytes that are
+        not UTF-8 on their own)."""
         ids = [int(i) for i in ids]
+        if self._tiktoken is not None:
+            known = [i for i in ids if 0 <= i < self._known or i in self._special_ids]
+            return self._tiktoken.decode(known, errors="replace")
         if self._tok is None:
             text, run = [], bytearray()
             for i in ids:
@@ -428,6 +580,33 @@ class TextTokenizer:
                 run = bytearray()
             return "".join(text) + run.decode("utf-8", errors="replace")
         return self._tok.decode(ids)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id ``i`` stands for (tiktoken and bytes; a special token: b"")."""
+        if self._tiktoken is not None:
+            return b"" if i in self._special_ids or not 0 <= i < self._known else \
+                self._tiktoken.decode_single_token_bytes(i)
+        if self._tok is None:
+            return bytes([i]) if 0 <= i < BYTE_VOCAB else b""
+        raise ValueError(f"data.tokenizer: {self.path!r} is a tokenizers JSON; use "
+                         f"kimi_k3.eval_scoring.tokenizer_byte_lengths for its bytes")
+
+    def ids_containing(self, texts: Sequence[str]) -> list[int]:
+        """The ids whose own text holds one of ``texts`` (empty strings ignored): a decoder
+        that stops at them stops at every such string that lies inside one token; one that
+        spans tokens is found in the decoded text afterwards."""
+        texts = tuple(t for t in texts if t)
+        if not texts:
+            return []
+        if texts not in self._containing:  # a scan of the vocabulary, once per set of texts
+            own = [self.decode([i]) for i in range(self.vocab_size)]
+            self._containing[texts] = [i for i, t in enumerate(own) if any(x in t for x in texts)]
+        return list(self._containing[texts])
+
+    def byte_lengths(self) -> np.ndarray:
+        """int64 [vocab_size]: the UTF-8 bytes behind each id (special tokens 0): exact for bytes
+        and for tiktoken, whose ranks are byte strings."""
+        return np.array([len(self.token_bytes(i)) for i in range(self.vocab_size)], np.int64)
 
     def encode_files(self, files: Sequence[str], skip_empty: bool,
                      check_text: bool = False) -> list[np.ndarray]:
@@ -446,10 +625,12 @@ class TextTokenizer:
             if check_text:
                 _check_text(b, f)
             raw.append(b)
-        if self._tok is None:
+        if self._tok is None and self._tiktoken is None:
             return [np.frombuffer(b, np.uint8) for b in raw]
         texts = [b.decode("utf-8", errors="replace") for b in raw]
         dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        if self._tiktoken is not None:
+            return [self.encode(t).astype(dtype) for t in texts]
         return [np.asarray(e.ids, dtype) for e in self._tok.encode_batch(texts)]
 
 

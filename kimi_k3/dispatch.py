@@ -41,11 +41,12 @@ import jax
 from pallas_kernels import device
 
 KDA_IMPLS = ("auto", "recurrent", "xla", "pallas")
-EXPERT_MATMULS = ("auto", "ragged", "mosaic_gpu", "dense")
+EXPERT_MATMULS = ("auto", "ragged", "mosaic_gpu", "blocked", "dense")
 ATTN_IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
 CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions
 ATTN_RES_IMPLS = ("auto", "xla", "pallas")  # an Attention Residual read and its norm
 MLP_IMPLS = ("auto", "xla", "pallas")  # the dense SwiGLU's activation backward
+DECODE_ATTN_IMPLS = ("auto", "xla", "pallas")  # MLA decoding over the latent cache
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX):
 # the GPU (Triton and, on Hopper, Mosaic GPU kernels) and the TPU (the same kernel source
@@ -230,15 +231,32 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     return chosen
 
 
+def blocked_why(backend: str, dims: tuple[int, int] = ()) -> str | None:
+    """None when the blocked-layout kernels (``kimi_k3.ops.routed_experts``) run here: Triton on
+    a GPU, interpret mode on a CPU; experts' D and F multiples of 16."""
+    if backend == "gpu":
+        why = device.probe(backend).why_not("triton")
+        if why is not None:
+            return why
+    elif backend != "cpu":
+        return f"the kernels are Pallas-Triton (GPU, or interpret mode on CPU), not {backend}"
+    for name, size in zip(("d_model", "moe.expert_dim"), dims, strict=False):
+        if size % 16:
+            return f"{name} = {size} (a multiple of 16)"
+    return None
+
+
 def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, int] = (),
                          dtype=None, backend: str | None = None) -> str:
     """How dropless experts multiply (``layers/moe.py``): rows sorted by expert through
     ``kimi_k3.ops.grouped_matmul`` — "ragged" (``jax.lax.ragged_dot``) or "mosaic_gpu" (the
-    Hopper kernels) — or "dense" (every token through every local expert, weighted). ``dims``:
+    Hopper kernels) —, "blocked" (``kimi_k3.ops.routed_experts``: Pallas-Triton kernels that
+    gather their rows) or "dense" (every token through every local expert, weighted). ``dims``:
     the (D, F) of the experts, ``dtype`` their compute dtype, for "mosaic_gpu"'s shape rules.
 
-    "auto": "mosaic_gpu" where ``device.probe`` finds a Hopper card and the kernels take the
-    shapes and dtype (moe_bench measures it against the rest); else "dense" on GPU, where XLA
+    "auto": "blocked" on a GPU where Pallas-Triton lowers (moe_bench and routed_experts_bench
+    measure it against the rest); else "mosaic_gpu" where ``device.probe`` finds a Hopper card
+    and its kernels take the shapes and dtype; else "dense" on GPU, where XLA
     rewrites ``ragged_dot`` into a dense product with a far larger footprint (moe_bench), "ragged"
     elsewhere and whenever tokens move between devices (all-to-all expert parallelism, which
     "dense" cannot take)."""
@@ -263,12 +281,49 @@ def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, 
         why = mosaic_why()
         if why is not None:
             raise ValueError(f"moe: expert_matmul='mosaic_gpu' cannot run here: {why}")
+    if requested == "blocked":
+        why = blocked_why(backend, dims)
+        if why is not None:
+            raise ValueError(f"moe: expert_matmul='blocked' cannot run here: {why}")
     if requested != "auto":
         _report("expert matmul", requested, requested, backend)
         return requested
-    if dims and mosaic_why() is None:
+    if backend == "gpu" and blocked_why(backend, dims) is None:
+        chosen = "blocked"
+    elif dims and mosaic_why() is None:
         chosen = "mosaic_gpu"
     else:
         chosen = "dense" if backend == "gpu" and not tokens_move else "ragged"
     _report("expert matmul", requested, chosen, backend + (", all-to-all" if tokens_move else ""))
+    return chosen
+
+
+def choose_decode_attention_impl(requested: str, *, dtype, unsupported: str | None,
+                                 backend: str | None = None) -> str:
+    """How one decoding step reads MLA's latent cache (``attention.latent_decode_attention``):
+    "pallas" (one kernel pass over the cache split over its positions,
+    ``pallas_kernels.latent_decode``; interpret mode off the GPU) or "xla" (the scores, their
+    softmax and the weighted sum as XLA fuses them). ``unsupported``: why the compiled kernel
+    cannot take the layer's shapes (``latent_decode.unsupported``), None when it can.
+
+    "auto": "pallas" on a GPU with Pallas-Triton for a bf16 / fp16 cache whose shapes the
+    kernel takes (its dots run on the matrix units, exact for half-precision entries but not
+    for float32 ones), "xla" otherwise. An explicit "pallas" on a GPU it cannot serve raises."""
+    if requested not in DECODE_ATTN_IMPLS:
+        raise ValueError(f"mla: decode_impl must be one of {DECODE_ATTN_IMPLS}, got "
+                         f"{requested!r}")
+    backend = backend or device.target_platform()
+    why = None
+    if backend == "gpu":
+        why = device.probe(backend).why_not("triton") or unsupported
+    if requested == "pallas" and why is not None:
+        raise ValueError(f"mla: decode_impl='pallas' cannot run here: {why}; use 'auto' or "
+                         f"'xla'")
+    if requested != "auto":
+        _report("decode attention", requested, requested, backend)
+        return requested
+    half = str(dtype) in ("bfloat16", "float16")
+    chosen = "pallas" if backend == "gpu" and why is None and half else "xla"
+    _report("decode attention", requested, chosen, f"{backend}, {dtype}" + (
+        f": {why}" if why and backend == "gpu" else ""))
     return chosen

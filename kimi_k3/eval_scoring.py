@@ -69,6 +69,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -79,7 +80,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kimi_k3.data import load_split_streams
+from kimi_k3.data import TextTokenizer, is_tiktoken_file, load_split_streams
 from kimi_k3.mesh import batch_sharding
 from kimi_k3.model import MAX_POSITIONS
 from kimi_k3.sharding import axis_rules
@@ -316,6 +317,8 @@ def token_byte_lengths(data_cfg) -> tuple[np.ndarray | None, str]:
             return None, ("not computed: data.source='tokens' holds token ids without their text; "
                           "set data.tokenizer to the tokenizers JSON that made them")
         return np.ones(256, np.int64), "byte tokens, one byte each"
+    if is_tiktoken_file(tokenizer):  # byte strings by rank: exact
+        return TextTokenizer(tokenizer).byte_lengths(), f"{tokenizer}: the bytes of each token id"
     return tokenizer_byte_lengths(tokenizer), f"{tokenizer}: the bytes each token id decodes to"
 
 
@@ -693,6 +696,50 @@ class EvalOptions:
         return self
 
 
+class ScoringProgress:
+    """How the scoring of one context length goes, on stderr. In a log (stderr not a terminal,
+    where eval.py's bar is off) a line after the first piece (its time holds the compilation)
+    and then at most every ``every`` seconds until the last: pieces done of all, tokens per second over the
+    pieces after the first, and the time left at that rate. Always, at the end (``done``), one
+    line with the scoring time and the compiling part of it."""
+
+    def __init__(self, label: str, pieces: int, tokens_per_piece: int, every: float = 10.0,
+                 stream=None):
+        self.label, self.pieces, self.tokens = label, pieces, tokens_per_piece
+        self.every, self.stream = every, stream or sys.stderr
+        self.log = not self.stream.isatty()
+        self.n, self.t0 = 0, time.perf_counter()
+        self.t_first = self.last = None
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+    def piece(self) -> None:
+        self.n += 1
+        now = time.perf_counter()
+        if self.n == 1:
+            self.t_first = now
+        if not self.log or self.n == self.pieces or (
+                self.last is not None and now - self.last < self.every):
+            return  # the last piece: ``done`` says it
+        self.last = now
+        if self.n == 1:
+            rate, left = self.tokens / (now - self.t0), (self.pieces - 1) * (now - self.t0)
+            how = "first piece, compiling included"
+        else:
+            per_piece = (now - self.t_first) / (self.n - 1)
+            rate, left = self.tokens / per_piece, (self.pieces - self.n) * per_piece
+            how = "after the first piece"
+        self._say(f"{self.label}: {self.n}/{self.pieces} pieces, {rate:,.0f} tokens/s ({how}), "
+                  f"ETA {left:.0f} s")
+
+    def done(self, seconds: float, compile_seconds: float) -> None:
+        total = self.n * self.tokens
+        self._say(f"{self.label}: {self.n} pieces ({total:,} tokens) scored in {seconds:.1f} s, "
+                  f"{compile_seconds:.1f} s of it compiling: {total / max(seconds, 1e-9):,.0f} "
+                  f"tokens/s")
+
+
 def evaluate_windows(
     scorer: Scorer, windows: Windows, opts: EvalOptions, on_piece: Callable[[], None] | None = None,
     byte_lengths: np.ndarray | None = None,
@@ -706,18 +753,29 @@ def evaluate_windows(
     widths = np.array([hi - lo + 1 for lo, hi in buckets], np.float64)
     nll_NxK = np.zeros((N, len(buckets)), np.float64)  # each window's NLL summed per bucket
     max_diff = None
+    P = min(opts.piece_len, L)
+    progress = ScoringProgress(f"L={L:,}", -(-N // opts.batch_size) * -(-L // P),
+                               opts.batch_size * P)
+
+    def piece_done():
+        progress.piece()
+        if on_piece is not None:
+            on_piece()
+
     t0, compile0 = time.perf_counter(), scorer.compile_seconds
     for start in range(0, N, opts.batch_size):
         batch = windows.tokens_NxL1[start : start + opts.batch_size]
         n = batch.shape[0]
         if n < opts.batch_size:  # pad the last batch to the compiled shape; padded rows don't count
             batch = np.concatenate([batch, np.repeat(batch[:1], opts.batch_size - n, 0)])
-        nll_BxL = scorer.piecewise_nll(batch, opts.piece_len, on_piece)[:n]
+        nll_BxL = scorer.piecewise_nll(batch, opts.piece_len, piece_done)[:n]
         if start == 0 and 0 < L <= opts.whole_check_max_len:
             ref = scorer.whole_sequence_nll(batch)[:n]
             max_diff = float(np.max(np.abs(ref - nll_BxL)))
         nll_NxK[start : start + n] = np.add.reduceat(nll_BxL.astype(np.float64), starts, axis=1)
     seconds = time.perf_counter() - t0
+    if N:
+        progress.done(seconds, scorer.compile_seconds - compile0)
 
     # Per window: [NLL, bytes, NLL per bucket] over [targets, bytes, targets per bucket].
     nbytes_N = np.zeros(N)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -28,11 +29,13 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from kimi_k3 import internals as internals_lib
 from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import ruler as ruler_lib
 from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
 from kimi_k3.config import ConfigError, check_context, kda_chunk, model_spec, normalize_rules
 from kimi_k3.config_files import load_config
-from kimi_k3.data import first_bad_id
+from kimi_k3.data import PackedRows, TextTokenizer, first_bad_id, load_split_streams
 from kimi_k3.eval_report import format_table, write_outputs
 from kimi_k3.eval_scoring import (
     BOOTSTRAP_SAMPLES,
@@ -229,6 +232,212 @@ def run(
     return report
 
 
+def run_internals(config, checkpoints: Sequence[CheckpointSpec], workdir: str, *,
+                  config_name: str = "--config", overrides: Sequence[str] = (),
+                  models: dict | None = None) -> dict:
+    """``eval.py --internals``: the internals report (``kimi_k3.internals``) of every
+    checkpoint on the same held-out rows: the first ``internals.ROWS`` rows of
+    ``config.data.seq_len`` tokens of --config's held-out split, as the trainer reads them.
+    Writes ``internals.json`` and the PNGs (``internals.write_comparison``) to ``workdir``,
+    prints one line per checkpoint, returns the JSON-able report. ``models`` ({label: model})
+    supplies ready models (tests)."""
+    check_labels(checkpoints)
+    configs = {spec.label: spec_config(spec, config, overrides) for spec in checkpoints}
+    T = int(config.data.seq_len)
+    _, stream = load_split_streams(config.data, int(config.model.vocab_size))
+    if stream is None or stream.num_tokens < T:
+        raise ValueError(f"--internals: config.data holds out no row of data.seq_len={T} tokens "
+                         f"(source={config.data.source!r}, eval_fraction="
+                         f"{config.data.eval_fraction}); set data.eval_paths or raise "
+                         f"data.eval_fraction")
+    rows = PackedRows(stream, T, 0, False)
+    batch = rows.rows(range(min(internals_lib.ROWS, rows.num_rows)))
+    for spec in checkpoints:  # every vocabulary first, before any model is built
+        vocab = int(configs[spec.label].model.vocab_size)
+        bad = first_bad_id(batch["tokens"], vocab)
+        if bad is not None:
+            (row, position), tok = bad
+            raise ValueError(f"checkpoint {spec.label!r}: held-out token id {tok} (row {row}, "
+                             f"position {position}) is outside [0, {vocab}) = its "
+                             f"model.vocab_size")
+    reports, compiled = [], {}  # one compilation per architecture
+    for spec in checkpoints:
+        if models is not None and spec.label in models:
+            model, step = models[spec.label], None
+        else:
+            model, step = load_model(
+                configs[spec.label], spec.path, config_name=spec.config or config_name,
+                give_config=lambda run, s=spec: f"--checkpoint={s.label}={s.path}@{run}")
+            if step is not None:
+                print(f"{spec.label}: restored step {step} from {spec.path}")
+        stats = internals_lib.measure_model(model, batch, compiled)
+        reports.append(internals_lib.ModelReport(spec.label, spec.path, step, model.spec, stats))
+        del model
+    os.makedirs(workdir, exist_ok=True)
+    report = internals_lib.write_comparison(reports, workdir, len(batch["tokens"]), T)
+    with open(os.path.join(workdir, "internals.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"internals on {len(batch['tokens'])} held-out rows of {T} tokens "
+          f"({workdir}/internals.json)")
+    print(internals_lib.compare_table(reports))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# lm-evaluation-harness tasks and the RULER suite (eval.py --lm_eval_tasks, --ruler_tasks)
+# ---------------------------------------------------------------------------------------------
+
+
+# Set before the harness (and Hugging Face's datasets with it) is imported: no request leaves
+# the machine; tasks read local files.
+HF_OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                  "HF_EVALUATE_OFFLINE": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LmEvalOptions:
+    """eval.py's --lm_eval_* flags (``kimi_k3.lm_eval_adapter``)."""
+
+    tasks: tuple[str, ...]
+    include: str | None = None  # a folder of task YAML files
+    limit: float | None = None  # documents per task (< 1: a share of them)
+    output: str | None = None  # default WORKDIR/lm_eval.json
+    num_fewshot: int | None = None  # default: each task's own
+
+    def validate(self) -> LmEvalOptions:
+        if not self.tasks:
+            raise ValueError("--lm_eval_tasks: empty; give task names, e.g. "
+                             "--lm_eval_tasks=k3_choice,k3_generate")
+        if self.include and not os.path.isdir(self.include):
+            raise FileNotFoundError(f"--lm_eval_include: {self.include!r} is not a folder (of "
+                                    f"task YAML files)")
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"--lm_eval_limit: {self.limit!r} must be > 0 (documents per "
+                             f"task; below 1 a share of them)")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ValueError(f"--lm_eval_num_fewshot: {self.num_fewshot!r} must be >= 0")
+        return self
+
+
+def prefix_token(config, tokenizer: TextTokenizer) -> int:
+    """The token an empty context or a scored text starts from: ``data.eos_id`` when set, else
+    the tokenizer's BOS, else its EOS, else the first token of a newline (bytes: 10)."""
+    eos = int(config.data.get("eos_id", -1)) if "data" in config else -1
+    if eos >= 0:
+        return eos
+    for i in (tokenizer.bos_id, tokenizer.eos_id):
+        if i is not None:
+            return int(i)
+    return int(tokenizer.encode("\n")[0])
+
+
+def _load(spec: CheckpointSpec, cfg, config_name: str, models: dict | None):
+    if models is not None and spec.label in models:
+        return models[spec.label], None
+    model, step = load_model(cfg, spec.path, config_name=spec.config or config_name,
+                             give_config=lambda run: f"--checkpoint={spec.label}={spec.path}@{run}")
+    if step is not None:
+        print(f"{spec.label}: restored step {step} from {spec.path}", file=sys.stderr)
+    return model, step
+
+
+def run_lm_eval(config, checkpoints: Sequence[CheckpointSpec], opts: LmEvalOptions,
+                workdir: str, *, piece_len: int = 2048, batch_size: int = 1,
+                progress: bool = True, config_name: str = "--config",
+                overrides: Sequence[str] = (), models: dict | None = None) -> dict:
+    """``eval.py --lm_eval_tasks``: the harness's tasks on every checkpoint, each model with its
+    own config's tokenizer (``kimi_k3.lm_eval_adapter``; rows of ``piece_len`` tokens,
+    ``batch_size`` rows per call). Process 0 drives the harness and writes
+    ``opts.output`` (default WORKDIR/lm_eval.json: per checkpoint label its results); every
+    other process follows. Returns {label: results} (empty on the followers)."""
+    for key, value in HF_OFFLINE_ENV.items():  # read by Hugging Face's libraries on import
+        os.environ.setdefault(key, value)
+    try:  # the optional [eval] extra
+        from kimi_k3 import lm_eval_adapter
+    except ImportError as e:
+        raise ValueError(f"--lm_eval_tasks: lm-evaluation-harness is not installed ({e}); "
+                         f"pip install -e '.[eval]'") from e
+    # the task names checked before any model is read, on the process that runs the harness;
+    # the others hear whether to go on (else they would wait for its requests forever)
+    manager, error = None, None
+    if jax.process_index() == 0:
+        try:
+            manager = lm_eval_adapter.task_manager(opts.tasks, opts.include)
+        except ValueError as e:
+            error = e
+    if not lm_eval_adapter.Channel().agree(error is None):
+        if error is not None:
+            raise error
+        raise ValueError("--lm_eval_tasks: process 0 refused the tasks (its error says why)")
+    out = {}
+    for spec in checkpoints:
+        cfg = spec_config(spec, config, overrides)
+        tokenizer = TextTokenizer(cfg.data.tokenizer if "data" in cfg else "")
+        model, step = _load(spec, cfg, config_name, models)
+        eos = int(cfg.data.get("eos_id", -1)) if "data" in cfg else -1
+        engine = lm_eval_adapter.TokenEngine(model, row_len=piece_len, batch_size=batch_size,
+                                             piece_len=piece_len, progress=progress)
+        lm = lm_eval_adapter.KimiLM(engine, tokenizer, prefix_token(cfg, tokenizer),
+                                    stop_id=eos if eos >= 0 else tokenizer.eos_id,
+                                    seed=int(cfg.get("seed", 0)))
+        results = lm_eval_adapter.evaluate_tasks(
+            lm, opts.tasks, opts.include, limit=opts.limit, num_fewshot=opts.num_fewshot,
+            seed=int(cfg.get("seed", 0)), manager=manager)
+        if results is not None:
+            out[spec.label] = {"checkpoint": spec.path, "step": step,
+                               "tokenizer": tokenizer.path or "bytes",
+                               **lm_eval_adapter.summary(results)}
+            print(f"lm-eval, {spec.label}:")
+            print(lm_eval_adapter.table(results))
+        del engine, lm, model
+    if jax.process_index() == 0:
+        path = opts.output or os.path.join(workdir, "lm_eval.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {path}")
+    return out
+
+
+def run_ruler(config, checkpoints: Sequence[CheckpointSpec], opts: ruler_lib.RulerOptions,
+              workdir: str, *, progress: bool = True, config_name: str = "--config",
+              overrides: Sequence[str] = (), models: dict | None = None) -> dict:
+    """``eval.py --ruler_tasks``: the RULER suite (``kimi_k3.ruler``) on every checkpoint,
+    each through its own config's tokenizer, the same examples for models that share one.
+    Writes ruler.json, ruler.csv and ruler_heatmap.png (the checkpoints side by side) to
+    ``workdir``, prints the tables, returns the report. Runs on process 0 alone."""
+    if jax.process_index() != 0:
+        return {}
+    configs = {spec.label: spec_config(spec, config, overrides) for spec in checkpoints}
+    suites = {}
+    for spec in checkpoints:  # every tokenizer and length first, before any model is built
+        cfg = configs[spec.label]
+        suite = ruler_lib.RulerSuite(TextTokenizer(cfg.data.tokenizer if "data" in cfg else ""),
+                                     opts.value_digits)
+        vocab = int(cfg.model.vocab_size)
+        if suite.max_token_id() >= vocab:
+            raise ValueError(f"checkpoint {spec.label!r}: its tokenizer ({suite.tokenizer_name}) "
+                             f"gives id {suite.max_token_id()}, outside [0, {vocab}) = its "
+                             f"model.vocab_size")
+        for task in opts.tasks:
+            suite.example(task, min(opts.lengths), 0.0 if task in ruler_lib.NEEDLE_TASKS else None,
+                          np.random.default_rng(0))  # a length too short is named now
+        suites[spec.label] = suite
+    report = ruler_lib.new_report(next(iter(suites.values())), opts)
+    report["tokenizer"] = ", ".join(sorted({s.tokenizer_name for s in suites.values()}))
+    for spec in checkpoints:
+        model, step = _load(spec, configs[spec.label], config_name, models)
+        rows = ruler_lib.evaluate(model, suites[spec.label], opts, progress=progress,
+                                  label=spec.label)
+        report["models"].append({"label": spec.label, "checkpoint": spec.path, "step": step,
+                                 "tokenizer": suites[spec.label].tokenizer_name, "rows": rows})
+        del model
+    paths = ruler_lib.write_outputs(report, workdir)
+    print(ruler_lib.format_table(report))
+    print(f"wrote {', '.join(os.path.basename(p) for p in paths.values())} to {workdir}")
+    return report
+
+
 def context_mesh(config, opts: EvalOptions, model_configs: Sequence) -> tuple:
     """(mesh, rules) for ``config.mesh.context`` = n > 1: each piece of a window is split over
     the first n devices (context parallelism; nothing else is split), else (None, ()). Every
@@ -281,15 +490,29 @@ def main(
     progress: bool = True,
     config_name: str = "--config",
     overrides: Sequence[str] = (),
+    internals: bool = False,
+    perplexity: bool = True,
+    lm_eval: LmEvalOptions | None = None,
+    ruler: ruler_lib.RulerOptions | None = None,
 ) -> dict:
     """eval.py's body. With no ``checkpoints``, the latest checkpoint under ``workdir/checkpoints``.
 
     Every flag is checked (each error naming it) before a checkpoint or the data is read, and
     ``workdir`` is created only when the results are written: an evaluation that fails leaves
-    no folder behind.
+    no folder behind. ``internals``: also the internals report (``run_internals``), returned
+    under "internals"; ``perplexity=False`` skips the perplexity evaluation. ``lm_eval``: the
+    harness's tasks (``run_lm_eval``), returned under "lm_eval"; ``ruler``: the RULER suite
+    (``run_ruler``), under "ruler".
     """
     if config is None:
         raise ValueError("--config: required (the model and the held-out data to use)")
+    if not (perplexity or internals or lm_eval or ruler):
+        raise ValueError("--noperplexity: leaves nothing to evaluate; add --internals, "
+                         "--lm_eval_tasks or --ruler_tasks")
+    if lm_eval is not None:
+        lm_eval.validate()
+    if ruler is not None:
+        ruler.validate()
     opts = EvalOptions(
         context_lengths=tuple(int(x) for x in context_lengths),
         piece_len=piece_len,
@@ -315,7 +538,21 @@ def main(
         if s.path != INIT_CHECKPOINT and not os.path.exists(s.path):
             raise FileNotFoundError(f"--checkpoint: {s.path!r} does not exist")
         spec_config(s, config, overrides)  # a @CONFIG that does not load fails now
-    context_mesh(config, opts, [spec_config(s, config, overrides) for s in specs])
+    if perplexity:
+        context_mesh(config, opts, [spec_config(s, config, overrides) for s in specs])
     workdir = check_workdir(workdir, create=False)
-    return run(config, specs, opts, workdir, progress=progress, config_name=config_name,
-               overrides=overrides)
+    report = {}
+    if perplexity:
+        report = run(config, specs, opts, workdir, progress=progress, config_name=config_name,
+                     overrides=overrides)
+    if internals:
+        report["internals"] = run_internals(config, specs, workdir, config_name=config_name,
+                                            overrides=overrides)
+    if ruler is not None:
+        report["ruler"] = run_ruler(config, specs, ruler, workdir, progress=progress,
+                                    config_name=config_name, overrides=overrides)
+    if lm_eval is not None:
+        report["lm_eval"] = run_lm_eval(config, specs, lm_eval, workdir, piece_len=piece_len,
+                                        batch_size=batch_size, progress=progress,
+                                        config_name=config_name, overrides=overrides)
+    return report

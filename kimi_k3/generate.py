@@ -40,6 +40,10 @@ One run, for B prompts of lengths L_i and N = ``max_new_tokens``:
     prefill of the prompts, in pieces of ``piece_len`` tokens     jitted, the cache donated
     step(token_B), one position per call, until every row is done  jitted, the cache donated
 
+A step (``HybridLM.step``) reads each weight once, in the compute dtype the ``Decoder`` holds
+it in, each cache entry once, and copies no cache: its time is bounded below by those bytes
+over the card's bandwidth (``benchmarks/decode_bench.py`` prints the floor and the multiple).
+
 **Prompts of different lengths: lockstep.** The cache keeps one position counter for all rows
 (MLA writes every row's latent at the same slot and masks the keys by it), and there is no
 padding mask, so every row must hold a real token at every position the batch has passed.
@@ -219,6 +223,35 @@ def _nnx_decoder_fns(graphdef):
     return _decoder_fns(lambda state: nnx.merge(graphdef, state))
 
 
+# The parameters every use of which rounds them to the compute dtype first: Dense kernels (the
+# MLA's absorbed W_uk and W_uv read theirs and round them too) and the embedding table (the
+# lookup rounds its rows, the tied head its matrix). A router keeps its float32 kernel: it
+# chooses experts in float32.
+MATMUL_WEIGHTS = ("kernel", "embedding")
+FULL_PRECISION = ("router",)
+
+
+def matmul_weights_in(state, dtype):
+    """``state`` (an ``nnx.State``) with each floating ``MATMUL_WEIGHTS`` leaf wider than
+    ``dtype`` (outside ``FULL_PRECISION`` modules) rounded to ``dtype``: the weights as the
+    model's matmuls read them, so decoding reads half the bytes of float32 master weights and
+    computes the same numbers."""
+    dtype = jnp.dtype(dtype)
+    pure = nnx.to_pure_dict(state)
+
+    def one(path, leaf):
+        names = [str(getattr(k, "key", k)) for k in path]
+        if (names and names[-1] in MATMUL_WEIGHTS and jnp.issubdtype(leaf.dtype, jnp.floating)
+                and not set(names) & set(FULL_PRECISION)
+                and jnp.dtype(leaf.dtype).itemsize > dtype.itemsize):
+            return leaf.astype(dtype)
+        return leaf
+
+    state = jax.tree.map(lambda x: x, state)  # a copy of the structure: the model's stays
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(one, pure))
+    return state
+
+
 def step_function(graphdef):
     """The jitted decoding step a ``Decoder`` runs for models of ``graphdef``:
     (state, token [B], cache) -> (logits [B, V], cache), the cache donated (``kimi_k3.aot``
@@ -228,11 +261,15 @@ def step_function(graphdef):
 
 class Decoder:
     """A model's jitted ``prefill`` (in pieces) and ``step``, the cache donated to each call, so
-    the KDA state and the MLA latent cache are updated in place.
+    the KDA state and the MLA latent cache are updated in place (``HybridLM.step``: no cache
+    is copied; tests/test_generate.py counts the compiled step's buffers).
 
     An ``nnx.Module`` is split once into (graphdef, state), so the jitted functions take the
     weights as an argument and are shared by every model of that graphdef; any other object
-    with the ``HybridLM`` methods is traced as it is (test doubles).
+    with the ``HybridLM`` methods is traced as it is (test doubles). The weights the model
+    multiplies in its compute dtype (``matmul_weights_in``) are held in that dtype, rounded
+    once here: a step then reads each weight once, in the dtype its matmul takes, and the
+    numbers are those of the model as given.
     """
 
     def __init__(self, model):
@@ -240,7 +277,8 @@ class Decoder:
         spec = getattr(model, "spec", None)
         self.vocab_size = None if spec is None else int(spec.vocab_size)
         if isinstance(model, nnx.Module):
-            graphdef, self._state = nnx.split(model)
+            graphdef, state = nnx.split(model)
+            self._state = state if spec is None else matmul_weights_in(state, spec.compute_dtype)
             self._prefill, self._step = _nnx_decoder_fns(graphdef)
         else:
             self._state = None
@@ -248,6 +286,12 @@ class Decoder:
 
     def init_cache(self, batch_size: int, max_len: int):
         return self.model.init_cache(batch_size, max_len)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as this decoder holds them (what a step reads of them; 0 for
+        a model that is not an ``nnx.Module``)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self._state))
 
     def prefill(self, tokens_BxT: np.ndarray, cache, piece_len: int,
                 on_piece: Callable[[], None] | None = None):

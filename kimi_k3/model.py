@@ -23,7 +23,10 @@ layer has the same FFN. ``remat`` rematerialises each scanned unit / unrolled la
 
 Decoding: ``init_cache`` / ``prefill`` / ``step`` carry per-layer state (KDA state and conv
 tails, MLA latent cache) and a position counter, so a sequence processed in pieces gives the same
-logits as in one pass.
+logits as in one pass. ``step`` is ``prefill`` of one token in the form a decoding step wants:
+every layer unrolled (a scanned model's repeats too), the KDA recurrence's one-token form and
+MLA's one-pass read of its latent cache, each cache array updated where it lies, so a jitted
+step with the cache donated reads each weight and cache entry once and copies no cache.
 
 The model takes a ``ModelSpec`` (``kimi_k3.config.model_spec(config.model)``), checked once.
 """
@@ -38,6 +41,7 @@ from flax import nnx
 
 from kimi_k3.config import ModelSpec, model_spec, scan_plan
 from kimi_k3.layers.attn_res import DepthQuery, DepthResidual
+from kimi_k3.layers.capture import keep
 from kimi_k3.layers.embed import Embed, OutputHead, chunked_nll
 from kimi_k3.layers.kda_layer import KDALayer
 from kimi_k3.layers.mla import GatedMLA
@@ -170,6 +174,14 @@ def _query(q: DepthQuery | None) -> jax.Array | None:
     return None if q is None else q.w[...]
 
 
+def _keep_read_weights(module: nnx.Module, name: str, depth: DepthResidual, state,
+                      query: DepthQuery | None) -> None:
+    """Keeps an Attention Residual read's mixing weights [num_slots, B, T] for
+    kimi_k3/internals.py (nothing with plain residuals)."""
+    if query is not None:
+        keep(module, name, depth.weights(state, query.w[...]))
+
+
 class DecoderLayer(nnx.Module):
     """One layer = mixer sublayer (KDA for kind "K", Gated MLA for "M") + FFN sublayer (the dense
     SwiGLU, or with ``experts`` the mixture of experts of ``spec.moe``).
@@ -177,6 +189,10 @@ class DecoderLayer(nnx.Module):
     Each sublayer reads its input from the depth residual (plain sum or Attention Residuals),
     applies RMSNorm then itself, and writes its output back.
     """
+
+    # Set by kimi_k3/internals.py on its copy of a model: each Attention Residual read then
+    # keeps its mixing weights (kimi_k3/layers/capture.py).
+    capture_internals = False
 
     def __init__(self, kind: str, spec: ModelSpec, *, rngs: nnx.Rngs, experts: bool = False):
         dtype, pdtype = spec.compute_dtype, spec.storage_dtype
@@ -203,12 +219,26 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, state, depth: DepthResidual, segment_ids_BxT=None, cache=None, pos=0):
         """(depth state, cache or None) -> (depth state, new cache or None)."""
+        if self.capture_internals:
+            _keep_read_weights(self, "mixer_read", depth, state, self.mixer_query)
         x_BxTxD = depth.read_norm(state, _query(self.mixer_query), self.mixer_norm)
         out_BxTxD, cache = self.mixer(x_BxTxD, segment_ids_BxT, cache, pos)
         state = depth.write(state, constrain(out_BxTxD, BTD))
+        if self.capture_internals:
+            _keep_read_weights(self, "mlp_read", depth, state, self.mlp_query)
         x_BxTxD = depth.read_norm(state, _query(self.mlp_query), self.mlp_norm)
         state = depth.write(state, constrain(self.mlp(x_BxTxD), BTD))
         return state, cache
+
+    def step(self, state, depth: DepthResidual, cache, pos, layer: int | None = None):
+        """One decoding step of this layer, the token at position ``pos``: (depth state, its
+        cache after the token), the mixer's ``step`` in place of its sequence form (``layer``:
+        the cache is a stack over a scanned model's repeats, this layer's being ``layer``)."""
+        x_Bx1xD = depth.read_norm(state, _query(self.mixer_query), self.mixer_norm)
+        out_Bx1xD, cache = self.mixer.step(x_Bx1xD, cache, pos, layer)
+        state = depth.write(state, out_Bx1xD)
+        x_Bx1xD = depth.read_norm(state, _query(self.mlp_query), self.mlp_norm)
+        return depth.write(state, self.mlp(x_Bx1xD)), cache
 
 
 class LayerGroup(nnx.Module):
@@ -278,6 +308,8 @@ class HybridLM(nnx.Module):
     impl="rbg"))`` compiles the initialisers several times faster than the default threefry
     keys (XLA:CPU is slow to compile threefry).
     """
+
+    capture_internals = False  # as DecoderLayer's: the final readout's weights (kimi_k3/internals.py)
 
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
         spec = model_spec(spec)
@@ -359,6 +391,8 @@ class HybridLM(nnx.Module):
         new_cache = None if training else {"pos": pos + x_BxTxD.shape[1], "prefix": prefix_caches,
                                            "groups": group_caches, "tail": tail_caches}
 
+        if self.capture_internals:
+            _keep_read_weights(self, "final_read", depth, state, self.final_query)
         return depth.read_norm(state, _query(self.final_query), self.final_norm), new_cache
 
     def logits(self, h_BxTxD: jax.Array) -> jax.Array:
@@ -440,6 +474,37 @@ class HybridLM(nnx.Module):
         return self.logits(h_BxTxD), cache
 
     def step(self, token_B: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-        """One decoding step: ``prefill`` of one token. Returns (logits [B, V] float32, cache)."""
-        logits_Bx1xV, cache = self.prefill(token_B[:, None], cache)
-        return logits_Bx1xV[:, 0], cache
+        """One decoding step, the token after the cached ones: (logits [B, V] float32, the
+        cache after it), the numbers of ``prefill(token_B[:, None], cache)`` (tests hold it to
+        that, token for token) in the form that makes a step cost what it reads.
+
+        Every layer runs in turn, unrolled, with its mixer's one-token form (``KDALayer.step``,
+        ``GatedMLA.step``) and the Attention Residual state as separate sources
+        (``DepthResidual.init(unrolled=True)``); a scanned model's repeats too, each with its
+        weights sliced from the stack (which XLA may copy: a model built to decode fast has
+        ``scan_layers=False``, as configs/1b.py). Each cache array is updated where it lies:
+        the KDA states rewritten, one MLA entry written at ``pos``, a scanned model's stacked
+        caches written at their repeat, so under ``jit`` with the cache donated no cache is
+        copied (tests/test_generate.py counts the compiled step's buffers).
+        """
+        x_Bx1xD = self._embed(token_B[:, None])
+        pos, depth = cache["pos"], self.depth
+        state = depth.init(x_Bx1xD, unrolled=True)
+        new = {"pos": pos + 1, "prefix": [], "groups": None, "tail": []}
+        for layer, c in zip(self.prefix, cache["prefix"], strict=True):
+            state, c = layer.step(state, depth, c, pos)
+            new["prefix"].append(c)
+        if self.groups is not None:
+            stacks = list(cache["groups"])
+            graphdef, weights = nnx.split(self.groups)
+            for r in range(self.repeats):
+                group = nnx.merge(graphdef, jax.tree.map(lambda w, r=r: w[r], weights))
+                for i, layer in enumerate(group.layers):
+                    state, stacks[i] = layer.step(state, depth, stacks[i], pos, layer=r)
+            new["groups"] = tuple(stacks)
+        for layer, c in zip(self.tail, cache["tail"], strict=True):
+            state, c = layer.step(state, depth, c, pos)
+            new["tail"].append(c)
+        h_Bx1xD = depth.read_norm(state, _query(self.final_query), self.final_norm)
+        new["prefix"], new["tail"] = tuple(new["prefix"]), tuple(new["tail"])
+        return self.logits(h_Bx1xD)[:, 0], new

@@ -58,6 +58,7 @@ from jax._src import source_info_util
 from jax.sharding import AbstractMesh
 
 from kimi_k3.config import MESH_AXES, ConfigError, RunSpec, model_spec, run_spec, scan_plan
+from kimi_k3.layers.dense import low_copies
 from kimi_k3.model import HybridLM, flops_per_token
 from kimi_k3.model_state import merge_model, split_for_training
 from kimi_k3.train_state import state_layout
@@ -158,7 +159,13 @@ def _state_arrays(key) -> tuple[tuple[_Array, ...], dict]:
     for group, tree in layout.abstract_state.items():
         for x in jax.tree.leaves(tree):
             out.append(_Array(group, tuple(x.shape), str(x.dtype), tuple(x.sharding.spec)))
-    return tuple(out), layout.abstract_state["params"]
+    # The matrices whose gradients train.grad_accum_dtype = "bfloat16" keeps in bfloat16.
+    params = layout.abstract_state["params"]
+    low = jax.eval_shape(lambda p: low_copies(p, jnp.bfloat16), params)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(low), strict=True):
+        if x.dtype != y.dtype:
+            out.append(_Array("low_grads", tuple(x.shape), str(y.dtype), tuple(x.sharding.spec)))
+    return tuple(out), params
 
 
 class _Keyed:
@@ -208,6 +215,7 @@ class StateBytes:
     param_dtype: str
     layer_param_count: int  # parameters of the largest unit gathered at once (whole, unsharded)
     total_param_count: int  # the model's, unsharded
+    low_grad_count: int = 0  # of param_count: the matrices a bfloat16 gradient sum rounds
 
 
 def state_bytes(spec: RunSpec, sizes: dict[str, int]) -> StateBytes:
@@ -236,7 +244,8 @@ def _state_bytes(key, mesh: tuple[int, ...]) -> StateBytes:
                       opt_dtypes=opt, param_dtype=param_dtype,
                       layer_param_count=_largest_unit_params(params),
                       total_param_count=sum(math.prod(a.shape) for a in arrays
-                                            if a.group == "params"))
+                                            if a.group == "params"),
+                      low_grad_count=count["low_grads"])
 
 
 def _largest_unit_params(params: dict) -> int:
@@ -326,7 +335,7 @@ TARGET_IMPLS = {
     # What the model's "auto" kernels are on each platform (kimi_k3.dispatch), set explicitly
     # so a plan made on a CPU traces the target card's kernels and their saved outputs.
     "gpu": {"kda.impl": "pallas", "mla.attn_impl": "pallas", "kda.conv_impl": "pallas",
-            "attn_res_impl": "pallas", "mlp_impl": "pallas"},
+            "attn_res_impl": "pallas", "mlp_impl": "pallas", "moe.expert_matmul": "blocked"},
     "tpu": {"kda.impl": "pallas", "mla.attn_impl": "pallas"},
     "cpu": {},
 }
@@ -581,6 +590,14 @@ def memory_plan(config, sizes: dict[str, int], microbatch: int, device: Device,
         out.append(Row("routing biases", st.model_state, "one per expert per MoE layer"))
     if accum == 1:
         out.append(Row("gradients", P * pbytes, f"{P:,} x {pbytes} B, in the parameter dtype"))
+    elif spec.train.grad_accum_dtype == "bfloat16" and cbytes == 2 and st.low_grad_count:
+        # The matrices: sums, one micro-batch's gradient and the copies it is taken against,
+        # in bfloat16; the rest: sums and one micro-batch's, in the parameter dtype.
+        L, rest = st.low_grad_count, P - st.low_grad_count
+        out.append(Row("gradients", 3 * L * 2 + 2 * rest * pbytes,
+                       f"{accum} micro-batches summed in bfloat16: sums, one micro-batch's and "
+                       f"the weights rounded once, 3 x {L:,} x 2 B; the other parameters' "
+                       f"sums and one micro-batch's, 2 x {rest:,} x {pbytes} B"))
     else:
         copies = P * cbytes if m.compute_dtype != jnp.dtype(st.param_dtype.split(",")[0]) else 0
         out.append(Row("gradients", P * 4 + P * pbytes + copies,

@@ -133,13 +133,14 @@ def heatmap(
     annotate: bool = True,
     note: str | None = None,
     chance: float | None = None,
+    figsize: tuple[float, float] | None = None,
 ) -> str:
     """Write a PNG of ``values_RxC`` as coloured cells (row 0 at the top) and return its path
     (``heatmap_figure`` draws it)."""
     return save(heatmap_figure(values_RxC, row_labels=row_labels, col_labels=col_labels,
                                title=title, xlabel=xlabel, ylabel=ylabel, vmin=vmin, vmax=vmax,
                                colorbar_label=colorbar_label, annotate=annotate, note=note,
-                               chance=chance), path)
+                               chance=chance, figsize=figsize), path)
 
 
 def heatmap_figure(
@@ -156,12 +157,14 @@ def heatmap_figure(
     annotate: bool = True,
     note: str | None = None,
     chance: float | None = None,
+    figsize: tuple[float, float] | None = None,
 ) -> Figure:
     """``values_RxC`` as coloured cells (row 0 at the top).
 
     Cells that are None or not finite are left blank (grey). ``annotate`` prints each value in
     its cell; the colour scale runs from ``vmin`` to ``vmax``. ``chance``: a dashed line at that
     value across the colour bar, named in its label. ``note``: a footer, as in ``line_figure``.
+    ``figsize``: (width, height) in inches; default a size that grows with the cells.
     """
     grid = np.array([[np.nan if v is None else float(v) for v in row] for row in values_RxC],
                     np.float64).reshape(len(values_RxC), -1)
@@ -171,7 +174,7 @@ def heatmap_figure(
     if len(row_labels) != R or len(col_labels) != C:
         raise ValueError(f"heatmap: values are {R} x {C} but there are "
                          f"{len(row_labels)} row labels and {len(col_labels)} column labels")
-    fig = Figure(figsize=(max(4.5, 1.0 + 0.9 * C), max(3.0, 1.4 + 0.45 * R)), dpi=110)
+    fig = Figure(figsize=figsize or (max(4.5, 1.0 + 0.9 * C), max(3.0, 1.4 + 0.45 * R)), dpi=110)
     ax = fig.add_subplot(1, 1, 1)
     ax.set_facecolor("0.85")  # the blank cells
     image = ax.imshow(np.ma.masked_invalid(grid), vmin=vmin, vmax=vmax, cmap="viridis",

@@ -29,6 +29,11 @@ measured over the whole global batch (``MoeStat``); a sequence-wise balance loss
 added to the objective (``loss`` reports the cross-entropy alone). Per MoE layer, the load's
 max / mean over experts and the bias norm go to the metrics, with the dropped assignments
 (capacity mode) and the balance loss.
+
+At each evaluation (or every ``train.internals_every`` steps; 0 = never) the loop also runs the
+internals report (``kimi_k3/internals.py``: per-layer KDA timescales, MLA reach, Attention
+Residual weights, expert load on held-out rows) in a jitted function of its own
+(``InternalsReport``); the training step never changes with it.
 """
 
 from __future__ import annotations
@@ -50,13 +55,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import data as data_lib
+from kimi_k3 import internals as internals_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
 from kimi_k3.config import ConfigError, RunSpec, check_context, kda_chunk, opt_spec, run_spec
 from kimi_k3.layers.attention import documents_per_row
-from kimi_k3.layers.dense import precast, with_copies
+from kimi_k3.layers.dense import low_copies, precast, with_copies
 from kimi_k3.layers.moe import MoeStat, update_bias
 from kimi_k3.model import flops_per_token, layer_numbers, unused_expert_params
 from kimi_k3.model_state import merge_model
@@ -144,19 +150,27 @@ def micro_batches(x_BxT: jax.Array, order_GxA: jax.Array) -> jax.Array:
 
 
 def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_spec=None,
-                    moe_layers=()):
+                    moe_layers=(), grad_accum_dtype: str = "float32"):
     """train_step(state, batch) -> (state, metrics), to be jitted.
 
     state: {"params", "opt_state", "step", "rng"}, and "model_state" (the routing biases) for a
     mixture of experts; batch: {"tokens", "segment_ids"} [B, T]. ``model_spec``: the ModelSpec
     (None for a stand-in model: nothing of a mixture of experts); ``moe_layers``: where each MoE
     layer's measurements lie (``moe_layer_paths``).
+
+    With ``accum_steps`` > 1 micro-batches, ``grad_accum_dtype`` "float32" takes each one's
+    gradient with respect to the float32 weights and sums them in float32; "bfloat16" takes it
+    with respect to the weights rounded once to the compute dtype (``low_copies``: the matrices
+    only) and sums it in that dtype, half the memory of both. The optimizer then sees the sum
+    in float32 and updates the float32 weights either way.
     """
     micro_spec = NamedSharding(mesh, PartitionSpec(None, *mesh_lib.batch_sharding(mesh).spec))
     moe = model_spec.moe if model_spec is not None else None
     bias_rate = moe.bias_update_rate if moe is not None else 0.0
 
     compute_dtype = model_spec.compute_dtype if model_spec is not None else None
+    low_grads = (grad_accum_dtype == "bfloat16" and accum_steps > 1 and compute_dtype is not None
+                 and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16))
 
     def loss_sum(params, model_state, tokens, segment_ids, denom, copies):
         if copies is not None:
@@ -180,22 +194,28 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
         else:
             # The weights in the compute dtype, rounded once here rather than in every
             # micro-batch.
-            copies = precast(params, compute_dtype) if compute_dtype is not None else None
+            if low_grads:  # differentiated with respect to the copies themselves
+                diff_params, copies = low_copies(params, compute_dtype), None
+            else:
+                diff_params = params
+                copies = precast(params, compute_dtype) if compute_dtype is not None else None
             order = micro_batch_order(segs, accum_steps)
 
             def micro(x):
                 return jax.lax.with_sharding_constraint(micro_batches(x, order), micro_spec)
 
             def body(carry, mb):
-                (_, (n, l, st)), g = grad_fn(params, model_state, mb[0], mb[1], denom, copies)
+                (_, (n, l, st)), g = grad_fn(diff_params, model_state, mb[0], mb[1], denom,
+                                             copies)
                 acc_l, acc_n, acc_st, acc_g = carry
-                acc_g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)
+                acc_g = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc_g, g)
                 acc_st = jax.tree.map(jnp.add, acc_st, st)  # loads and drops add up
                 return (acc_l + l, acc_n + n, acc_st, acc_g), None
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            zeros = jax.tree.map(
+                lambda p: jnp.zeros(p.shape, p.dtype if low_grads else jnp.float32), diff_params)
             micro_tokens, micro_segs = micro(tokens), micro(segs)
-            _, (_, _, stats0) = jax.eval_shape(loss_sum, params, model_state, micro_tokens[0],
+            _, (_, _, stats0) = jax.eval_shape(loss_sum, diff_params, model_state, micro_tokens[0],
                                                micro_segs[0], denom, copies)
             zero_stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), stats0)
             (loss, n, stats, grads), _ = jax.lax.scan(
@@ -447,7 +467,8 @@ def build(config, mesh, model_fn=None) -> Setup:
             other = jax.jit(lambda: nnx.split_state(init_state()[1], MoeStat, ...)[1],
                             out_shardings=jax.tree.map(lambda _: repl, abs_other))()
     rest = nnx.merge_state(stats, other)
-    step = make_train_step(graphdef, rest, tx, schedule, B // micro, mesh, spec.model, moe_layers)
+    step = make_train_step(graphdef, rest, tx, schedule, B // micro, mesh, spec.model, moe_layers,
+                           spec.train.grad_accum_dtype)
     train_step = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, repl), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(graphdef, rest),
@@ -761,9 +782,13 @@ def _train(spec: RunSpec, config, workdir: str, config_name: str, folder: RunFol
         bar = metrics_lib.ProgressBar(tc.steps, enabled=chief and tc.progress_bar)
         writer.console = bar.write
         preempt = ckpt_lib.PreemptionFlag()
+        internals = InternalsReport.build(spec, setup, eval_rows, workdir, chief)
+        if internals is not None:
+            console(internals.describe())
         console(f"compiling the train step (the progress bar starts after step {start + 1})")
         loop = _Loop(spec, setup, ckpt, writer, bar, preempt,
-                     _Evaluator(eval_rows, eval_batches, host_rows, B), fpt, peak)
+                     _Evaluator(eval_rows, eval_batches, host_rows, B), fpt, peak,
+                     internals=internals)
         last = loop.run(state, it, start)
     finally:
         if preempt is not None:
@@ -809,6 +834,73 @@ class _Evaluator:
 
 
 @dataclasses.dataclass
+class InternalsReport:
+    """The internals report (kimi_k3/internals.py) of the model on the first held-out rows:
+    when it is due (``train.internals_every``; -1 follows the evaluations), and its own jitted
+    function (compiled at its first use, never part of the training step). Process 0 writes the
+    metrics (split "internals") and redraws ``internals_*.png`` in the run folder."""
+
+    every: int  # steps between reports; -1: at each evaluation
+    eval_every: int
+    steps: int
+    batch: dict  # the held-out rows, global arrays
+    fn: object  # jitted: (model part of the state, batch) -> internals.measure's dict
+    workdir: str
+    chief: bool
+
+    @classmethod
+    def build(cls, spec: RunSpec, setup: Setup, eval_rows, workdir: str,
+              chief: bool) -> InternalsReport | None:
+        """None when off: ``internals_every=0``, a stand-in model, or no held-out row per
+        data-parallel device (said when an interval was asked for; the default, at each
+        held-out evaluation, has nothing to report on without held-out data)."""
+        tc, B, T = spec.train, spec.data.global_batch_size, spec.data.seq_len
+        if tc.internals_every == 0 or setup.spec.model is None:  # off, or a stand-in model
+            return None
+        available = eval_rows.num_rows if eval_rows is not None else 0
+        n = internals_lib.internals_rows(B, mesh_lib.data_parallel_size(setup.mesh), available)
+        if n == 0 and tc.internals_every > 0:
+            logging.warning("train.internals_every=%d: no internals report (the held-out split "
+                            "has %d rows of %d tokens, fewer than one per data-parallel device)",
+                            tc.internals_every, available, T)
+        if n == 0:
+            return None
+        lo, hi = data_lib.host_batch_slice(setup.batch_sharding, (n, T))
+        batch = global_batch(eval_rows.rows(range(lo, hi)), setup.batch_sharding, n)
+        shardings = {"tokens": setup.batch_sharding, "segment_ids": setup.batch_sharding}
+        fn = jax.jit(internals_lib.internals_fn(setup.graphdef, setup.rest),
+                     in_shardings=(model_part(setup.state_shardings), shardings),
+                     out_shardings=mesh_lib.replicated(setup.mesh))
+        return cls(tc.internals_every, tc.eval_every, tc.steps, batch, fn, workdir, chief)
+
+    def describe(self) -> str:
+        """The first screen's line."""
+        when = (f"every {self.every} steps" if self.every > 0 else
+                f"at each eval (every {self.eval_every or self.steps} steps)")
+        return (f"  internals   {when} on {self.batch['tokens'].shape[0]} held-out rows -> "
+                f"metrics.jsonl (split internals), internals_*.png")
+
+    def due(self, step: int) -> bool:
+        """At every ``every`` steps (or every evaluation's) and at the last step."""
+        every = self.eval_every if self.every < 0 else self.every
+        return step == self.steps or bool(every and step % every == 0)
+
+    def record(self, setup: Setup, state, step: int, writer: metrics_lib.MetricsWriter) -> None:
+        with setup.context():
+            stats = self.fn(model_part(state), self.batch)
+        stats = jax.tree.map(np.asarray, jax.device_get(stats))
+        writer.write(step, internals_lib.flat_metrics(stats, setup.spec.model), split="internals")
+        if not self.chief:
+            return
+        try:
+            internals_lib.write_plots(stats, setup.spec.model, self.workdir,
+                                      title=f"{os.path.basename(self.workdir)} step {step}")
+        except Exception as e:  # a picture is never worth stopping a run for
+            logging.warning("could not draw the internals plots in %s (%s: %s); training goes on",
+                            self.workdir, type(e).__name__, e)
+
+
+@dataclasses.dataclass
 class _Loop:
     """The steps from a start to ``train.steps``: update, report, save, evaluate.
 
@@ -838,6 +930,7 @@ class _Loop:
     # the clock: when it last read, and how many steps had been dispatched then
     clock_t: float | None = None
     clock_step: int = 0
+    internals: InternalsReport | None = None  # the internals report, when on
 
     def run(self, state, it, start: int) -> dict:
         tc = self.spec.train
@@ -868,12 +961,19 @@ class _Loop:
                 self._report(*pending, state, step)
                 pending = None
                 self._evaluate(state, step)
+            if self.internals is not None and step < tc.steps and self.internals.due(step):
+                if pending is not None:
+                    self._report(*pending, state, step)
+                    pending = None
+                self._look_inside(state, step)
         if pending is not None:
             self._report(*pending, state, step)
         if step == tc.steps:
             if saved_at != step:
                 self.ckpt.save(step, state, it.state())
             self._evaluate(state, step)
+            if self.internals is not None:
+                self._look_inside(state, step)
         return {"train": self.last_train, "eval": self.last_eval}
 
     def _evaluate(self, state, step: int) -> None:
@@ -889,6 +989,12 @@ class _Loop:
         self.writer.plot()
         if self.clock_t is not None:  # nor is drawing time
             self.clock_t += time.perf_counter() - drawing
+
+    def _look_inside(self, state, step: int) -> None:
+        """The internals report at ``step``; not training time, as an evaluation is not."""
+        self.internals.record(self.setup, state, step, self.writer)
+        if self.clock_t is not None:
+            self.clock_t, self.clock_step = time.perf_counter(), step
 
     def _report(self, step: int, m, newest, dispatched: int) -> None:
         """Host side of a finished step: NaN check, progress, periodic metrics. ``newest`` is

@@ -39,17 +39,24 @@ def test_smoke_run_writes_a_row_per_batch_and_the_ratio(bench, tmp_path):
         written = list(csv.DictReader(f))
     assert [(w["variant"], w["context"], w["batch"], w["status"]) for w in written] == [
         (r["variant"], str(r["context"]), str(r["batch"]), "ok") for r in rows]
+    # the floor: the bytes the step must read at the card's bandwidth (plan.py's "cpu" here)
+    assert all(r["hbm_gbps"] == 50 and r["floor_ms"] == pytest.approx(r["read_bytes"] / 50e6)
+               and r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"]) for r in rows)
     table = (tmp_path / "decode.md").read_text()
     assert "| all-MLA / 3:1 |" in table and "| 32 | all-MLA | 2 | cap |" in table
+    assert "| all-MLA floor ms | 3:1 floor ms | all-MLA x floor | 3:1 x floor |" in table
+    assert "50 GB/s" in table and "all-MLA: latent cache read: xla" in table
     assert plots.is_png(tmp_path / "decode_ms_per_token.png")
 
 
 def test_the_timed_step_from_a_random_cache_is_the_models_step(bench):
-    """The benchmark's cache and step against ``model.step`` called directly on the same cache:
-    the same logits and cache, and the cache's contents do change them (the step reads it)."""
+    """The benchmark's cache and step against the model's definition of a step (``prefill`` of
+    one token) on the same cache: the same logits and cache, and the cache's contents do change
+    them (the step reads it). The bytes it must read: every weight, the KDA caches whole, the
+    MLA cache's first context + 1 entries."""
     # The smoke run's model and shapes (batch 2 at context 32): its compilations are reused.
     args = bench.parse_args(["--smoke"])
-    model = bench.build_model(bench.lcm.model_config(args, "3:1"), args.seed)
+    model = bench.build_model(bench.bench_config(args, "3:1"), args.seed)
     B, context = 2, 32
     max_len = context + args.warmup + args.steps
     cache = bench.random_cache(model, B, max_len, context, seed=3)
@@ -57,7 +64,9 @@ def test_the_timed_step_from_a_random_cache_is_the_models_step(bench):
     for x in jax.tree.leaves(cache)[:-1]:  # every array random, none left at zero
         assert np.count_nonzero(np.asarray(x)) == x.size
     token_B = jnp.asarray([7, 200], jnp.int32)
-    want_logits, want_cache = nnx.jit(lambda m, t, c: m.step(t, c))(model, token_B, cache)
+    want_logits, want_cache = nnx.jit(lambda m, t, c: m.prefill(t[:, None], c))(model, token_B,
+                                                                                cache)
+    want_logits = want_logits[:, 0]
 
     decoder = Decoder(model)
     got_logits, got_cache = bench.run_steps(
@@ -66,6 +75,13 @@ def test_the_timed_step_from_a_random_cache_is_the_models_step(bench):
     for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert int(got_cache["pos"]) == context + 1
+
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    kda, mla = cache["tail"][0], cache["tail"][1]["latent_kv"]
+    assert decoder.weight_bytes == weights
+    assert bench.read_bytes(weights, cache, context) == weights + sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(kda)) + (
+        B * (context + 1) * mla.shape[-1] * mla.dtype.itemsize)
 
     other = bench.random_cache(model, B, max_len, context, seed=4)
     other_logits, _ = bench.run_steps(decoder, token_B, bench.step_ready_cache(decoder, token_B, other), 1)

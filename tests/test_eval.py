@@ -556,3 +556,56 @@ def test_long_context_cache_is_flat_for_kda_and_grows_for_mla():
     assert size["all-MLA"][1] > 3.9 * size["all-MLA"][0]  # a latent per token per layer
     assert size["all-KDA"][1] < size["3:1"][1] < size["all-MLA"][1]
     assert lcm.pattern_for("3:1", 8) == "KKKMKKKM" and lcm.pattern_for("3:1", 6) == "KKKMKM"
+
+
+def test_scoring_progress_in_a_log_says_pieces_rate_eta_and_the_scoring_time(monkeypatch):
+    """In a log (not a terminal): a line after the first piece, then at most every ``every``
+    seconds before the last, each with pieces done, tokens/s and the time left at that rate;
+    at the end the scoring time and its compiling part. On a terminal only the last line."""
+    import io
+
+    clock = iter([0.0, 4.0, 5.0, 6.0, 7.0, 30.0])  # start, then the end of each piece
+    monkeypatch.setattr(eval_scoring.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    progress = eval_scoring.ScoringProgress("L=4,096", 5, 1024, every=1.5, stream=log)
+    for _ in range(5):
+        progress.piece()
+    progress.done(30.0, 2.5)
+    lines = log.getvalue().splitlines()
+    assert lines == [
+        "L=4,096: 1/5 pieces, 256 tokens/s (first piece, compiling included), ETA 16 s",
+        "L=4,096: 3/5 pieces, 1,024 tokens/s (after the first piece), ETA 2 s",
+        "L=4,096: 5 pieces (5,120 tokens) scored in 30.0 s, 2.5 s of it compiling: 171 tokens/s"]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    clock = iter([0.0, 4.0, 5.0])
+    tty = Terminal()
+    progress = eval_scoring.ScoringProgress("L=4,096", 2, 1024, stream=tty)
+    progress.piece()
+    progress.piece()
+    progress.done(5.0, 0.0)
+    assert tty.getvalue().count("\n") == 1 and "scored in 5.0 s" in tty.getvalue()
+
+
+def test_the_compiled_scoring_piece_copies_no_cache():
+    """The jitted piece function of long-context scoring (the cache donated) on an unrolled
+    stack (configs/1b.py's layout) writes each piece's MLA entries into the cache where it
+    lies and reads it block by block: its outputs alias the donated cache and no temporary is
+    as large as one layer's latent cache (a copy of it would be)."""
+    cfg = tiny_config("KMKM")
+    cfg.model.scan_layers = False
+    cfg.model.mla.kv_lora_rank, cfg.model.mla.shared_head_dim = 64, 16  # entries of 80 numbers
+    model = build(cfg.model, 2)
+    B, S, P = 2, 32768, 64
+    graphdef, state = nnx.split(model)
+    piece = eval_scoring.piece_function(graphdef)
+    cache = jax.eval_shape(lambda: model.init_cache(B, S))
+    tokens = jax.ShapeDtypeStruct((B, P), jnp.int32)
+    compiled = piece.lower(state, tokens, cache, tokens).compile()
+    latent_bytes = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache) if S in x.shape)
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert mem.temp_size_in_bytes < latent_bytes, (mem.temp_size_in_bytes, latent_bytes)

@@ -128,6 +128,134 @@ def test_the_cache_is_donated_to_every_call(model):
 
 
 # ---------------------------------------------------------------------------------------------
+# The decoding step: the prefill of one token, in the form that reads each byte once
+# ---------------------------------------------------------------------------------------------
+
+
+def _decoding_model(pattern: str, scan: bool, decode_impl: str, dtype: str = "float32"):
+    cfg = tiny_config(pattern, vocab=256)
+    cfg.model.scan_layers, cfg.model.mla.decode_impl, cfg.model.dtype = scan, decode_impl, dtype
+    return build(cfg.model, 5)
+
+
+def test_the_step_is_the_prefill_of_one_token_greedy_token_for_token():
+    """``HybridLM.step`` (every layer in turn, one-token KDA, the latent cache read in one
+    kernel pass, in interpret mode here) against ``prefill`` of one token, the path it
+    replaced: from a prefilled random prompt, greedy tokens each way are the same tokens, with
+    the same logits and caches (a cache longer than the kernel's blocks, with positions past
+    its last whole block). The scanned model's step (stacked caches, the "xla" read) is held
+    to the whole-sequence forward by the greedy test above."""
+    model = _decoding_model("KM", False, "pallas")
+    rng = np.random.default_rng()
+    B, L, N = 2, 37, 4
+    prompt_BxL = jnp.asarray(rng.integers(0, 256, (B, L)), jnp.int32)
+    cache = model.init_cache(B, L + N)
+    logits_BxV, cache = nnx.jit(lambda m, t, c: m.prefill(t, c, last_only=True))(
+        model, prompt_BxL, cache)
+    slow = nnx.jit(lambda m, t, c: m.prefill(t[:, None], c))
+    fast = nnx.jit(lambda m, t, c: m.step(t, c))
+    slow_logits, slow_cache = logits_BxV[:, 0], cache
+    fast_logits, fast_cache = slow_logits, cache
+    for _ in range(N):
+        token_B = jnp.argmax(fast_logits, -1).astype(jnp.int32)
+        np.testing.assert_array_equal(token_B, jnp.argmax(slow_logits, -1))
+        slow_logits, slow_cache = slow(model, token_B, slow_cache)
+        slow_logits = slow_logits[:, 0]
+        fast_logits, fast_cache = fast(model, token_B, fast_cache)
+        np.testing.assert_allclose(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
+        assert jax.tree.structure(fast_cache) == jax.tree.structure(slow_cache)
+        for a, b in zip(jax.tree.leaves(fast_cache), jax.tree.leaves(slow_cache), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert int(fast_cache["pos"]) == L + N
+
+
+def test_the_compiled_step_copies_no_cache():
+    """The jitted decoding step (``Decoder``: the cache donated) of an unrolled model updates
+    every cache array where it lies: its outputs alias the donated cache, no copy of a cache
+    array is made, and the temporaries stay a few percent of the cache (the scores of one
+    layer)."""
+    model = _decoding_model("KMKM", False, "auto")
+    B, S = 2, 16384
+    cache = jax.eval_shape(lambda: model.init_cache(B, S))
+    token_B = jax.ShapeDtypeStruct((B,), jnp.int32)
+    latent_shapes = {x.shape for x in jax.tree.leaves(cache) if S in x.shape}
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    dec = Decoder(model)
+
+    def measure(fn):
+        compiled = fn.lower(dec._state, token_B, cache).compile()
+        entry = compiled.as_text().split("\nENTRY ", 1)[1]
+        copies = [line for line in entry.splitlines() if " copy(" in line
+                  and any("[" + ",".join(map(str, s)) + "]" in line for s in latent_shapes)]
+        mem = compiled.memory_analysis()
+        return copies, mem.temp_size_in_bytes, mem.alias_size_in_bytes
+
+    copies, temp, alias = measure(dec._step)
+    assert not copies, copies[:2]
+    latent_bytes = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache) if S in x.shape)
+    assert temp < 0.5 * latent_bytes, (temp, latent_bytes)  # a copy would take at least one
+    assert alias == cache_bytes  # every cache array is an output written in place
+    # The measure sees a copy: the same step with the cache kept (not donated) must copy each
+    # latent array into its output.
+    kept = jax.jit(lambda state, t, c: nnx.merge(nnx.graphdef(model), state).step(t, c))
+    copies, _, alias = measure(kept)
+    assert len(copies) == model.pattern.count("M") and alias == 0, (copies, alias)
+
+
+def test_the_one_token_kda_step_is_the_recurrence():
+    """``kda_step`` against ``kda_recurrent`` on a sequence of one token, float32: the same
+    output and state, with value heads grouped over the q/k heads (HV = 2 H)."""
+    from kimi_k3.ops.kda_recurrent import kda_recurrent, kda_step
+
+    rng = np.random.default_rng()
+    B, H, HV, K = 3, 2, 4, 16
+    q, k = (rng.standard_normal((B, 1, H, K)).astype(np.float32) for _ in range(2))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = rng.standard_normal((B, 1, HV, K)).astype(np.float32)
+    g = -5.0 * rng.random((B, 1, HV, K)).astype(np.float32)
+    beta = rng.random((B, 1, HV)).astype(np.float32)
+    S0 = rng.standard_normal((B, HV, K, K)).astype(np.float32)
+    want_o, want_S = kda_recurrent(q, k, v, g, beta, scale=0.25, initial_state_BxHVxKxV=S0,
+                                   segment_ids_BxT=None)
+    o, S = jax.jit(lambda *a: kda_step(*a, scale=0.25))(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                                         beta[:, 0], S0)
+    np.testing.assert_allclose(o, want_o[:, 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(S, want_S, rtol=1e-5, atol=1e-5)
+
+
+def test_the_latent_decode_kernel_reads_the_cache_as_the_definition():
+    """``latent_decode_attention`` ("pallas" in interpret mode: the kernel's splits, the few
+    positions past its last whole block in XLA, the merge; and "xla") against the softmax
+    in float64: random bf16-valued entries, a cache longer than the visible positions, heads
+    padded to the kernel's 16, a stacked cache read at one layer. The kernel also lowers for
+    CUDA at the 1B model's shapes (16 heads, latent 512 + 64, a 131,077-entry cache)."""
+    from kimi_k3.layers.attention import latent_decode_attention
+    from pallas_kernels import latent_decode
+
+    rng = np.random.default_rng()
+    B, H, R, D, S, n = 2, 3, 32, 16, 1061, 1000
+    q_BxHxL = rng.standard_normal((B, H, R + D)).astype(np.float32)
+    kv_NxBxSxL = rng.standard_normal((2, B, S, R + D)).astype(jnp.bfloat16).astype(np.float32)
+    s = np.einsum("bhl,bsl->bhs", q_BxHxL.astype(np.float64), kv_NxBxSxL[1]) * 0.2
+    s[:, :, n:] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhs,bsr->bhr", p / p.sum(-1, keepdims=True), kv_NxBxSxL[1, :, :, :R])
+    for impl in ("pallas", "xla"):
+        got = latent_decode_attention(jnp.asarray(q_BxHxL), jnp.asarray(kv_NxBxSxL), jnp.int32(n),
+                                      scale=0.2, value_dim=R, impl=impl, layer=1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=impl)
+    S_main, C, P = latent_decode.split_plan(S, B, latent_decode.DEFAULT_TILES)
+    assert S_main == S // 32 * 32 < S and P > 1 and C * P >= S_main
+
+    shapes = [jax.ShapeDtypeStruct(x, jnp.bfloat16) for x in ((1, 16, 512), (1, 16, 64),
+                                                              (1, 131077, 576))]
+    fn = lambda *a: latent_decode.latent_decode_partials(*a, scale=0.1, interpret=False)[:3]
+    text = jax.jit(fn).trace(*shapes, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "latent_decode_attention" in text
+
+
+# ---------------------------------------------------------------------------------------------
 # Choosing the next token
 # ---------------------------------------------------------------------------------------------
 

@@ -330,7 +330,7 @@ def test_moe_metrics_reach_metrics_jsonl_per_layer(tmp_path):
 def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tmp_path):
     """tests/moe_parallel_check.py: the layer on meshes with expert 8, (fsdp 2, expert 2,
     tensor 2) and an expert axis that does not split the tokens, against one device (outputs,
-    gradients, dropless, capacity, and the dense expert form); the whole model through
+    gradients, dropless, capacity, the dense expert form and the blocked kernels); the whole model through
     train_lib: loss falling on one device (2 micro-batches), the same steps on 8 devices; the
     routing biases move and round-trip through a checkpoint."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
@@ -342,7 +342,7 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.split("RESULT ", 1)[1])
-    assert len(r["layer"]) == 5
+    assert len(r["layer"]) == 7
     for mesh, err in r["layer"].items():
         assert err < 2e-5, (mesh, err)
     assert r["mixed_rules_error"].startswith("mesh.axis_rules: the experts are split over mesh "
@@ -355,10 +355,16 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
     assert r["specs"]["wi"] == "P(None, 'expert', 'fsdp', None, 'tensor')", r["specs"]
 
 
-def test_expert_matmul_auto_is_dense_on_gpu_and_dense_refuses_all_to_all():
+def test_expert_matmul_auto_is_blocked_on_gpu_and_dense_refuses_all_to_all():
     from kimi_k3.dispatch import choose_expert_matmul
-    assert choose_expert_matmul("auto", tokens_move=False, backend="gpu") == "dense"
-    assert choose_expert_matmul("auto", tokens_move=True, backend="gpu") == "ragged"
+    for moves in (False, True):  # the blocked kernels take tokens from any device
+        assert choose_expert_matmul("auto", tokens_move=moves, dims=(2048, 512),
+                                    backend="gpu") == "blocked"
     assert choose_expert_matmul("auto", tokens_move=False, backend="cpu") == "ragged"
+    assert choose_expert_matmul("auto", tokens_move=False, backend="tpu") == "ragged"
+    with pytest.raises(ValueError, match="expert_matmul='blocked' cannot run here.*tpu"):
+        choose_expert_matmul("blocked", tokens_move=False, dims=(2048, 512), backend="tpu")
+    with pytest.raises(ValueError, match="expert_matmul='blocked'.*moe.expert_dim = 12"):
+        choose_expert_matmul("blocked", tokens_move=False, dims=(2048, 12), backend="cpu")
     with pytest.raises(ValueError, match="expert_matmul='dense' cannot run with all-to-all"):
         choose_expert_matmul("dense", tokens_move=True, backend="gpu")

@@ -84,3 +84,28 @@ def test_a_checkpoint_config_that_does_not_exist_is_an_error_not_a_fallback(run,
                "--workdir=ev", "--context_lengths=32", "--max_windows=1")
     assert p.returncode == 2 and not (tmp_path / "ev").exists(), p.stderr[-3000:]
     assert "no config file 'configs/no_such.py'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_record_from_an_earlier_version_takes_the_defaults_of_fields_added_since(tmp_path):
+    """A run folder whose config.json predates some fields (here: the bf16 state switches, the
+    internals interval, the experts' remat and the decoding kernel) loads with those fields at
+    their defaults and passes the checks; the fields it has keep their values."""
+    from kimi_k3.config import run_spec
+    from kimi_k3.config_files import load_config
+    from kimi_k3.run_dir import write_config
+
+    config = load_config(str(REPO / "configs" / "moe_tiny.py"))
+    config.train.steps = 7
+    write_config(config, str(tmp_path), 0)
+    record = json.loads((tmp_path / "config.json").read_text())
+    for section, field in (("opt", "moments_dtype"), ("train", "grad_accum_dtype"),
+                           ("train", "internals_every")):
+        del record[section][field]
+    del record["model"]["moe"]["remat_experts"], record["model"]["mla"]["decode_impl"]
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    for where in (tmp_path, tmp_path / "config.json"):
+        loaded = load_config(str(where))
+        assert loaded.opt.moments_dtype == "float32" and loaded.train.internals_every == -1
+        assert loaded.train.steps == 7 and loaded.model.moe.remat_experts is False
+        spec = run_spec(loaded, backend="cpu")
+        assert spec.train.grad_accum_dtype == "float32" and spec.model.moe.num_experts > 0

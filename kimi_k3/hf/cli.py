@@ -5,7 +5,8 @@ r"""``python -m kimi_k3.hf import|export``: a Kimi Linear folder -> a run folder
 
 import (``import_to_workdir``) writes the run folder the trainer, eval.py and generate.py read:
 RUN/config.py (its model section from RUN/hf_config.json, a copy of config.json, through
-``run_config_from_hf``), RUN/tokenizer.json when the folder has one, and an Orbax checkpoint
+``run_config_from_hf``), the folder's tokenizer when it has one (``tokenizer_files``: a
+tokenizers JSON, or Kimi's tiktoken.model with its tokenizer_config.json), and an Orbax checkpoint
 at step 0 in the trainer's layout: the weights, the routing biases and a fresh optimizer state,
 on the trainer's mesh and shardings (``kimi_k3.train_state.state_layout``; the trainer itself,
 kimi_k3.train_lib, is not imported). Every field and tensor is checked before anything is
@@ -43,7 +44,7 @@ from kimi_k3 import cli
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3.config import DTYPES, ConfigError, run_spec
 from kimi_k3.config_files import load_config
-from kimi_k3.data import NO_TOKENIZER
+from kimi_k3.data import NO_TOKENIZER, TIKTOKEN_CONFIG, TextTokenizer
 from kimi_k3.hf.config_map import hf_config_from_model, run_config_from_hf
 from kimi_k3.hf.files import (
     check_new_folder,
@@ -86,6 +87,24 @@ def get_config(arg=None):
 '''
 
 
+TIKTOKEN_FILE = "tiktoken.model"  # Kimi's checkpoints ship their BPE under this name
+
+
+def tokenizer_files(hf_dir) -> list[str]:
+    """The tokenizer files of a Kimi Linear folder, the one ``data.tokenizer`` names first:
+    ``tokenizer.json`` (a tokenizers JSON) when there is one, else ``tiktoken.model`` and, when
+    there, the ``tokenizer_config.json`` holding its special tokens (what the published
+    checkpoints ship); [] for none. The tokenizer is read here, so a damaged file is refused
+    (naming it) before anything is written."""
+    hf_dir = pathlib.Path(hf_dir)
+    if (hf_dir / "tokenizer.json").is_file():
+        return ["tokenizer.json"]
+    if not (hf_dir / TIKTOKEN_FILE).is_file():
+        return []
+    TextTokenizer(os.fspath(hf_dir / TIKTOKEN_FILE))  # reads the ranks and the special tokens
+    return [TIKTOKEN_FILE] + ([TIKTOKEN_CONFIG] if (hf_dir / TIKTOKEN_CONFIG).is_file() else [])
+
+
 def import_to_workdir(hf_dir, workdir, dtype: str = "float32",
                       param_dtype: str = "float32") -> str:
     """``hf_dir`` (a Kimi Linear folder) -> ``workdir``: ``config.py`` (with ``hf_config.json``
@@ -105,6 +124,7 @@ def import_to_workdir(hf_dir, workdir, dtype: str = "float32",
                              f"{text[len('config.json: '):]}") from e
         raise
     open_checked(hf_dir, model_config)
+    tok_files = tokenizer_files(hf_dir)
     workdir = pathlib.Path(check_workdir(os.fspath(workdir)))
     ckpt_dir = workdir / "checkpoints"
     # Finished steps only: what an interrupted import leaves (Orbax's temporary folder) is
@@ -112,12 +132,13 @@ def import_to_workdir(hf_dir, workdir, dtype: str = "float32",
     if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise ValueError(f"--workdir: {str(workdir)!r} already holds checkpoints; import into "
                          f"a new folder, e.g. --workdir={unused_sibling(workdir)}")
-    # Without a tokenizers JSON the model's ids are no text we can read: "none" makes eval.py
-    # and generate.py refuse text (naming what to give) rather than read bytes as its ids.
+    # Without a tokenizer the model's ids are no text we can read: "none" makes eval.py and
+    # generate.py refuse text (naming what to give) rather than read bytes as its ids.
     tokenizer = NO_TOKENIZER
-    if (hf_dir / "tokenizer.json").is_file():
-        shutil.copy(hf_dir / "tokenizer.json", workdir / "tokenizer.json")
-        tokenizer = os.fspath(workdir / "tokenizer.json")
+    for name in tok_files:
+        shutil.copy(hf_dir / name, workdir / name)
+    if tok_files:
+        tokenizer = os.fspath(workdir / tok_files[0])
     config = run_config_from_hf(hf, dtype, tokenizer, param_dtype)
     spec = run_spec(config)
     layout = state_layout(spec, mesh_lib.make_mesh(spec.mesh))
@@ -176,7 +197,15 @@ def export_from_workdir(workdir, hf_dir, checkpoint: str | None = None,
     elif "data" in config and config.data.eos_id >= 0:
         extra = {"eos_token_id": config.data.eos_id}
     tok = config.data.tokenizer if "data" in config else ""
-    tokenizer = {"tokenizer.json": tok} if tok and os.path.isfile(tok) else {}
+    tokenizer = {}
+    if tok and os.path.isfile(tok):
+        own = pathlib.Path(tok)
+        if TextTokenizer(tok).kind == "tiktoken":  # with its special tokens, when it has them
+            tokenizer = {TIKTOKEN_FILE: tok}
+            if (own.parent / TIKTOKEN_CONFIG).is_file():
+                tokenizer[TIKTOKEN_CONFIG] = os.fspath(own.parent / TIKTOKEN_CONFIG)
+        else:
+            tokenizer = {"tokenizer.json": tok}
     return save_hf_checkpoint(model, config.model, hf_dir, extra_config=extra,
                               extra_files=tokenizer)
 

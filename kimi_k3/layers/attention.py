@@ -52,7 +52,7 @@ from jax import lax
 
 from kimi_k3.dispatch import attention_fallback, choose_attention_impl, cudnn_fused_attention
 from kimi_k3.sharding import ROWS_HEADS, per_device
-from pallas_kernels import device
+from pallas_kernels import device, latent_decode
 
 # Finite "minus infinity": masked scores never turn into NaN, even in fully masked blocks.
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -657,3 +657,64 @@ def cache_attention(q_BxTxHxD, cache_BxSxL, pos, expand, *, scale, impl="xla"):
     carry = lax.fori_loop(0, pos // T, whole, carry)
     o, _ = lax.cond(pos % T > 0, partial, lambda c: c, carry)
     return o
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: one new token per row against MLA's latent cache
+# ----------------------------------------------------------------------------------------------
+
+
+def _latent_partial(q_BxHxL, kv_BxNxL, first, length, scale):
+    """Softmax partial of the positions first .. first + N - 1 (those below ``length``
+    visible): (o [B, H, L] float32, not normalised, m [B, H], l [B, H]). The values are the
+    whole entries (the caller keeps their first R numbers): slicing the cache for them would
+    copy it."""
+    s_BxHxN = jnp.einsum("bhl,bnl->bhn", q_BxHxL, kv_BxNxL,
+                         preferred_element_type=jnp.float32) * scale
+    visible_N = first + jnp.arange(kv_BxNxL.shape[1]) < length
+    s_BxHxN = jnp.where(visible_N, s_BxHxN, _NEG)
+    m_BxH = jnp.max(s_BxHxN, axis=-1)
+    p_BxHxN = jnp.exp(s_BxHxN - m_BxH[..., None])
+    o_BxHxL = jnp.einsum("bhn,bnl->bhl", p_BxHxN.astype(kv_BxNxL.dtype), kv_BxNxL,
+                         preferred_element_type=jnp.float32)
+    return o_BxHxL, m_BxH, jnp.sum(p_BxHxN, axis=-1)
+
+
+def latent_decode_attention(q_BxHxL, kv, length, *, scale, value_dim, impl="xla", layer=None):
+    """One query per row and head against the latent cache: o [B, H, value_dim] float32,
+
+        o_h = sum_{t < length} softmax_t(scale q_h . kv_t) kv_t[:value_dim]
+
+    the multi-query attention MLA decodes with (keys: whole entries [c ; k_s], values: their
+    first ``value_dim`` = R numbers; ``layers/mla.py``). ``kv``: [B, S, L] in the cache's
+    dtype, or a stack of layers' caches [N, B, S, L] read at ``layer`` (static). ``length``:
+    the visible positions, 1 <= length <= S (traced).
+
+    ``impl`` (``dispatch.choose_decode_attention_impl``): "pallas" reads each entry once in one
+    kernel pass split over the positions (``pallas_kernels.latent_decode``; the few positions
+    past its last whole block here) and merges the partials by their maxima; "xla" is the
+    direct form: the scores [B, H, S] in float32, their softmax, the weighted sum (a stacked
+    cache's layer is sliced out for it, which XLA may copy; the kernel reads it in place).
+    """
+    R = value_dim
+    if impl == "pallas":
+        parts = latent_decode.latent_decode_partials(
+            q_BxHxL[..., :R], q_BxHxL[..., R:], kv, length, scale=scale, layer=layer)
+        o_BxPxHxR, m_BxPxH, l_BxPxH, S_main = parts
+        kv_tail = (kv if layer is None else kv[layer])[:, S_main:]
+        if kv_tail.shape[1]:
+            o, m, l = _latent_partial(q_BxHxL, kv_tail, S_main, length, scale)
+            tail = (o[..., None, :, :R], m[:, None], l[:, None])
+            if o_BxPxHxR is None:
+                o_BxPxHxR, m_BxPxH, l_BxPxH = tail
+            else:
+                o_BxPxHxR, m_BxPxH, l_BxPxH = (jnp.concatenate([a, b], axis=1) for a, b in
+                                               zip((o_BxPxHxR, m_BxPxH, l_BxPxH), tail,
+                                                   strict=True))
+        m_BxH = jnp.max(m_BxPxH, axis=1)
+        w_BxPxH = jnp.exp(m_BxPxH - m_BxH[:, None])
+        l_BxH = jnp.sum(w_BxPxH * l_BxPxH, axis=1)
+        return jnp.sum(w_BxPxH[..., None] * o_BxPxHxR, axis=1) / l_BxH[..., None]
+    o_BxHxL, _, l_BxH = _latent_partial(q_BxHxL, kv if layer is None else kv[layer], 0, length,
+                                        scale)
+    return o_BxHxL[..., :R] / l_BxH[..., None]

@@ -248,6 +248,27 @@ class DepthResidual:
         h = jnp.sum(a_NxBxT[..., None] * sources.astype(jnp.float32), axis=0)
         return _read_output(h, sources.dtype)
 
+    def weights(self, state, w_D: jax.Array) -> jax.Array:
+        """The mixing weights a ``read(state, w_D)`` uses, [num_slots, B, T] float32: slot 0 the
+        embedding, slot i block i (finished or partial, as in the scanned form); a slot with no
+        source yet weighs 0. Both state forms; for kimi_k3/internals.py, never on the way of a
+        training step. Modes "block" and "full" only."""
+        if isinstance(state, SourceList):
+            sources, inv_rms = state.sources, self._list_inv_rms(state)
+            logits_NxBxT = jnp.stack([
+                jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype),
+                           preferred_element_type=jnp.float32) * r
+                for s, r in zip(sources, inv_rms, strict=True)])
+            a_NxBxT = jax.nn.softmax(logits_NxBxT, axis=0)
+            return jnp.pad(a_NxBxT, ((0, self.num_slots - len(sources)), (0, 0), (0, 0)))
+        sources = state["sources"]
+        slot = jnp.arange(sources.shape[0])
+        valid = (slot < state["n"]) | ((slot == state["n"]) & (state["count"] > 0))
+        logits_NxBxT = jnp.einsum("nbtd,d->nbt", sources, w_D.astype(sources.dtype),
+                                  preferred_element_type=jnp.float32) * state["inv_rms"]
+        a_NxBxT = jax.nn.softmax(jnp.where(valid[:, None, None], logits_NxBxT, _NEG), axis=0)
+        return jnp.where(valid[:, None, None], a_NxBxT, 0.0)
+
     def read_norm(self, state, w_D: jax.Array | None, norm: RMSNorm) -> jax.Array:
         """``norm(read(state, w_D))``, the input of the next sublayer after its RMSNorm.
 

@@ -116,6 +116,31 @@ def precast(params, dtype, keys: Sequence[str] = ("kernel", "embedding")):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+# The weights whose gradients ``train.grad_accum_dtype = "bfloat16"`` takes and sums in the
+# compute dtype: the matrices (Dense kernels, routed experts). The embedding's gradient, a
+# scatter-add of every token's row, the vectors and the MoE router (it chooses experts in
+# float32) stay float32.
+LOW_GRAD_KEYS = ("kernel", "wi", "wo")
+FULL_PRECISION_MODULES = ("router",)
+
+
+def low_copies(params, dtype):
+    """``params`` (a nested dict) with each floating matrix named in ``LOW_GRAD_KEYS`` outside
+    ``FULL_PRECISION_MODULES`` rounded to ``dtype``, the rest as they are: what a
+    bfloat16-accumulated micro-batch differentiates."""
+    dtype = jnp.dtype(dtype)
+
+    def one(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        if (names and names[-1] in LOW_GRAD_KEYS and jnp.issubdtype(leaf.dtype, jnp.floating)
+                and not set(names) & set(FULL_PRECISION_MODULES)
+                and dtype.itemsize < jnp.dtype(leaf.dtype).itemsize):
+            return leaf.astype(dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def with_copies(params, copies):
     """``params`` with each leaf that ``copies`` (``precast(params, ...)``, made outside the
     function being differentiated) holds as a Precast given that copy: the gradient with

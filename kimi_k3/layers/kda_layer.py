@@ -35,12 +35,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kimi_k3.config import KdaSpec
+from kimi_k3.layers.capture import keep
 from kimi_k3.layers.dense import Dense
-from kimi_k3.layers.norms import RMSNorm
+from kimi_k3.layers.norms import RMSNorm, l2_normalize
 from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
+from kimi_k3.ops.kda_recurrent import kda_step
 from kimi_k3.sharding import BTHK, ROWS_HEADS, constrain, context_layout, param, per_device
+from pallas_kernels import short_conv as short_conv_kernel
 
 
 class KDALayer(nnx.Module):
@@ -50,6 +53,10 @@ class KDALayer(nnx.Module):
     param_dtype)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache, pos)
     -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
     """
+
+    # Set by kimi_k3/internals.py on its copy of a model: the forward then keeps what the
+    # internals report reads (kimi_k3/layers/capture.py says why a class attribute).
+    capture_internals = False
 
     def __init__(self, d_model: int, spec: KdaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
@@ -123,6 +130,16 @@ class KDALayer(nnx.Module):
                  (rows, None), (heads,), (heads, None))
         return per_device(run, args, names, (ROWS_HEADS, state))
 
+    def _keep_internals(self, k_BxTxHxK, v_BxTxHVxV, f_BxTxHVxK, beta_BxTxHV, gate_BxTxHVxV):
+        """What kimi_k3/internals.py reads of this layer: the recurrence's inputs k, v, the
+        log-decay g [B, T, HV, K] (float32; computed here also when the op takes the gate's
+        pre-activation), beta, and the output gate's activation [B, T, HV, V]."""
+        g_BxTxHVxK = kda_gate(f_BxTxHVxK, self.A_log[...], self.dt_bias[...],
+                              self.spec.lower_bound)
+        for name, value in (("k", k_BxTxHxK), ("v", v_BxTxHVxV), ("log_decay", g_BxTxHVxK),
+                            ("beta", beta_BxTxHV), ("out_gate", gate_BxTxHVxV)):
+            keep(self, name, value)
+
     def __call__(
         self,
         x_BxTxD: jax.Array,
@@ -193,6 +210,66 @@ class KDALayer(nnx.Module):
             gate_BxTxHVxV = jax.nn.sigmoid(o_gate_BxTxHVxV.astype(jnp.float32))
             o_BxTxHVxV = (self.o_norm(o_BxTxHVxV) * gate_BxTxHVxV).astype(self.dtype)
             out_BxTxD = self.o_proj(constrain(o_BxTxHVxV, BTHK))
+        if self.capture_internals:
+            self._keep_internals(k_BxTxHxK, v_BxTxHVxV, f_BxTxHVxK, beta_BxTxHV, gate_BxTxHVxV)
         if cache is None:
             return out_BxTxD, None
         return out_BxTxD, {"state": state, "conv_q": tail_q, "conv_k": tail_k, "conv_v": tail_v}
+
+    def step(self, x_Bx1xD: jax.Array, cache: dict[str, jax.Array], pos: jax.Array,
+             layer: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One decoding step: (out [B, 1, D], the cache after the token), the numbers of
+        ``__call__`` with a cache for a single token, with the recurrence's one-token form
+        (``ops.kda_recurrent.kda_step``: one pass reading the state, one writing it) in place
+        of the sequence op. ``pos`` is not needed (the state carries order). ``layer``: the
+        cache's arrays are stacks over a scanned model's layers [N, ...] and this layer's are
+        number ``layer`` (static): read from the stack, written back into it in place.
+        """
+        del pos
+        c = cache if layer is None else {name: a[layer] for name, a in cache.items()}
+        K = self.spec.head_dim
+        with jax.named_scope("kda_proj"):
+            q, k, v = self.q_proj(x_Bx1xD), self.k_proj(x_Bx1xD), self.v_proj(x_Bx1xD)
+            f_Bx1xHVxK = self.f_up(self.f_down(x_Bx1xD))
+            b_Bx1xHV = self.b_proj(x_Bx1xD)
+            o_gate_Bx1xHVxV = self.g_up(self.g_down(x_Bx1xD))
+        with jax.named_scope("kda_conv"):
+            q, tail_q = _conv_step(self.q_conv, q, c["conv_q"], l2=True)
+            k, tail_k = _conv_step(self.k_conv, k, c["conv_k"], l2=True)
+            v, tail_v = _conv_step(self.v_conv, v, c["conv_v"], l2=False)
+        with jax.named_scope("kda_core"):
+            g_Bx1xHVxK = kda_gate(f_Bx1xHVxK, self.A_log[...], self.dt_bias[...],
+                                  self.spec.lower_bound)
+            beta_Bx1xHV = jax.nn.sigmoid(b_Bx1xHV.astype(jnp.float32))
+            o_BxHVxV, state = kda_step(q[:, 0].astype(self.dtype), k[:, 0].astype(self.dtype),
+                                       v[:, 0], g_Bx1xHVxK[:, 0], beta_Bx1xHV[:, 0], c["state"],
+                                       scale=K ** -0.5)
+            o_Bx1xHVxV = o_BxHVxV.astype(v.dtype)[:, None]
+        with jax.named_scope("kda_out"):
+            gate_Bx1xHVxV = jax.nn.sigmoid(o_gate_Bx1xHVxV.astype(jnp.float32))
+            o_Bx1xHVxV = (self.o_norm(o_Bx1xHVxV) * gate_Bx1xHVxV).astype(self.dtype)
+            out_Bx1xD = self.o_proj(o_Bx1xHVxV)
+        new = {"state": state, "conv_q": tail_q, "conv_k": tail_k, "conv_v": tail_v}
+        if layer is not None:
+            new = {name: cache[name].at[layer].set(a.astype(cache[name].dtype))
+                   for name, a in new.items()}
+        return out_Bx1xD, new
+
+
+def _conv_step(conv: ShortConv, x_Bx1xC: jax.Array, tail_BxWm1xC: jax.Array, l2: bool):
+    """One token through a short convolution and its activation: (SiLU, then with ``l2`` the
+    L2 norm over the head, of y = sum_w weight[w] x_ext[w] over x_ext = [tail ; x]) in x's dtype,
+    and the new tail. The numbers of ``ShortConv.__call__`` for one token (the same float32
+    sum in the same order, the same roundings), as one fusion: its barrier between the
+    convolution and the activation, which keeps a whole sequence's kernels apart, would make
+    three launches of a decoding step's few numbers."""
+    W = conv.width
+    x_ext = jnp.concatenate([tail_BxWm1xC.astype(x_Bx1xC.dtype), x_Bx1xC], axis=1)
+    w = conv.weight[...].astype(jnp.float32)
+    y = jnp.zeros(x_Bx1xC.shape, jnp.float32)
+    for lag in range(W):  # tap W-1-lag multiplies x_{t-lag}
+        y = y + x_ext[:, W - 1 - lag : W - lag].astype(jnp.float32) * w[W - 1 - lag]
+    y = jax.nn.silu(y.astype(x_Bx1xC.dtype))
+    if l2:
+        y = l2_normalize(y, eps=short_conv_kernel.L2_EPS).astype(y.dtype)
+    return y, x_ext[:, 1:]

@@ -48,11 +48,18 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from kimi_k3.config import MlaSpec
-from kimi_k3.dispatch import choose_cache_attention_impl
-from kimi_k3.layers.attention import attention, blockwise_attention, cache_attention
+from kimi_k3.dispatch import choose_cache_attention_impl, choose_decode_attention_impl
+from kimi_k3.layers.attention import (
+    attention,
+    blockwise_attention,
+    cache_attention,
+    latent_decode_attention,
+)
+from kimi_k3.layers.capture import keep
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.sharding import BTHK, ContextLayout, constrain, context_layout
+from pallas_kernels import latent_decode
 
 
 class GatedMLA(nnx.Module):
@@ -62,6 +69,10 @@ class GatedMLA(nnx.Module):
     param_dtype)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache, pos)
     -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
     """
+
+    # Set by kimi_k3/internals.py on its copy of a model: a forward without a cache then keeps
+    # the queries and keys (kimi_k3/layers/capture.py).
+    capture_internals = False
 
     def __init__(self, d_model: int, spec: MlaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
@@ -225,6 +236,11 @@ class GatedMLA(nnx.Module):
             q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
             c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
             ks_BxTxS = self.k_shared(x_BxTxD)
+        if self.capture_internals and cache is None:
+            # What kimi_k3/internals.py reads (its attention probabilities come from these, in
+            # plain JAX: the kernels are left alone): q and k [B, T, H, dn + ds].
+            keep(self, "q", q_BxTxHxQ)
+            keep(self, "k", self._keys_values(c_BxTxR, ks_BxTxS)[0])
         layout = context_layout() if cache is None else None
         if layout is not None:
             o_BxTxHxV = self._attend_context_parallel(q_BxTxHxQ, c_BxTxR, ks_BxTxS,
@@ -262,3 +278,52 @@ class GatedMLA(nnx.Module):
                 gate = jax.nn.sigmoid(self.g_proj(x_BxTxD).astype(jnp.float32))
                 o_BxTxHxV = (o_BxTxHxV.astype(jnp.float32) * gate).astype(self.dtype)
             return self.o_proj(constrain(o_BxTxHxV, BTHK)), new_cache
+
+    def step(self, x_Bx1xD: jax.Array, cache: dict[str, jax.Array], pos: jax.Array,
+             layer: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One decoding step: (out [B, 1, D], the cache with this token's entry written), the
+        numbers of ``__call__`` with a cache for a single token.
+
+        The token at position ``pos`` (traced) writes its entry [c ; k_s] at ``pos`` of the
+        cache in place, then attends to positions 0 .. pos in the absorbed form (module
+        docstring): q'_h = [q_nope,h W_uk,h^T ; q_s,h] against the entries, one pass over
+        them (``latent_decode_attention``), then o_h = o'_h W_uv,h. ``layer``: the cache holds
+        a stack of layers' caches [N, B, S, R + ds] (a scanned model's) and this layer's is
+        number ``layer`` (static); it is written and read where it lies, never sliced out
+        (which would copy it).
+        """
+        H, R, dn = self.spec.num_heads, self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
+        with jax.named_scope("mla_proj"):
+            q_BxHxQ = self._queries(x_Bx1xD)[:, 0]
+            c_Bx1xR = self.kv_norm(self.kv_down(x_Bx1xD))
+            ks_Bx1xS = self.k_shared(x_Bx1xD)
+            kv = cache["latent_kv"]
+            new_Bx1xL = jnp.concatenate([c_Bx1xR, ks_Bx1xS.astype(c_Bx1xR.dtype)], -1)
+            new_Bx1xL = new_Bx1xL.astype(kv.dtype)
+            if layer is None:
+                kv = lax.dynamic_update_slice(kv, new_Bx1xL, (0, pos, 0))
+            else:
+                kv = lax.dynamic_update_slice(kv, new_Bx1xL[None], (layer, 0, pos, 0))
+            # The written cache is the step's output and the attention's input: without the
+            # barrier XLA may fuse the write into both, each on its own copy of the cache.
+            kv = lax.optimization_barrier(kv)
+            W_uk = self.k_up.kernel[...].astype(self.dtype)  # [R, H, dn]
+            q_lat_BxHxR = jnp.einsum("bhn,rhn->bhr", q_BxHxQ[..., :dn], W_uk,
+                                     preferred_element_type=jnp.float32).astype(self.dtype)
+            q_BxHxL = jnp.concatenate([q_lat_BxHxR, q_BxHxQ[..., dn:]], -1).astype(kv.dtype)
+        with jax.named_scope("mla_attention"):
+            impl = choose_decode_attention_impl(
+                self.spec.decode_impl, dtype=jnp.dtype(kv.dtype).name,
+                unsupported=latent_decode.unsupported(H, R, self.spec.shared_head_dim))
+            o_lat_BxHxR = latent_decode_attention(q_BxHxL, kv, pos + 1, scale=self.scale,
+                                                  value_dim=R, impl=impl, layer=layer)
+            # rounded as the cache's attention rounds its output, before W_uv
+            o_lat_BxHxR = o_lat_BxHxR.astype(kv.dtype).astype(self.dtype)
+        with jax.named_scope("mla_out"):
+            W_uv = self.v_up.kernel[...].astype(self.dtype)  # [R, H, dv]
+            o_Bx1xHxV = jnp.einsum("bhr,rhv->bhv", o_lat_BxHxR, W_uv,
+                                   preferred_element_type=jnp.float32).astype(self.dtype)[:, None]
+            if self.spec.output_gate:
+                gate = jax.nn.sigmoid(self.g_proj(x_Bx1xD).astype(jnp.float32))
+                o_Bx1xHxV = (o_Bx1xHxV.astype(jnp.float32) * gate).astype(self.dtype)
+            return self.o_proj(o_Bx1xHxV), {"latent_kv": kv}

@@ -69,7 +69,8 @@ from kimi_k3.config import MoeSpec
 from kimi_k3.dispatch import choose_expert_matmul
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.mlp import SwiGLU
-from kimi_k3.ops.grouped_matmul import grouped_matmul
+from kimi_k3.ops import routed_experts as routed_lib
+from kimi_k3.ops.routed_experts import routed_experts
 
 # Logical axes of the routed experts' weights (kimi_k3/sharding.py maps them to mesh axes).
 WI_NAMES = ("expert", "embed", None, "mlp")  # [E, D, (gate, up), F]
@@ -152,15 +153,6 @@ def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _swiglu_grouped(rows_AxD, sizes_E, wi_ExDx2xF, wo_ExFxD, impl: str = "xla"):
-    """Expert SwiGLUs on rows sorted by expert (``sizes_E`` rows each, the rest of the rows
-    belong to none and give zeros): two grouped matmuls (``impl`` of ``grouped_matmul``)."""
-    E, D, _, F = wi_ExDx2xF.shape
-    h_Ax2F = grouped_matmul(rows_AxD, wi_ExDx2xF.reshape(E, D, 2 * F), sizes_E, impl)
-    h_Ax2xF = h_Ax2F.reshape(-1, 2, F)
-    return grouped_matmul(jax.nn.silu(h_Ax2xF[:, 0]) * h_Ax2xF[:, 1], wo_ExFxD, sizes_E, impl)
-
-
 def _swiglu_batched(x_ExCxD, wi_ExDx2xF, wo_ExFxD):
     """Expert SwiGLUs on fixed buffers: expert e on its C rows."""
     h_ExCx2xF = jnp.einsum("ecd,edgf->ecgf", x_ExCxD, wi_ExDx2xF)
@@ -184,14 +176,12 @@ def _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo):
     return jnp.einsum("nef,efd->nd", a_NxExF, wo, preferred_element_type=jnp.float32)
 
 
-def _inverse(perm_A: jax.Array) -> jax.Array:
-    return jnp.zeros_like(perm_A).at[perm_A].set(jnp.arange(perm_A.shape[0], dtype=perm_A.dtype))
-
-
-def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, impl: str = "xla"):
+def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str = "ragged",
+              remat: bool = False):
     """Every assignment kept. wi, wo hold this device's E_l experts; with P > 1 devices on the
     expert ``axes``, tokens travel by all-to-all; with P = 1, ``idx`` holds local expert ids,
-    or E_l for a choice this device does not serve. Returns the routed output [N, D] float32."""
+    or E_l for a choice this device does not serve. ``matmul``: "ragged" | "mosaic_gpu" |
+    "blocked" (``kimi_k3.ops.routed_experts``). Returns the routed output [N, D] float32."""
     N, K = idx_NxK.shape
     E_l = wi.shape[0]
     if P > 1:
@@ -211,14 +201,11 @@ def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, impl: str = "xla")
         first_RxKl = jnp.argsort(ids_RxK, axis=-1)[:, :Kl]
         ids_RxK = jnp.take_along_axis(ids_RxK, first_RxKl, -1)
         w_RxK = jnp.take_along_axis(w_RxK, first_RxKl, -1)
-    e_A = ids_RxK.reshape(-1)  # A = R Kl assignments, row-major
-    perm_A = jnp.argsort(e_A, stable=True)
-    e_sorted_A = e_A[perm_A]
-    sizes_E = jnp.zeros((E_l,), jnp.int32).at[e_A].add(1, mode="drop")
-    y_AxD = _swiglu_grouped(x_RxD[perm_A // Kl], sizes_E, wi, wo, impl)
-    y_AxD = jnp.where((e_sorted_A < E_l)[:, None], y_AxD, 0)  # rows of no expert
-    y_RxKxD = y_AxD[_inverse(perm_A)].reshape(x_RxD.shape[0], Kl, -1)
-    out_RxD = jnp.einsum("rk,rkd->rd", w_RxK, y_RxKxD.astype(jnp.float32))
+    if matmul == "blocked":
+        out_RxD = routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "blocked", remat=remat)
+    else:
+        out_RxD = routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "sorted",
+                                 "xla" if matmul == "ragged" else matmul)
     if P > 1:
         back_PxNxD = jax.lax.all_to_all(out_RxD.astype(x_NxD.dtype).reshape(P, N, -1), axes, 0, 0)
         return back_PxNxD.astype(jnp.float32).sum(0)
@@ -236,7 +223,7 @@ def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int
     perm_M = jnp.argsort(e_M, stable=True)
     counts = jnp.zeros((E + 1,), jnp.int32).at[e_M].add(1)  # the last: served elsewhere
     starts = jnp.cumsum(counts) - counts
-    pos_M = (jnp.arange(M) - starts[e_M[perm_M]])[_inverse(perm_M)]  # place in its expert
+    pos_M = (jnp.arange(M) - starts[e_M[perm_M]])[routed_lib.inverse(perm_M)]  # place in its expert
     mine_M = e_M < E
     keep_M = mine_M & (pos_M < C)
     # Slot (e, c) of the buffers holds expert e's c-th assignment, if it has one.
@@ -258,13 +245,14 @@ def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int
 
 
 def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes, dispatch: str,
-            ffn_axes):
+            ffn_axes, matmul: str, typed: bool = True):
     """The routed experts on one device's tokens: (output [B, T, D] in x's dtype, dropped
-    choices per token [B, T] float32). ``dispatch``: as ``sharding.ExpertLayout`` says."""
+    choices per token [B, T] float32). ``dispatch``: as ``sharding.ExpertLayout`` says;
+    ``matmul``: ``choose_expert_matmul``'s choice; ``typed``: inside a ``shard_map`` that
+    checks which axes values vary over."""
     B, T, D = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(B * T, D)
     idx_NxK, w_NxK = idx_BxTxK.reshape(B * T, -1), w_BxTxK.reshape(B * T, -1)
-    wi, wo = wi.astype(x_BxTxD.dtype), wo.astype(x_BxTxD.dtype)
     sums = tuple(ffn_axes)  # axes whose devices hold partial outputs of the same tokens
     if dispatch == "psum":  # every device along the expert axes holds these tokens
         E_l = wi.shape[0]
@@ -273,21 +261,24 @@ def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes,
         # Each device's experts see the same tokens and weights: marked as varying over the
         # expert axes, so that their gradients are summed over them (gathers by a varying
         # index do not say so themselves).
-        x_NxD, w_NxK = (jax.lax.pcast(a, axes, to="varying") for a in (x_NxD, w_NxK))
+        # Without the check, shard_map's transpose sums the gradients of values it was given
+        # whole anyway.
+        if typed:
+            x_NxD, w_NxK = (jax.lax.pcast(a, axes, to="varying") for a in (x_NxD, w_NxK))
         sums, P = (*axes, *sums), 1
     if spec.capacity_factor > 0:
         capacity = max(1, math.ceil(spec.capacity_factor * B * T * idx_NxK.shape[1]
                                     / spec.num_experts))
-        out_NxD, dropped_N = _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes,
-                                            capacity=capacity)
+        out_NxD, dropped_N = _with_capacity(
+            x_NxD, idx_NxK, w_NxK, wi.astype(x_BxTxD.dtype), wo.astype(x_BxTxD.dtype), P=P,
+            axes=axes, capacity=capacity)
     else:
-        matmul = choose_expert_matmul(spec.expert_matmul, tokens_move=P > 1,
-                                      dims=(D, wo.shape[1]), dtype=wi.dtype)
         if matmul == "dense":
-            out_NxD = _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo)
+            out_NxD = _dense_experts(x_NxD, idx_NxK, w_NxK, wi.astype(x_BxTxD.dtype),
+                                     wo.astype(x_BxTxD.dtype))
         else:
-            out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes,
-                                impl="xla" if matmul == "ragged" else "mosaic_gpu")
+            out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes, matmul=matmul,
+                                remat=spec.remat_experts)
         dropped_N = jnp.zeros((B * T,), jnp.float32)
     if sums:
         out_NxD = jax.lax.psum(out_NxD, sums)
@@ -343,18 +334,29 @@ class MoE(nnx.Module):
                                             spec, self.dtype)
         wi, wo = self.experts.wi[...], self.experts.wo[...]
         layout = sharding.expert_layout(WI_NAMES)
+        D, F = wi.shape[1], wi.shape[-1]
         if layout is None:  # no mesh in context: one device holds every expert
+            matmul = "capacity" if spec.capacity_factor > 0 else choose_expert_matmul(
+                spec.expert_matmul, tokens_move=False, dims=(D, F), dtype=x_BxTxD.dtype)
             y_BxTxD, dropped_BxT = _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, spec=spec, P=1,
-                                           axes=(), dispatch="local", ffn_axes=())
+                                           axes=(), dispatch="local", ffn_axes=(),
+                                           matmul=matmul)
         else:
             tok, ex = layout.tokens, (layout.experts or None)
             ffn = layout.ffn or None
             P = layout.num_shards if layout.dispatch == "all_to_all" else 1
+            F_l = F // math.prod(layout.mesh.shape[a] for a in layout.ffn)
+            matmul = "capacity" if spec.capacity_factor > 0 else choose_expert_matmul(
+                spec.expert_matmul, tokens_move=P > 1, dims=(D, F_l), dtype=x_BxTxD.dtype)
+            # Pallas-Triton outputs carry no per-device types: the blocked kernels run without
+            # shard_map's check of them (as sharding.per_device's kernels do).
+            typed = matmul != "blocked"
             fn = functools.partial(_routed, spec=spec, P=P, axes=layout.experts,
-                                   dispatch=layout.dispatch, ffn_axes=layout.ffn)
+                                   dispatch=layout.dispatch, ffn_axes=layout.ffn, matmul=matmul,
+                                   typed=typed)
             tokens_3d = PartitionSpec(*tok, None)
             y_BxTxD, dropped_BxT = jax.shard_map(
-                fn, mesh=layout.mesh,
+                fn, mesh=layout.mesh, check_vma=typed,
                 in_specs=(tokens_3d, tokens_3d, tokens_3d, PartitionSpec(ex, None, None, ffn),
                           PartitionSpec(ex, ffn, None)),
                 out_specs=(tokens_3d, tok))(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo)

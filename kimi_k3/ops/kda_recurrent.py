@@ -72,3 +72,39 @@ def kda_recurrent(
     xs = tuple(map(time_major, (q, k, v, g, beta, reset_BxT)))
     S_T, o_TxBxHVxV = lax.scan(step, S0, xs)
     return jnp.moveaxis(o_TxBxHVxV, 0, 1), S_T
+
+
+def kda_step(
+    q_BxHxK: jax.Array,
+    k_BxHxK: jax.Array,
+    v_BxHVxV: jax.Array,
+    g_BxHVxK: jax.Array,
+    beta_BxHV: jax.Array,
+    state_BxHVxKxV: jax.Array,
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """One token of the recurrence (a decoding step): (o [B, HV, V] float32, the new state
+    [B, HV, K, V] float32), the same numbers as ``kda_recurrent`` on a sequence of one token.
+
+    Written so that the state is read in one pass and written in one, with no matrix product
+    (a product would run in the matrix units' reduced precision on a GPU): with the faded state
+    A = Diag(exp g) S and u = beta (v - A^T k),
+
+        S' = A + k u^T,      o = S'^T (scale q) = A^T (scale q) + (k . scale q) u
+
+    so both reads of the state (A^T k and A^T q) come from one pass over it, and the write of
+    S' is one elementwise pass. Inputs are validated by the caller (the KDA layer's step).
+    """
+    H, HV = q_BxHxK.shape[1], v_BxHVxV.shape[1]
+    G = HV // H  # value heads per q/k head
+    f32 = jnp.float32
+    q = jnp.repeat(q_BxHxK.astype(f32), G, axis=1) * scale
+    k = jnp.repeat(k_BxHxK.astype(f32), G, axis=1)
+    faded = jnp.exp(g_BxHVxK.astype(f32))[..., None] * state_BxHVxKxV.astype(f32)
+    pred_BxHVxV = jnp.sum(faded * k[..., None], axis=2)
+    read_BxHVxV = jnp.sum(faded * q[..., None], axis=2)
+    u_BxHVxV = beta_BxHV.astype(f32)[..., None] * (v_BxHVxV.astype(f32) - pred_BxHVxV)
+    state = faded + k[..., None] * u_BxHVxV[:, :, None, :]
+    o = read_BxHVxV + jnp.sum(k * q, axis=-1, keepdims=True) * u_BxHVxV
+    return o, state

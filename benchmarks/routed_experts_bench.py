@@ -1,0 +1,200 @@
+r"""The routed experts alone (``kimi_k3.ops.routed_experts``): each implementation at a
+mixture's shapes, forward and forward + backward, against the ceiling of equal-sized groups.
+
+    python benchmarks/routed_experts_bench.py                    # configs/moe_1b.py's experts
+    python benchmarks/routed_experts_bench.py --tokens=4096,8192 --impls=blocked,sorted_mosaic \
+        --tiles=128,128,64,8,3 --tiles=64,128,64,4,4
+    python benchmarks/routed_experts_bench.py --smoke            # CPU, tiny, seconds
+
+N tokens each choose k of E experts (uniformly at random, or ``--skew``: expert e drawn with
+weight 1 / (e + 1)), weights random; x [N, D] bf16, SwiGLU experts of width F. Implementations:
+
+    blocked          the blocked layout and its Pallas kernels (``impl="blocked"``), per
+                     ``--tiles`` (block_m, block_n, block_k, warps, stages)
+    sorted_mosaic    sorted rows through the Hopper Mosaic GPU grouped matmul (GPU sm_90)
+    sorted_xla       sorted rows through ``jax.lax.ragged_dot``
+    ceiling          the same FLOPs as batched einsums over E equal groups of N k / E rows
+                     (no routing, no gathers): what a grouped matmul can at best reach
+
+Useful FLOPs: 6 N k D F forward (two matmuls of 2F and F columns), three times that forward
+and backward. Each row: compile seconds, ms (benchmarks/timing.py medians), TF/s, and the share
+of the ceiling's time. Before timing, every implementation is checked against ``sorted_xla`` on
+the same inputs (largest difference over the largest value, bf16). With ``--kernels`` the
+blocked kernels are also timed one by one (``pallas_kernels.grouped_matmul``) against the
+equal-group einsum of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+
+from benchmarks import timing
+from kimi_k3.ops import routed_experts as re_lib
+from pallas_kernels import grouped_matmul as gk
+
+IMPLS = ("blocked", "sorted_mosaic", "sorted_xla", "ceiling")
+
+
+def inputs(N, E, k, D, F, skew, seed=0):
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, E + 1) if skew else np.ones(E)
+    p = p / p.sum()
+    ids = np.stack([rng.choice(E, size=k, replace=False, p=p) for _ in range(N)]).astype(np.int32)
+    ks = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(ks[0], (N, D), jnp.bfloat16)
+    w = jax.random.uniform(ks[1], (N, k), jnp.float32)
+    wi = (jax.random.normal(ks[2], (E, D, 2, F)) / np.sqrt(D)).astype(jnp.bfloat16)
+    wo = (jax.random.normal(ks[3], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)
+    return x, jnp.asarray(ids), w, wi, wo
+
+
+def fn_for(impl: str, tiles: gk.GmmTiles, E: int, k: int):
+    if impl == "blocked":
+        return lambda x, ids, w, wi, wo: re_lib.routed_blocked(x, ids, w, wi, wo, tiles)
+    if impl in ("sorted_mosaic", "sorted_xla"):
+        matmul = "mosaic_gpu" if impl == "sorted_mosaic" else "xla"
+        return lambda x, ids, w, wi, wo: re_lib.routed_sorted(x, ids, w, wi, wo, matmul)
+
+    def ceiling(x, ids, w, wi, wo):  # E equal groups of the N k assignments, no routing
+        N, D = x.shape
+        F = wo.shape[1]
+        xg = jnp.broadcast_to(x[None], (k, N, D)).reshape(E, N * k // E, D)
+        h = jnp.einsum("ead,edf->eaf", xg, wi.reshape(E, D, 2 * F))
+        a = jax.nn.silu(h[..., :F]) * h[..., F:]
+        z = jnp.einsum("eaf,efd->ead", a, wo)
+        return z.reshape(k, N, D).astype(jnp.float32).sum(0)
+    return ceiling
+
+
+def bench(impl, tiles, args_, reps, dy):
+    E, k = args_[3].shape[0], args_[1].shape[1]
+    fwd = fn_for(impl, tiles, E, k)
+
+    def both(x, ids, w, wi, wo):
+        out, vjp = jax.vjp(lambda x, w, wi, wo: fwd(x, ids, w, wi, wo), x, w, wi, wo)
+        return out, vjp(dy)
+
+    f, f_s = timing.compile_jax(jax.jit(fwd), *args_)
+    b, b_s = timing.compile_jax(jax.jit(both), *args_)
+    return {"compile_s": f_s + b_s, "fwd_ms": timing.time_jax(f, *args_, batches=reps).ms,
+            "fwd_bwd_ms": timing.time_jax(b, *args_, batches=reps).ms}
+
+
+def kernel_rows(x, ids, wi, wo, tiles, reps):
+    """The blocked kernels one by one at these shapes, each against its equal-group einsum."""
+    N, D = x.shape
+    E, _, _, F = wi.shape
+    k = ids.shape[1]
+    lay = re_lib.blocked_layout(ids, E, tiles.block_m)
+    M = lay.rows.shape[0]
+    A = N * k
+    wi2 = wi.reshape(E, D, 2 * F)
+    h = jnp.zeros((M, 2 * F), x.dtype) + 0.1
+    a = jnp.zeros((M, F), x.dtype) + 0.1
+    dy = x
+    cases = {
+        "gmm x->h (gathered)": (lambda: gk.gmm(x, wi2, lay.block_group, lay.rows, tiles=tiles),
+                                (A, D, 2 * F)),
+        "gmm a->z": (lambda: gk.gmm(a, wo, lay.block_group, tiles=tiles), (A, F, D)),
+        "gmm_t dy->da (gathered)": (lambda: gk.gmm(dy, wo, lay.block_group, lay.rows,
+                                                   transpose_rhs=True, tiles=tiles), (A, D, F)),
+        "gmm_t dh->dx": (lambda: gk.gmm(h, wi2, lay.block_group, transpose_rhs=True,
+                                        tiles=tiles), (A, 2 * F, D)),
+        "wgrad x,dh->dWi": (lambda: gk.wgrad(x, h, lay.block_start, lay.block_end,
+                                             rows_a=lay.rows, tiles=tiles), (A, D, 2 * F)),
+        "wgrad a,dy->dWo": (lambda: gk.wgrad(a, dy, lay.block_start, lay.block_end,
+                                             rows_b=lay.rows, tiles=tiles), (A, F, D)),
+    }
+    rows = []
+    for name, (fn, (A_, K_, N_)) in cases.items():
+        f, _ = timing.compile_jax(jax.jit(fn))
+        ms = timing.time_jax(f, batches=reps).ms
+        lhs = jnp.zeros((E, A_ // E, K_), x.dtype) + 0.1
+        rhs = jnp.zeros((E, K_, N_), x.dtype) + 0.1
+        c, _ = timing.compile_jax(jax.jit(lambda l, r: jnp.einsum("eak,ekn->ean", l, r)),
+                                  lhs, rhs)
+        cms = timing.time_jax(c, lhs, rhs, batches=reps).ms
+        tf = 2 * A_ * K_ * N_ / ms / 1e9
+        rows.append(f"| {name} | {ms:.3f} | {tf:.0f} | {cms:.3f} | {cms / ms:.2f} |")
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="4096,8192", help="N tokens, comma-separated")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top_k", type=int, default=8)
+    ap.add_argument("--d_model", type=int, default=2048)
+    ap.add_argument("--expert_dim", type=int, default=512)
+    ap.add_argument("--impls", default="blocked,sorted_mosaic,ceiling",
+                    help=f"of {','.join(IMPLS)}")
+    ap.add_argument("--tiles", action="append", default=None,
+                    help="block_m,block_n,block_k,warps,stages for 'blocked' (repeatable)")
+    ap.add_argument("--skew", action="store_true", help="experts drawn with weight 1/(e+1)")
+    ap.add_argument("--kernels", action="store_true", help="also time each blocked kernel")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="CPU sizes: seconds")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.tokens, a.experts, a.top_k, a.d_model, a.expert_dim = "64", 4, 2, 32, 32
+        a.impls, a.reps, a.tiles = "blocked,sorted_xla,ceiling", 1, ["16,32,16,4,1"]
+    impls = a.impls.split(",")
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        ap.error(f"--impls: {bad} not in {IMPLS}")
+    tile_sets = [gk.GmmTiles(*map(int, t.split(",")), wgrad_block_k=int(t.split(",")[1]),
+                             wgrad_block_n=int(t.split(",")[1]), wgrad_warps=int(t.split(",")[3]),
+                             wgrad_stages=int(t.split(",")[4]))
+                 for t in (a.tiles or ["64,128,64,4,3"])]
+    E, k, D, F = a.experts, a.top_k, a.d_model, a.expert_dim
+    print(f"routed experts: E={E} k={k} D={D} F={F} {'skewed' if a.skew else 'uniform'} "
+          f"routing, bf16; {jax.devices()[0].device_kind}, JAX {jax.__version__}")
+    print("| tokens | impl | tiles | max err | compile s | fwd ms | TF/s | fwd+bwd ms | TF/s | "
+          "ceiling / this (fwd+bwd) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for N in map(int, a.tokens.split(",")):
+        args_ = inputs(N, E, k, D, F, a.skew)
+        dy = jax.random.normal(jax.random.key(9), (N, D), jnp.float32)
+        ref = np.asarray(jax.jit(fn_for("sorted_xla", tile_sets[0], E, k))(*args_))
+        flops = 6 * N * k * D * F
+        runs = [(i, t) for i in impls for t in (tile_sets if i == "blocked" else [None])]
+        results = []
+        for impl, t in runs:
+            try:
+                out = np.asarray(jax.jit(fn_for(impl, t or tile_sets[0], E, k))(*args_))
+                err = (np.abs(out - ref).max() / np.abs(ref).max() if impl != "ceiling"
+                       else float("nan"))
+                r = bench(impl, t or tile_sets[0], args_, a.reps, dy)
+                results.append((impl, t, err, r))
+            except Exception as e:  # one failing variant must not stop the others
+                print(f"| {N} | {impl} | {t} | failed: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]} |", flush=True)
+        ceil_ms = next((r["fwd_bwd_ms"] for i, _, _, r in results if i == "ceiling"), None)
+        for impl, t, err, r in results:
+            tiles = ("" if t is None else
+                     f"{t.block_m}x{t.block_n}x{t.block_k} w{t.warps} s{t.stages}")
+            ratio = f"{ceil_ms / r['fwd_bwd_ms']:.2f}" if ceil_ms else ""
+            print(f"| {N} | {impl} | {tiles} | {err:.1e} | {r['compile_s']:.1f} | "
+                  f"{r['fwd_ms']:.3f} | {flops / r['fwd_ms'] / 1e9:.0f} | {r['fwd_bwd_ms']:.3f} | "
+                  f"{3 * flops / r['fwd_bwd_ms'] / 1e9:.0f} | {ratio} |", flush=True)
+        if a.kernels and "blocked" in impls:
+            print(f"\nblocked kernels at N={N} (tiles {tile_sets[0]}):\n")
+            print("| kernel | ms | TF/s | equal-group einsum ms | einsum / kernel |")
+            print("|---|---|---|---|---|")
+            for line in kernel_rows(args_[0], args_[1], args_[3], args_[4], tile_sets[0],
+                                    a.reps):
+                print(line, flush=True)
+            print()
+
+
+if __name__ == "__main__":
+    main()
