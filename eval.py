@@ -38,11 +38,10 @@ the text is known), each figure with its 95% bootstrap interval over documents. 
 
 import sys
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from kimi_k3 import cli, compile_cache, eval_scoring, evaluation
-from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import ruler as ruler_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -125,24 +124,14 @@ _RULER_SAMPLES = flags.DEFINE_integer(
 _RULER_DIGITS = flags.DEFINE_integer(
     "ruler_value_digits", 7, "Digits of the numbers the RULER needles hide.", lower_bound=2)
 _RULER_SEED = flags.DEFINE_integer("ruler_seed", 0, "Seed of the RULER examples.")
-_MULTIHOST = flags.DEFINE_bool(
-    "multihost", False, "Call jax.distributed.initialize() and let JAX detect the cluster.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "HOST:PORT of process 0 (multi-host).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+_MULTIHOST = cli.define_multihost_flags()
 
 _CACHE = compile_cache.define_flag()
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # the command prints its own lines; -v 0 for library logs
-        logging.set_verbosity(logging.WARNING)
-    compile_cache.enable(_CACHE.value)
-    mesh_lib.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                                    force=_MULTIHOST.value)
+    cli.start(argv, _CACHE.value)
+    _MULTIHOST.initialize()
     lm_eval = ruler = None
     if _LM_EVAL_TASKS.value:
         lm_eval = evaluation.LmEvalOptions(

@@ -26,7 +26,7 @@ checkpoint of transformers runs after
 ``--config=RUN/config.py --workdir=RUN``. All logic lives in ``kimi_k3.generate``.
 """
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from kimi_k3 import cli, compile_cache, generate
@@ -69,11 +69,7 @@ _PIECE = flags.DEFINE_integer("piece_len", 2048, "Prompt tokens per prefill call
 _CACHE = compile_cache.define_flag()
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # the command prints its own lines; -v 0 for library logs
-        logging.set_verbosity(logging.WARNING)
-    compile_cache.enable(_CACHE.value)
+    cli.start(argv, _CACHE.value)
     generate.main(
         _CONFIG.value,
         prompts=_PROMPT.value,

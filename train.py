@@ -22,33 +22,23 @@ import os
 # XLA_PYTHON_CLIENT_MEM_FRACTION yourself to choose otherwise.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from kimi_k3 import cli, compile_cache, train_lib
-from kimi_k3 import mesh as mesh_lib
 
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py[:arg].",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics.jsonl, TensorBoard.")
-flags.DEFINE_bool("multihost", False,
-                  "Call jax.distributed.initialize() and let JAX detect the cluster.")
-flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-host).")
-flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
-flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+_MULTIHOST = cli.define_multihost_flags()
 _CACHE = compile_cache.define_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS["verbosity"].present:  # the run prints its own summary; -v 0 for library logs
-        logging.set_verbosity(logging.WARNING)
-    compile_cache.enable(_CACHE.value)
-    mesh_lib.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                                    FLAGS.process_id, force=FLAGS.multihost)
+    cli.start(argv, _CACHE.value)
+    _MULTIHOST.initialize()
     train_lib.train(FLAGS.config, os.path.abspath(FLAGS.workdir),
                     config_name=config_flags.get_config_filename(FLAGS["config"]))
 

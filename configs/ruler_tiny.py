@@ -17,41 +17,26 @@ command goes on from the first's weights with a fresh schedule (a fresh optimize
 first digits of the answer are learned early, the last ones late. Chance exact match is
 10^-value_digits.
 
-The model is configs/mqar.py's (two layers "KM": one KDA, one Gated MLA, d_model 64). The
-argument is comma-separated key=value overrides: steps, d_model, pattern (layer letters,
-K = KDA, M = Gated MLA).
+The model, optimizer and trainer sections are configs/mqar.py's (two layers "KM": one KDA, one
+Gated MLA, d_model 64; a high peak rate), without its task section and with the trainer's
+default data.seq_len; only the step count differs. The argument is comma-separated key=value
+overrides: steps, d_model, pattern (layer letters, K = KDA, M = Gated MLA).
 """
+
+import pathlib
 
 import ml_collections
 
-from kimi_k3.config import add_training_defaults, default_model_config
-from kimi_k3.config_files import parse_arg
+from kimi_k3.config import add_training_defaults
+from kimi_k3.config_files import load_config, parse_arg
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     over = parse_arg(arg, {"steps": int, "d_model": int, "pattern": str})
-    config = ml_collections.ConfigDict()
-    m = config.model = default_model_config()
-    m.vocab_size = 256  # bytes
-    m.d_model = over.get("d_model", 64)  # width D
-    m.pattern = over.get("pattern", "KM")  # one letter per layer
-    m.num_layers = len(m.pattern)
-    m.num_heads = 2  # KDA heads
-    m.kda.head_dim = 32  # K = V
-    m.kda.impl = "recurrent"  # token by token: the fastest form on a CPU at this size
-    m.mla.num_heads = 2
-    m.mla.kv_lora_rank = m.d_model // 2
-    m.mla.qk_nope_head_dim = m.d_model // 2
-    m.mla.shared_head_dim = 16
-    m.mla.v_head_dim = m.d_model // 2
-    m.mla.attn_block_size = 64  # blockwise attention block (tokens)
-    m.mlp_dim = 2 * m.d_model  # SwiGLU width
-    m.attn_res_block_size = 2  # sublayers per Attention-Residual block
-
-    add_training_defaults(config)
-    config.opt.lr = 1e-2  # a high peak rate, as MQAR's (configs/mqar.py)
-    config.opt.warmup_steps = 50
-    config.opt.weight_decay = 0.01
-    config.opt.min_lr_ratio = 0.05
+    model_arg = ",".join(f"{k}={v}" for k, v in over.items() if k != "steps")
+    config = load_config(f"{pathlib.Path(__file__).with_name('mqar.py')}:{model_arg}")
+    del config.mqar  # the MQAR task: kimi_k3.ruler draws its own examples
+    # mqar.py ties data.seq_len to its task; here it is the trainer's default (unused by ruler)
+    config.data.seq_len = add_training_defaults(ml_collections.ConfigDict()).data.seq_len
     config.train.steps = over.get("steps", 4000)  # answer-loss steps of 16 examples
     return config

@@ -20,14 +20,17 @@ or OSError (bad input, a failed save) and FloatingPointError (a non-finite step)
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
 
 import ml_collections
-from absl import app, flags
+from absl import app, flags, logging
 
+from kimi_k3 import compile_cache
+from kimi_k3 import mesh as mesh_lib
 from kimi_k3.config import ConfigError
 from kimi_k3.config_files import load_config
 from kimi_k3.run_dir import find_run_folder
@@ -170,6 +173,53 @@ def check_config_args(argv: Sequence[str], flag: str = "config",
         if why:
             raise ConfigError(f"--{flag}.{dotted}: {why}")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# What the entry points share: flags and the opening of ``main``
+# ---------------------------------------------------------------------------------------------
+
+# A flag defined by a function here belongs to the entry point that calls it, as if defined
+# there: absl's --help lists the main module's own flags only.
+flags.disclaim_key_flags()
+
+
+@dataclasses.dataclass(frozen=True)
+class MultihostFlags:
+    """--multihost, --coordinator_address, --num_processes, --process_id (``define_multihost_flags``)."""
+
+    multihost: flags.FlagHolder
+    coordinator_address: flags.FlagHolder
+    num_processes: flags.FlagHolder
+    process_id: flags.FlagHolder
+
+    def initialize(self) -> bool:
+        """Joins the processes the flags describe (``mesh.initialize_distributed``); True when
+        it did."""
+        return mesh_lib.initialize_distributed(self.coordinator_address.value,
+                                               self.num_processes.value, self.process_id.value,
+                                               force=self.multihost.value)
+
+
+def define_multihost_flags() -> MultihostFlags:
+    """The flags of a multi-host entry point (train.py, eval.py), defined as its own."""
+    return MultihostFlags(
+        flags.DEFINE_bool("multihost", False,
+                          "Call jax.distributed.initialize() and let JAX detect the cluster."),
+        flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (multi-host)."),
+        flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host)."),
+        flags.DEFINE_integer("process_id", None, "This process's index (multi-host)."))
+
+
+def start(argv: Sequence[str], compilation_cache: str) -> None:
+    """The opening of an entry point's ``main``: stray arguments are a usage error; library
+    logs at WARNING unless --verbosity is given (the command prints its own lines; -v 0 for
+    library logs); JAX's compilation cache in ``compilation_cache`` (``compile_cache.enable``)."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    compile_cache.enable(compilation_cache)
 
 
 # ---------------------------------------------------------------------------------------------

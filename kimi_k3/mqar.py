@@ -176,6 +176,29 @@ def masked_train_step(graphdef, rest, tx):
     return train_step
 
 
+def train_on_answers(model, opt_cfg, next_batch: Callable[[int], dict[str, np.ndarray]], *,
+                     steps: int, desc: str, progress: bool = False):
+    """(``model`` trained ``steps`` steps of :func:`masked_train_step`, the last loss; nan for no
+    step). ``opt_cfg``: ``config.opt`` (``kimi_k3.optim.make_optimizer``); ``next_batch(step)``
+    gives inputs_NxT, targets_NxT and weights_NxT, as :func:`generate` does. Shared by the
+    synthetic tasks: MQAR, passkey and RULER."""
+    graphdef, params, rest = split_model(model)
+    tx, _ = optim.make_optimizer(opt_cfg, steps, params)
+    opt_state = tx.init(params)
+    train_step = masked_train_step(graphdef, rest, tx)
+    loss = math.nan
+    # A bar on a terminal only: in a log file its carriage-return redraws would pile up.
+    bar = tqdm(range(steps), desc=desc, disable=not (progress and sys.stderr.isatty()), leave=False)
+    for step in bar:
+        b = next_batch(step)
+        params, opt_state, loss = train_step(
+            params, opt_state, b["inputs_NxT"], b["targets_NxT"], b["weights_NxT"]
+        )
+        if (step + 1) % 25 == 0:
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+    return merge_model(graphdef, params, rest), float(loss)
+
+
 def answer_hits(logits_BxTxV, targets_BxT, weights_BxT):
     """(number of answers predicted exactly by argmax, number of answers)."""
     hit = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT).astype(jnp.float32)
@@ -236,34 +259,26 @@ def train_mqar(
     seed = int(config.seed if seed is None else seed)
     steps = int(config.train.steps)
     batch_size = int(config.mqar.train_batch_size)
-    graphdef, params, rest = split_model(make_model(config.model, seed))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    tx, _ = optim.make_optimizer(config.opt, steps, params)
-    opt_state = tx.init(params)
+    model = make_model(config.model, seed)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(split_model(model)[1]))
 
-    train_step = masked_train_step(graphdef, rest, tx)
+    # Training batches come from streams (seed, 0, step); the evaluation set from (seed, 1).
+    t0 = time.perf_counter()
+    model, loss = train_on_answers(
+        model, config.opt, lambda step: generate(spec, batch_size, seed=(seed, 0, step)),
+        steps=steps, desc=desc, progress=progress,
+    )
+    graphdef, params, rest = split_model(model)
 
     @jax.jit
     def logits_fn(params, inputs):
         return merge_model(graphdef, params, rest)(inputs)
 
-    # Training batches come from streams (seed, 0, step); the evaluation set from (seed, 1).
-    t0 = time.perf_counter()
-    loss = math.nan
-    # A bar on a terminal only: in a log file its carriage-return redraws would pile up.
-    bar = tqdm(range(steps), desc=desc, disable=not (progress and sys.stderr.isatty()), leave=False)
-    for step in bar:
-        b = generate(spec, batch_size, seed=(seed, 0, step))
-        params, opt_state, loss = train_step(
-            params, opt_state, b["inputs_NxT"], b["targets_NxT"], b["weights_NxT"]
-        )
-        if (step + 1) % 25 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}")
     eval_data = generate(spec, int(config.mqar.eval_examples), seed=(seed, 1))
     acc = mqar_accuracy(lambda x: logits_fn(params, x), eval_data, batch_size=batch_size)
     return {
         "accuracy": acc,
-        "final_loss": float(loss),
+        "final_loss": loss,
         "params": n_params,
         "seconds": time.perf_counter() - t0,
     }

@@ -59,14 +59,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from kimi_k3 import optim, plots
+from kimi_k3 import plots
 from kimi_k3.checkpoint import load_model
 from kimi_k3.data import TextTokenizer
 from kimi_k3.eval_scoring import parse_context_lengths
 from kimi_k3.generate import Decoder, describe_weights, generate, resolve_checkpoint
 from kimi_k3.model import MAX_POSITIONS
-from kimi_k3.model_state import merge_model, split_model
-from kimi_k3.mqar import masked_train_step
+from kimi_k3.mqar import train_on_answers
 from kimi_k3.run_dir import check_workdir
 from kimi_k3.runtime import quiet_library_logs
 
@@ -87,6 +86,29 @@ PAD = 0  # token id of the right padding of training rows (weight 0, after every
 # ---------------------------------------------------------------------------------------------
 # Examples
 # ---------------------------------------------------------------------------------------------
+
+
+class Filler:
+    """``FILLER_SENTENCES`` over and over through one tokenizer (each sentence tokenised on its
+    own): the haystack of the passkey task and of ``kimi_k3.ruler``."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        sentences = [np.asarray(tokenizer.encode(s), np.int32) for s in FILLER_SENTENCES]
+        self.cycle = np.concatenate(sentences)  # int32: one pass over the sentences
+        self._starts = np.cumsum([0] + [len(s) for s in sentences[:-1]])
+
+    def tokens(self, F: int) -> np.ndarray:
+        """The first F filler tokens (cut at a token boundary)."""
+        return np.tile(self.cycle, -(-F // len(self.cycle)))[:F]
+
+    def boundaries(self, F: int, depths: Sequence[float]) -> list[int]:
+        """Per depth d, the sentence boundary of the first F filler tokens nearest to d x F (0
+        before all of them, F after)."""
+        n = len(self.cycle)
+        reps = -(-F // n)
+        starts = (np.arange(reps)[:, None] * n + self._starts[None, :]).ravel()
+        bounds = np.append(starts[starts < F], F)
+        return [int(bounds[np.argmin(np.abs(bounds - d * F))]) for d in depths]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +134,7 @@ class PasskeyTask:
             raise ValueError(f"--digits: {digits!r} must be an integer in [1, 64]")
         self.tokenizer = tokenizer if tokenizer is not None else TextTokenizer("")
         self.digits = digits
-        sentences = [self.tokenizer.encode(s) for s in FILLER_SENTENCES]
-        self._cycle = np.concatenate(sentences).astype(np.int32)
-        self._cycle_starts = np.cumsum([0] + [len(s) for s in sentences[:-1]])
+        self._filler = Filler(self.tokenizer)
         self._question = self.tokenizer.encode(QUESTION).astype(np.int32)
 
     @property
@@ -131,7 +151,7 @@ class PasskeyTask:
 
     def max_token_id(self) -> int:
         """The largest id any example holds (filler, question, a needle and its digits)."""
-        parts = [self._cycle, self._question, self.needle_ids("0123456789")]
+        parts = [self._filler.cycle, self._question, self.needle_ids("0123456789")]
         return int(max(p.max() for p in parts))
 
     def random_key(self, rng: np.random.Generator) -> str:
@@ -148,12 +168,8 @@ class PasskeyTask:
                 f"--context_lengths: {L} tokens cannot hold the needle and the question "
                 f"({len(needle) + len(self._question)} tokens with a {self.digits}-digit key, "
                 f"{self.tokenizer_name}); the shortest allowed is {self.min_context_length()}")
-        n = len(self._cycle)
-        reps = -(-F // n)
-        filler = np.tile(self._cycle, reps)[:F]
-        starts = (np.arange(reps)[:, None] * n + self._cycle_starts[None, :]).ravel()
-        boundaries = np.append(starts[starts < F], F)
-        at = int(boundaries[np.argmin(np.abs(boundaries - depth * F))])
+        filler = self._filler.tokens(F)
+        (at,) = self._filler.boundaries(F, [depth])
         prompt = np.concatenate([filler[:at], needle, filler[at:], self._question]).astype(np.int32)
         answer = self.tokenizer.encode(key).astype(np.int32)
         return PasskeyExample(prompt, answer, key, at, F)
@@ -204,23 +220,9 @@ def train_passkey(model, task: PasskeyTask, opt_cfg, *, steps: int, batch_size: 
     if lo < task.min_context_length():
         raise ValueError(f"--train_lengths: {lo} is shorter than the needle and the question; "
                          f"the shortest allowed is {task.min_context_length()}")
-    graphdef, params, rest = split_model(model)
-    tx, _ = optim.make_optimizer(opt_cfg, steps, params)
-    opt_state = tx.init(params)
-
-    train_step = masked_train_step(graphdef, rest, tx)
-
     rng = np.random.default_rng([seed, 0])
-    loss = math.nan
-    bar = tqdm(range(steps), desc="passkey training", disable=not (progress and sys.stderr.isatty()),
-               leave=False)
-    for step in bar:
-        b = task.training_batch(batch_size, (lo, hi), rng)
-        params, opt_state, loss = train_step(params, opt_state, b["inputs_NxT"], b["targets_NxT"],
-                                             b["weights_NxT"])
-        if (step + 1) % 25 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}")
-    return merge_model(graphdef, params, rest), float(loss)
+    return train_on_answers(model, opt_cfg, lambda _: task.training_batch(batch_size, (lo, hi), rng),
+                            steps=steps, desc="passkey training", progress=progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +250,15 @@ def predict_answers(decoder: Decoder, prompts_BxL: np.ndarray, answers_BxA: np.n
     return np.stack(preds, axis=1).astype(np.int32)
 
 
+def padded_batches(items: Sequence, batch_size: int):
+    """(batch, n) per ``batch_size`` consecutive items: the last batch padded with copies of its
+    first item, so every call sees one shape; its first n items are the real ones."""
+    for start in range(0, len(items), batch_size):
+        batch = list(items[start : start + batch_size])
+        n = len(batch)
+        yield batch + [batch[0]] * (batch_size - n), n
+
+
 def score_examples(decoder: Decoder, examples: Sequence[PasskeyExample], mode: str,
                    batch_size: int, piece_len: int,
                    tokenizer: TextTokenizer | None = None) -> dict:
@@ -259,10 +270,7 @@ def score_examples(decoder: Decoder, examples: Sequence[PasskeyExample], mode: s
     A = max(len(e.answer_ids) for e in examples)
     right = total = exact = 0
     kept = []  # per example: key and answer
-    for start in range(0, len(examples), batch_size):
-        batch = list(examples[start : start + batch_size])
-        n = len(batch)
-        batch += [batch[0]] * (batch_size - n)
+    for batch, n in padded_batches(examples, batch_size):
         prompts = np.stack([e.prompt_ids for e in batch])
         answers = np.zeros((batch_size, A), np.int32)
         mask = np.zeros((batch_size, A), bool)
@@ -324,9 +332,11 @@ class PasskeyOptions:
         return self
 
 
-def parse_depths(values: Sequence[str | float]) -> tuple[float, ...]:
-    """``["0", "0.5", "1"]`` -> (0.0, 0.5, 1.0). Raises ValueError naming ``--depths`` and the
-    item that is not a number in [0, 1]."""
+def parse_depths(values: Sequence[str | float], flag: str = "--depths",
+                 meaning: str = "0 = the start of the filler, 1 = right before the question",
+                 ) -> tuple[float, ...]:
+    """``["0", "0.5", "1"]`` -> (0.0, 0.5, 1.0). Raises ValueError naming ``flag`` and the item
+    that is not a number in [0, 1] (and what the ends mean: ``meaning``)."""
     out = []
     for item in values:
         try:
@@ -334,8 +344,7 @@ def parse_depths(values: Sequence[str | float]) -> tuple[float, ...]:
         except ValueError:
             d = math.nan
         if not 0.0 <= d <= 1.0:
-            raise ValueError(f"--depths: {str(item).strip()!r} is not a number in [0, 1] (0 = the "
-                             f"start of the filler, 1 = right before the question)")
+            raise ValueError(f"{flag}: {str(item).strip()!r} is not a number in [0, 1] ({meaning})")
         out.append(d)
     return tuple(out)
 

@@ -76,7 +76,7 @@ from tqdm.auto import tqdm
 
 from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import mesh as mesh_lib
-from kimi_k3 import optim, plots
+from kimi_k3 import plots
 from kimi_k3.checkpoint import load_model
 from kimi_k3.config import run_spec
 from kimi_k3.config_files import load_config
@@ -84,9 +84,11 @@ from kimi_k3.data import TextTokenizer
 from kimi_k3.eval_scoring import parse_context_lengths
 from kimi_k3.generate import Decoder, generate
 from kimi_k3.model import MAX_POSITIONS
-from kimi_k3.model_state import merge_model, split_model
-from kimi_k3.mqar import masked_train_step
-from kimi_k3.passkey import FILLER_SENTENCES
+from kimi_k3.model_state import split_model
+from kimi_k3.mqar import train_on_answers
+from kimi_k3.passkey import FILLER_SENTENCES as FILLER_SENTENCES  # the haystack's, re-exported
+from kimi_k3.passkey import Filler, padded_batches
+from kimi_k3.passkey import parse_depths as passkey_depths
 from kimi_k3.run_dir import check_workdir, write_config
 from kimi_k3.runtime import quiet_library_logs
 from kimi_k3.train_state import state_layout
@@ -152,9 +154,7 @@ class RulerSuite:
                              f"[2, 18]")
         self.tokenizer = tokenizer if tokenizer is not None else TextTokenizer("")
         self.value_digits = value_digits
-        sentences = [self.enc(s) for s in FILLER_SENTENCES]
-        self._cycle = np.concatenate(sentences)
-        self._starts = np.cumsum([0] + [len(s) for s in sentences[:-1]])
+        self._filler = Filler(self.tokenizer)
 
     @property
     def tokenizer_name(self) -> str:
@@ -184,12 +184,8 @@ class RulerSuite:
     def _haystack(self, F: int, needles: Sequence[np.ndarray], depths: Sequence[float]):
         """(filler of F tokens with each needle at the sentence boundary nearest to its depth x F,
         in order of depth; where each needle went as a share of F)."""
-        n = len(self._cycle)
-        reps = -(-F // n) if F else 0
-        filler = np.tile(self._cycle, reps)[:F]
-        starts = (np.arange(reps)[:, None] * n + self._starts[None, :]).ravel()
-        bounds = np.append(starts[starts < F], F)
-        at = [int(bounds[np.argmin(np.abs(bounds - d * F))]) for d in depths]
+        filler = self._filler.tokens(F)
+        at = self._filler.boundaries(F, depths)
         order = sorted(range(len(needles)), key=lambda i: (at[i], i))
         parts, last = [], 0
         for i in order:
@@ -282,8 +278,7 @@ class RulerSuite:
         """``parts`` after as much filler as makes exactly L tokens (the word tasks: every
         prompt of a length is as long, so they share the needle tasks' compilations)."""
         F = L - sum(len(x) for x in parts)
-        filler = np.tile(self._cycle, -(-F // len(self._cycle)))[:F]
-        return np.concatenate([filler, *parts]).astype(np.int32)
+        return np.concatenate([self._filler.tokens(F), *parts]).astype(np.int32)
 
     def _cwe(self, L: int, rng: np.random.Generator) -> RulerExample:
         head = self.enc(INSTRUCTIONS["cwe"])
@@ -363,7 +358,7 @@ class RulerSuite:
     def max_token_id(self) -> int:
         """The largest id an example can hold: its text is ASCII (the vocabulary's bytes)."""
         return int(max(self.enc(chr(c)).max() for c in range(32, 127)) if self.tokenizer.path
-                   else max(self._cycle.max(), ord("z"), ord("Z"), ord("\n")))
+                   else max(self._filler.cycle.max(), ord("z"), ord("Z"), ord("\n")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,17 +425,8 @@ def parse_tasks(values: Sequence[str]) -> tuple[str, ...]:
 def parse_depths(values: Sequence[str]) -> tuple[float, ...]:
     """``["0", "0.5", "1"]`` -> (0.0, 0.5, 1.0); an item that is not a number in [0, 1] is a
     ValueError naming ``--ruler_depths``."""
-    out = []
-    for item in values:
-        try:
-            d = float(str(item).strip())
-        except ValueError:
-            d = math.nan
-        if not 0.0 <= d <= 1.0:
-            raise ValueError(f"--ruler_depths: {str(item).strip()!r} is not a number in [0, 1] "
-                             f"(0 = before all the filler, 1 = right before the question)")
-        out.append(d)
-    return tuple(out)
+    return passkey_depths(values, "--ruler_depths",
+                          "0 = before all the filler, 1 = right before the question")
 
 
 def parse_options(tasks: Sequence[str], lengths: Sequence[str], depths: Sequence[str], *,
@@ -481,10 +467,7 @@ def evaluate(model, suite: RulerSuite, opts: RulerOptions, *, progress: bool = F
             t0 = time.perf_counter()
             answers = []
             cell = examples[(task, L, d)]
-            for b in range(0, len(cell), opts.batch_size):
-                batch = cell[b : b + opts.batch_size]
-                n = len(batch)
-                batch += [batch[0]] * (opts.batch_size - n)  # one shape: the copies not counted
+            for batch, n in padded_batches(cell, opts.batch_size):  # the copies not counted
                 gen = generate(decoder, [e.prompt_ids for e in batch], budget[L], stop_ids=stops,
                                piece_len=opts.piece_len)
                 for e, toks in zip(batch[:n], gen.tokens[:n], strict=True):
@@ -682,21 +665,10 @@ def train(model, suite: RulerSuite, opt_cfg, *, steps: int, batch_size: int,
     """(the model trained ``steps`` steps on ``training_batch`` rows, the last loss): the loss on
     the answers only (``kimi_k3.mqar.masked_cross_entropy``), as ``kimi_k3.passkey`` trains.
     ``opt_cfg``: ``config.opt``."""
-    graphdef, params, rest = split_model(model)
-    tx, _ = optim.make_optimizer(opt_cfg, steps, params)
-    opt_state = tx.init(params)
-    step_fn = masked_train_step(graphdef, rest, tx)
     rng = np.random.default_rng([seed, 2])
-    loss = math.nan
-    bar = tqdm(range(steps), desc="ruler training", leave=False,
-               disable=not (progress and sys.stderr.isatty()))
-    for step in bar:
-        b = training_batch(suite, tasks, lengths, batch_size, rng)
-        params, opt_state, loss = step_fn(params, opt_state, b["inputs_NxT"], b["targets_NxT"],
-                                          b["weights_NxT"])
-        if (step + 1) % 25 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}")
-    return merge_model(graphdef, params, rest), float(loss)
+    return train_on_answers(model, opt_cfg,
+                            lambda _: training_batch(suite, tasks, lengths, batch_size, rng),
+                            steps=steps, desc="ruler training", progress=progress)
 
 
 def save_run(config, model, workdir: str, step: int) -> str:

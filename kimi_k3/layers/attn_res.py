@@ -237,11 +237,7 @@ class DepthResidual:
         if isinstance(state, SourceList):
             return self._read_list(state.sources, self._list_inv_rms(state), w_D)
         sources = state["sources"]
-        slot = jnp.arange(sources.shape[0])
-        valid = (slot < state["n"]) | ((slot == state["n"]) & (state["count"] > 0))
-        logits_NxBxT = jnp.einsum("nbtd,d->nbt", sources, w_D.astype(sources.dtype),
-                                  preferred_element_type=jnp.float32) * state["inv_rms"]
-        a_NxBxT = jax.nn.softmax(jnp.where(valid[:, None, None], logits_NxBxT, _NEG), axis=0)
+        a_NxBxT, _ = self._slot_softmax(state, w_D)
         # A sum over the few sources, not a matmul: XLA fuses the float32 conversion into the
         # reduction, so the sources are read once in their own dtype, never copied to float32.
         a_NxBxT = checkpoint_name(a_NxBxT, "attn_res_weights")
@@ -254,20 +250,24 @@ class DepthResidual:
         source yet weighs 0. Both state forms; for kimi_k3/internals.py, never on the way of a
         training step. Modes "block" and "full" only."""
         if isinstance(state, SourceList):
-            sources, inv_rms = state.sources, self._list_inv_rms(state)
-            logits_NxBxT = jnp.stack([
-                jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype),
-                           preferred_element_type=jnp.float32) * r
-                for s, r in zip(sources, inv_rms, strict=True)])
+            sources = state.sources
+            logits_NxBxT = self._list_logits(sources, self._list_inv_rms(state), w_D)
             a_NxBxT = jax.nn.softmax(logits_NxBxT, axis=0)
             return jnp.pad(a_NxBxT, ((0, self.num_slots - len(sources)), (0, 0), (0, 0)))
+        a_NxBxT, valid = self._slot_softmax(state, w_D)
+        return jnp.where(valid[:, None, None], a_NxBxT, 0.0)
+
+    @staticmethod
+    def _slot_softmax(state: dict[str, jax.Array], w_D: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The scanned form's mixing weights [N, B, T] float32 over its slots and which slots
+        hold a source [N] (slots 0 .. n-1, and slot n once its block has a sublayer); a slot
+        with none gets a logit of ``_NEG``, so about 0 weight."""
         sources = state["sources"]
         slot = jnp.arange(sources.shape[0])
         valid = (slot < state["n"]) | ((slot == state["n"]) & (state["count"] > 0))
         logits_NxBxT = jnp.einsum("nbtd,d->nbt", sources, w_D.astype(sources.dtype),
                                   preferred_element_type=jnp.float32) * state["inv_rms"]
-        a_NxBxT = jax.nn.softmax(jnp.where(valid[:, None, None], logits_NxBxT, _NEG), axis=0)
-        return jnp.where(valid[:, None, None], a_NxBxT, 0.0)
+        return jax.nn.softmax(jnp.where(valid[:, None, None], logits_NxBxT, _NEG), axis=0), valid
 
     def read_norm(self, state, w_D: jax.Array | None, norm: RMSNorm) -> jax.Array:
         """``norm(read(state, w_D))``, the input of the next sublayer after its RMSNorm.
@@ -295,14 +295,19 @@ class DepthResidual:
                    w_D: jax.Array) -> jax.Array:
         """The read over sources that all exist: n = len(sources) arrays [B, T, D] and their
         reciprocal RMS [B, T]."""
+        return self._mix(sources, self._list_logits(sources, inv_rms, w_D))
+
+    @staticmethod
+    def _list_logits(sources: tuple[jax.Array, ...], inv_rms: tuple[jax.Array, ...],
+                     w_D: jax.Array) -> jax.Array:
+        """w . RMSNorm(source) per source, [n, B, T] float32."""
         # Each logit is a matmul with w in the compute dtype (as every weight is cast for its
         # matmul), so the pseudo-query's gradient is a matmul too: as float32 sums over the
         # tokens, XLA fused it with the sources' gradients into slow column reductions
         # (benchmarks/attn_res_bench.py times the forms).
-        logits_NxBxT = jnp.stack([
+        return jnp.stack([
             jnp.einsum("btd,d->bt", s, w_D.astype(s.dtype), preferred_element_type=jnp.float32)
             * r for s, r in zip(sources, inv_rms, strict=True)])
-        return self._mix(sources, logits_NxBxT)
 
     @staticmethod
     def _mix(sources: tuple[jax.Array, ...], logits_NxBxT: jax.Array) -> jax.Array:
