@@ -9,6 +9,9 @@ floor of what a step must read (issues #15, #57).
         --search=jump --max_batch=64 --warmup=2 --steps=20 --max_seconds=150
     # every power of two from batch 1 up to the cap timed (ms per token against the batch)
     python benchmarks/decode_bench.py --out_dir=/tmp/decode --search=double --max_batch=16
+    # where batch 1's step spends its time: ms by model part, kernels per step, idle time
+    python benchmarks/decode_bench.py --out_dir=/tmp/decode_profile --contexts=131072 \
+        --variants=3:1,all-MLA --max_batch=1 --profile_dir=/tmp/decode_traces
     # CPU, toy sizes, seconds (what the tests run)
     python benchmarks/decode_bench.py --smoke --out_dir=/tmp/decode
 
@@ -77,6 +80,7 @@ multiple of it; the largest batch of each; the ratios beside the Kimi Linear rep
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 import sys
@@ -88,7 +92,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks import long_context_memory as lcm  # noqa: E402
-from benchmarks import timing  # noqa: E402
+from benchmarks import timing, trace_parts  # noqa: E402
 
 # JAX and the model are imported inside the functions that run in each point's own worker
 # process: the driver only spawns them and gathers their rows, so it never holds a device.
@@ -256,6 +260,33 @@ def step_ready_cache(decoder, token_B, cache):
     from kimi_k3.eval_scoring import align_cache
 
     return align_cache(cache, jax.eval_shape(decoder.step, token_B, cache)[1])
+
+
+def profile_step(decoder, token_B, cache, trace_dir: str, steps: int = 3):
+    """Where a step's device time goes: ``steps`` calls of the compiled step under
+    ``jax.profiler``, each kernel attributed to the model part its instruction's named scope
+    says (benchmarks/trace_parts.py). Returns ({"parts": {part: ms per step}, "kernels":
+    kernels per step, "idle_ms": the device's idle time per step, "top": the five largest
+    kernels (ms, op_name)}, the cache)."""
+    import jax
+
+    call, hlo = decoder.compiled_step(token_B, cache)
+    logits_BxV, cache = call(token_B, cache)  # the first call of the program, untraced
+    jax.block_until_ready(cache)
+    os.makedirs(trace_dir, exist_ok=True)
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(steps):
+        logits_BxV, cache = call(token_B, cache)
+        jax.block_until_ready(cache)
+    jax.profiler.stop_trace()
+    got = trace_parts.attribute(trace_parts.kernel_events(trace_dir),
+                                trace_parts.op_names_from_hlo(hlo), steps)
+    parts = collections.defaultdict(float)
+    for (part, _), ms in got["parts"].items():
+        parts[part] += ms
+    idle = sum(ms for part, (ms, _) in got["idle"].items() if part != "(between steps)")
+    top = [(ms, name[:120]) for (_, name), ms in got["top"][:5]]
+    return {"parts": dict(parts), "kernels": got["kernels"], "idle_ms": idle, "top": top}, cache
 
 
 def run_steps(decoder, token_B, cache, n: int):
@@ -429,6 +460,10 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
                 row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
             if not np.isfinite(np.asarray(logits_BxV)).all():
                 row["detail"] = "non-finite logits"
+            if args.profile_dir and batch == 1:
+                row["profile"], cache = profile_step(
+                    decoder, token_B, cache, os.path.join(
+                        args.profile_dir, f"{variant.replace(':', 'to')}_{context}"))
             del cache, logits_BxV
         except Exception as err:  # XLA raises its own types for OOM; anything else is reported too
             row["status"] = "oom" if lcm.is_oom(err) else "error"
@@ -562,6 +597,31 @@ def format_tables(rows: list[dict], device: str, args) -> str:
                                                      f"({a['batch']} vs {b['batch']} rows)")
             line.append(KIMI_LINEAR_REPORT["largest"] if T == 2**20 else "")
             lines.append("| " + " | ".join(line) + " |")
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        lines += ["", "", profile_table(profiled)]
+    return "\n".join(lines)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """Batch 1's step by model part (``--profile_dir``): device ms per step of each part's
+    kernels, the kernels per step and the device's idle time between them."""
+    parts = [p for p in (*trace_parts.PARTS, *trace_parts.MOE_PARTS, "other")
+             if any(r["profile"]["parts"].get(p) for r in rows)]
+    head = ["context", "variant", "ms per step", "floor ms", "kernels", "idle ms", *parts]
+    lines = ["Batch 1's step by model part (device ms per step; XLA's command buffers off, so "
+             "every kernel is a launch of its own):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        p = r["profile"]
+        lines.append("| " + " | ".join(
+            [f"{r['context']:,}", r["variant"], _num(r.get("ms_per_step")), _num(r.get("floor_ms")),
+             f"{p['kernels']:.0f}", f"{p['idle_ms']:.3f}"]
+            + [f"{p['parts'].get(part, 0.0):.3f}" for part in parts]) + " |")
+    lines += ["", "Largest kernels (ms per step, op_name):", ""]
+    for r in rows:
+        lines += [f"- {r['variant']} at {r['context']:,}: {ms:.3f} ms `{name}`"
+                  for ms, name in r["profile"]["top"]]
     return "\n".join(lines)
 
 
@@ -624,6 +684,10 @@ def parse_args(argv=None):
     p.add_argument("--hbm_gbps", type=float, default=0.0,
                    help="the card's memory bandwidth for the floor, GB/s; 0 = kimi_k3/plan.py's "
                         "figure for the card")
+    p.add_argument("--profile_dir", default="",
+                   help="also profile batch 1's step at each point (traces in this folder; XLA's "
+                        "command buffers are then off, for the timings too): ms by model part, "
+                        "kernels per step, idle time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in_process", action=argparse.BooleanOptionalAction, default=False,
                    help="run every point in this process (peak memory then accumulates)")
@@ -656,6 +720,8 @@ def main(argv=None) -> list[dict]:
     started = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.profile_dir:  # before any backend starts, here and in the workers
+        trace_parts.commands_apart()
     if args.worker:
         print(lcm.DEVICE + lcm.device_name(), flush=True)
         run_point(args, args.variant, args.context, emit=lambda s: print(s, flush=True),

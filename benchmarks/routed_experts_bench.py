@@ -13,6 +13,10 @@ weight 1 / (e + 1)), weights random; x [N, D] bf16, SwiGLU experts of width F. I
                      ``--tiles`` (block_m, block_n, block_k, warps, stages)
     sorted_mosaic    sorted rows through the Hopper Mosaic GPU grouped matmul (GPU sm_90)
     sorted_xla       sorted rows through ``jax.lax.ragged_dot``
+    capacity         the layer's capacity buffers (``moe.capacity_factor``, here
+                     ``--capacity_factor``): each expert's first C = ceil(c N k / E) rows
+                     gathered into [E, C, D], batched einsums, the rest dropped (not dropless:
+                     what a padded layout on the einsums would cost; its check shows the drops)
     ceiling          the same FLOPs as batched einsums over E equal groups of N k / E rows
                      (no routing, no gathers): what a grouped matmul can at best reach
 
@@ -37,10 +41,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
 
 from benchmarks import timing
+from kimi_k3.layers import moe as moe_lib
 from kimi_k3.ops import routed_experts as re_lib
 from pallas_kernels import grouped_matmul as gk
 
-IMPLS = ("blocked", "sorted_mosaic", "sorted_xla", "ceiling")
+IMPLS = ("blocked", "sorted_mosaic", "sorted_xla", "capacity", "ceiling")
 
 
 def inputs(N, E, k, D, F, skew, seed=0):
@@ -56,7 +61,13 @@ def inputs(N, E, k, D, F, skew, seed=0):
     return x, jnp.asarray(ids), w, wi, wo
 
 
-def fn_for(impl: str, tiles: gk.GmmTiles, E: int, k: int):
+def fn_for(impl: str, tiles: gk.GmmTiles, E: int, k: int, capacity_factor: float = 1.25):
+    if impl == "capacity":
+        def capacity(x, ids, w, wi, wo):
+            C = -(-int(capacity_factor * x.shape[0] * k) // E)
+            return moe_lib._with_capacity(x, ids, w, wi.astype(x.dtype), wo.astype(x.dtype),
+                                          P=1, axes=(), capacity=C)[0]
+        return capacity
     if impl == "blocked":
         return lambda x, ids, w, wi, wo: re_lib.routed_blocked(x, ids, w, wi, wo, tiles)
     if impl in ("sorted_mosaic", "sorted_xla"):
@@ -74,9 +85,9 @@ def fn_for(impl: str, tiles: gk.GmmTiles, E: int, k: int):
     return ceiling
 
 
-def bench(impl, tiles, args_, reps, dy):
+def bench(impl, tiles, args_, reps, dy, capacity_factor=1.25):
     E, k = args_[3].shape[0], args_[1].shape[1]
-    fwd = fn_for(impl, tiles, E, k)
+    fwd = fn_for(impl, tiles, E, k, capacity_factor)
 
     def both(x, ids, w, wi, wo):
         out, vjp = jax.vjp(lambda x, w, wi, wo: fwd(x, ids, w, wi, wo), x, w, wi, wo)
@@ -88,8 +99,10 @@ def bench(impl, tiles, args_, reps, dy):
             "fwd_bwd_ms": timing.time_jax(b, *args_, batches=reps).ms}
 
 
-def kernel_rows(x, ids, wi, wo, tiles, reps):
-    """The blocked kernels one by one at these shapes, each against its equal-group einsum."""
+def kernel_rows(x, ids, wi, wo, tiles, reps, which="all", ceilings=None):
+    """The blocked kernels one by one at these shapes (those whose name holds ``which``, or
+    all), each against its equal-group einsum (timed once per shape into ``ceilings``)."""
+    ceilings = {} if ceilings is None else ceilings
     N, D = x.shape
     E, _, _, F = wi.shape
     k = ids.shape[1]
@@ -115,15 +128,20 @@ def kernel_rows(x, ids, wi, wo, tiles, reps):
     }
     rows = []
     for name, (fn, (A_, K_, N_)) in cases.items():
+        if which != "all" and which not in name:
+            continue
         f, _ = timing.compile_jax(jax.jit(fn))
         ms = timing.time_jax(f, batches=reps).ms
-        lhs = jnp.zeros((E, A_ // E, K_), x.dtype) + 0.1
-        rhs = jnp.zeros((E, K_, N_), x.dtype) + 0.1
-        c, _ = timing.compile_jax(jax.jit(lambda l, r: jnp.einsum("eak,ekn->ean", l, r)),
-                                  lhs, rhs)
-        cms = timing.time_jax(c, lhs, rhs, batches=reps).ms
+        if (A_, K_, N_) not in ceilings:
+            lhs = jnp.zeros((E, A_ // E, K_), x.dtype) + 0.1
+            rhs = jnp.zeros((E, K_, N_), x.dtype) + 0.1
+            c, _ = timing.compile_jax(jax.jit(lambda l, r: jnp.einsum("eak,ekn->ean", l, r)),
+                                      lhs, rhs)
+            ceilings[A_, K_, N_] = timing.time_jax(c, lhs, rhs, batches=reps).ms
+        cms = ceilings[A_, K_, N_]
         tf = 2 * A_ * K_ * N_ / ms / 1e9
-        rows.append(f"| {name} | {ms:.3f} | {tf:.0f} | {cms:.3f} | {cms / ms:.2f} |")
+        rows.append(f"| {tile_label(tiles)} | {name} | {ms:.3f} | {tf:.0f} | {cms:.3f} | "
+                    f"{cms / ms:.2f} |")
     return rows
 
 
@@ -139,22 +157,23 @@ def main(argv=None) -> None:
                     help=f"of {','.join(IMPLS)}")
     ap.add_argument("--tiles", action="append", default=None,
                     help="block_m,block_n,block_k,warps,stages for 'blocked' (repeatable)")
+    ap.add_argument("--capacity_factor", type=float, default=1.25,
+                    help="'capacity': buffers of ceil(c N k / E) rows per expert")
     ap.add_argument("--skew", action="store_true", help="experts drawn with weight 1/(e+1)")
-    ap.add_argument("--kernels", action="store_true", help="also time each blocked kernel")
+    ap.add_argument("--kernels", nargs="?", const="all", default="",
+                    help="also time each blocked kernel (or those whose name holds this text, "
+                         "e.g. wgrad), for every --tiles")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU sizes: seconds")
     a = ap.parse_args(argv)
     if a.smoke:
         a.tokens, a.experts, a.top_k, a.d_model, a.expert_dim = "64", 4, 2, 32, 32
-        a.impls, a.reps, a.tiles = "blocked,sorted_xla,ceiling", 1, ["16,32,16,4,1"]
+        a.impls, a.reps, a.tiles = "blocked,sorted_xla,capacity,ceiling", 1, ["16,32,16,4,1"]
     impls = a.impls.split(",")
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         ap.error(f"--impls: {bad} not in {IMPLS}")
-    tile_sets = [gk.GmmTiles(*map(int, t.split(",")), wgrad_block_k=int(t.split(",")[1]),
-                             wgrad_block_n=int(t.split(",")[1]), wgrad_warps=int(t.split(",")[3]),
-                             wgrad_stages=int(t.split(",")[4]))
-                 for t in (a.tiles or ["64,128,64,4,3"])]
+    tile_sets = [parse_tiles(t, ap) for t in (a.tiles or ["64,128,64,4,3"])]
     E, k, D, F = a.experts, a.top_k, a.d_model, a.expert_dim
     print(f"routed experts: E={E} k={k} D={D} F={F} {'skewed' if a.skew else 'uniform'} "
           f"routing, bf16; {jax.devices()[0].device_kind}, JAX {jax.__version__}")
@@ -170,30 +189,52 @@ def main(argv=None) -> None:
         results = []
         for impl, t in runs:
             try:
-                out = np.asarray(jax.jit(fn_for(impl, t or tile_sets[0], E, k))(*args_))
+                out = np.asarray(jax.jit(fn_for(impl, t or tile_sets[0], E, k,
+                                                a.capacity_factor))(*args_))
                 err = (np.abs(out - ref).max() / np.abs(ref).max() if impl != "ceiling"
                        else float("nan"))
-                r = bench(impl, t or tile_sets[0], args_, a.reps, dy)
+                r = bench(impl, t or tile_sets[0], args_, a.reps, dy, a.capacity_factor)
                 results.append((impl, t, err, r))
             except Exception as e:  # one failing variant must not stop the others
                 print(f"| {N} | {impl} | {t} | failed: {type(e).__name__}: "
                       f"{str(e).splitlines()[0][:200]} |", flush=True)
         ceil_ms = next((r["fwd_bwd_ms"] for i, _, _, r in results if i == "ceiling"), None)
         for impl, t, err, r in results:
-            tiles = ("" if t is None else
-                     f"{t.block_m}x{t.block_n}x{t.block_k} w{t.warps} s{t.stages}")
+            tiles = "" if t is None else tile_label(t)
             ratio = f"{ceil_ms / r['fwd_bwd_ms']:.2f}" if ceil_ms else ""
             print(f"| {N} | {impl} | {tiles} | {err:.1e} | {r['compile_s']:.1f} | "
                   f"{r['fwd_ms']:.3f} | {flops / r['fwd_ms'] / 1e9:.0f} | {r['fwd_bwd_ms']:.3f} | "
                   f"{3 * flops / r['fwd_bwd_ms'] / 1e9:.0f} | {ratio} |", flush=True)
         if a.kernels and "blocked" in impls:
-            print(f"\nblocked kernels at N={N} (tiles {tile_sets[0]}):\n")
-            print("| kernel | ms | TF/s | equal-group einsum ms | einsum / kernel |")
-            print("|---|---|---|---|---|")
-            for line in kernel_rows(args_[0], args_[1], args_[3], args_[4], tile_sets[0],
-                                    a.reps):
-                print(line, flush=True)
+            print(f"\nblocked kernels at N={N}:\n")
+            print("| tiles | kernel | ms | TF/s | equal-group einsum ms | einsum / kernel |")
+            print("|---|---|---|---|---|---|")
+            ceilings = {}
+            for t in tile_sets:
+                try:
+                    for line in kernel_rows(args_[0], args_[1], args_[3], args_[4], t, a.reps,
+                                            a.kernels, ceilings):
+                        print(line, flush=True)
+                except Exception as e:  # a tile set that does not fit must not stop the others
+                    print(f"| {tile_label(t)} | failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]} |", flush=True)
             print()
+
+
+def parse_tiles(spec: str, ap) -> gk.GmmTiles:
+    """``bm,bn,bk,warps,stages`` (the weight gradient's tiles alike) or those five then
+    ``wgrad_bk,wgrad_bn,wgrad_warps,wgrad_stages``."""
+    v = [int(s) for s in spec.split(",")]
+    if len(v) == 5:
+        v += [v[1], v[1], v[3], v[4]]
+    if len(v) != 9:
+        ap.error(f"--tiles={spec!r}: give 5 or 9 comma-separated integers")
+    return gk.GmmTiles(*v)
+
+
+def tile_label(t: gk.GmmTiles) -> str:
+    return (f"{t.block_m}x{t.block_n}x{t.block_k} w{t.warps} s{t.stages}; wgrad "
+            f"{t.wgrad_block_k}x{t.wgrad_block_n} w{t.wgrad_warps} s{t.wgrad_stages}")
 
 
 if __name__ == "__main__":

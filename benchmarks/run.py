@@ -105,7 +105,23 @@ def py(script: str, *args: str, **kw) -> Command:
 
 HOPPER = "a Hopper GPU (H100 or H200: the Mosaic GPU kernels need sm_90)"
 H200 = "an H200 (BENCHMARKS.md's card for it: some points or batches need its memory)"
+FP8_CARD = "an H100 (FP8 matrix units: sm_89 or later; BENCHMARKS.md's FP8 card)"
 TRAIN = ("ml-collections", "tensorboardX")
+# The FP8 runs (model.matmul_format="fp8") import Qwix, the quantisation library.
+FP8 = (*TRAIN, "qwix")
+# configs/small.py's shapes for the FP8 loss curves: 8 rows of 2048 tokens, 300 steps, nothing
+# but training (no held-out split, no checkpoints), non-finite steps counted rather than fatal.
+FP8_LOSS_FLAGS = ("--config.data.global_batch_size=8 --config.train.steps=300 "
+                  "--config.opt.warmup_steps=50 --config.train.log_every=10 "
+                  "--config.data.eval_fraction=0.0 --config.checkpoint.enabled=False "
+                  "--config.train.nan_policy=skip --config.train.tensorboard=False")
+# configs/small.py as a mixture (16 experts of 384, top-4, one shared; layer 1 dense) for the
+# bf16-state loss curves: 8 rows in micro-batches of 2 (the gradient sums the bf16 option
+# changes), 300 steps, nothing but training.
+MOE_LOSS_FLAGS = ("--config.model.moe.num_experts=16 --config.model.moe.top_k=4 "
+                  "--config.model.moe.expert_dim=384 --config.model.moe.num_shared=1 "
+                  "--config.model.moe.first_k_dense=1 --config.train.microbatch_size=2 "
+                  + FP8_LOSS_FLAGS)
 NO_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}  # every kernel its own trace event
 # JAX's allocator growing on demand: PyTorch (fla) shares the card in the same process.
 SHARED = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
@@ -153,6 +169,23 @@ REGISTRY: dict[str, Benchmark] = {
             "--config.train.steps=20", "--config.train.log_every=5", "--workdir={work}/run_small",
             "--out={out}/throughput_small.md", timeout_s=300),),
         writes=("throughput_small.md",), wheels=TRAIN),
+    "fp8_train": Benchmark(
+        "FP8 training: configs/1b.py (layers scanned, 8 rows) in bf16 and FP8, then the anchor",
+        (py("benchmarks/train_throughput.py", "--config=configs/1b.py",
+            "--config.model.scan_layers=True", "--config.data.global_batch_size=8",
+            "--config.train.steps=6", "--config.train.log_every=2", "--variant=bf16=",
+            "--variant=fp8=--config.model.matmul_format=fp8", "--anchor={anchor}",
+            "--timeout_s=280", "--workdir={work}/runs", "--out={out}/fp8_1b.md",
+            timeout_s=600),),
+        card=FP8_CARD, writes=("fp8_1b.md",), wheels=FP8, needs_anchor=True),
+    "fp8_loss": Benchmark(
+        "FP8 training: loss at configs/small.py's shapes, FP8 against bf16 and a second seed",
+        (py("benchmarks/loss_curves.py", "--config=configs/small.py", "--work_dir={work}/runs",
+            f"--flags={FP8_LOSS_FLAGS}", "--jobs=3", "--train=bf16=",
+            "--train=bf16_seed1=--config.seed=1", "--train=fp8=--config.model.matmul_format=fp8",
+            "--noise=bf16_seed1", "--timeout_s=420", "--out={out}/fp8_loss.png",
+            "--table={out}/fp8_loss.md", timeout_s=450),),
+        card=FP8_CARD, writes=("fp8_loss.md", "fp8_loss.png"), wheels=FP8),
     "internals_cost": Benchmark(
         "The internals report's cost: configs/small.py's training step against one report",
         (py("benchmarks/internals_cost.py", "--config=configs/small.py",
@@ -220,10 +253,19 @@ REGISTRY: dict[str, Benchmark] = {
     "decode": Benchmark(
         "Decoding: time per output token, all-MLA against 3:1 at the 1B shapes, 8K to 1M",
         (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B,
-            "--contexts=8192,131072,1048576", "--variants=all-MLA,3:1", "--search=jump",
-            "--max_batch=64", "--warmup=2", "--steps=3", "--max_seconds=60",
+            "--contexts=131072,1048576", "--variants=3:1,all-MLA", "--search=jump",
+            "--max_batch=64", "--warmup=2", "--steps=20", "--max_seconds=85",
+            "--grace_seconds=10",
             env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"}),),
-        card=H200, writes=("decode.md", "decode.csv", "decode_ms_per_token.png")),
+        card="an H100 (the card of BENCHMARKS.md's decoding table)",
+        writes=("decode.md", "decode.csv", "decode_ms_per_token.png")),
+    "decode_profile": Benchmark(
+        "Decoding: batch 1's step at 131K by model part (kernels, idle time), 3:1 and all-MLA",
+        (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B, "--contexts=131072",
+            "--variants=3:1,all-MLA", "--max_batch=1", "--warmup=2", "--steps=10",
+            "--max_seconds=90", "--profile_dir={work}/traces",
+            env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"}),),
+        writes=("decode.md", "decode.csv")),
     "attention": Benchmark(
         "Attention at configs/1b.py's MLA shapes: one document per row, then packed documents",
         (py("benchmarks/attention_bench.py", "--batch=4", "--doc_len=100000",
@@ -252,17 +294,35 @@ REGISTRY: dict[str, Benchmark] = {
         (py("benchmarks/attn_res_bench.py", "--variants=model,fused", timeout_s=300,
             stdout="attn_res_bench.md"),),
         writes=("attn_res_bench.md",)),
-    "moe_layer": Benchmark(
-        "Mixture of experts: configs/moe_1b.py's MoE layer, grouped against one-hot and dense",
-        (py("benchmarks/moe_bench.py", "--out_dir={out}", "--mode=layer", "--budget_s=380",
-            "--layer_timeout_s=90", "--variants=mosaic_gpu,onehot,dense,capacity", timeout_s=420),),
-        card=HOPPER, writes=("moe_bench.md", "moe_bench.csv", "moe_bench.log")),
+    "routed_experts": Benchmark(
+        "Mixture of experts: the routed experts of one moe_1b row, blocked kernels against the "
+        "equal-group einsum ceiling",
+        (py("benchmarks/routed_experts_bench.py", "--tokens=4096", "--tiles=64,128,64,4,3",
+            "--impls=blocked,sorted_mosaic,capacity,ceiling", "--kernels", timeout_s=240,
+            stdout="routed_experts.md"),),
+        card=HOPPER, writes=("routed_experts.md",)),
     "moe_train": Benchmark(
-        "Mixture of experts: the training step of configs/moe_1b.py against configs/1b.py",
-        (py("benchmarks/moe_bench.py", "--out_dir={out}", "--mode=train",
-            "--train_runs=dense,moe", "--steps=3", "--budget_s=410", "--train_timeout_s=400",
-            timeout_s=450),),
-        card=H200, writes=("moe_bench.md", "moe_bench.csv", "moe_bench.log"), wheels=TRAIN),
+        "Mixture of experts: the training step of configs/moe_1b.py as written, profiled, then "
+        "configs/1b.py's",
+        tuple(py("benchmarks/step_profile.py", f"--config=configs/{name}.py", "--steps=2",
+                 "--trace_steps=1", f"--trace_dir={{work}}/trace_{name}",
+                 f"--out={{out}}/profile_{name}.md", f"--ops_out={{out}}/ops_{name}.csv",
+                 timeout_s=330, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"})
+              for name in ("moe_1b", "1b")),
+        card="an H100 (the 80 GB card moe_1b must fit)",
+        writes=("profile_moe_1b.md", "profile_1b.md", "ops_moe_1b.csv", "ops_1b.csv"),
+        wheels=TRAIN),
+    "moe_state_loss": Benchmark(
+        "Mixture of experts: loss with bf16 moments and gradient sums against float32 state, "
+        "configs/small.py with 16 experts",
+        (py("benchmarks/loss_curves.py", "--config=configs/small.py", "--work_dir={work}/runs",
+            f"--flags={MOE_LOSS_FLAGS}", "--jobs=3", "--train=f32=",
+            "--train=f32_seed1=--config.seed=1",
+            "--train=bf16_state=--config.opt.moments_dtype=bfloat16 "
+            "--config.train.grad_accum_dtype=bfloat16",
+            "--noise=f32_seed1", "--timeout_s=420", "--out={out}/moe_state_loss.png",
+            "--table={out}/moe_state_loss.md", timeout_s=450),),
+        writes=("moe_state_loss.md", "moe_state_loss.png"), wheels=TRAIN),
     "grouped_matmul": Benchmark(
         "The grouped matmul alone: Mosaic GPU against an equal-group einsum",
         (py("benchmarks/grouped_matmul_bench.py", "--impls=mosaic_gpu,einsum", timeout_s=240,
@@ -296,8 +356,9 @@ GROUPS = {
     "train": ("train_1b", "train_small", "dense_anchor", "step_profile", "micro_batch_order",
               "plan_check"),
     "long_context": ("long_context_3to1", "long_context_mla", "long_context_kda"),
-    "moe": ("moe_layer", "moe_train", "grouped_matmul"),
+    "moe": ("routed_experts", "moe_train", "moe_state_loss"),
     "kernels": ("attention", "cache_attention", "short_conv", "swiglu", "attn_res"),
+    "fp8": ("fp8_train", "fp8_loss"),
 }
 
 

@@ -14,8 +14,11 @@ kernel in the trace is matched to the HLO instruction that launched it, and that
                                                        with kda.gate_in_kernel, the decay gate)
     mla_proj, mla_attention, mla_out                   the Gated MLA layer's
     mlp, norm, attn_res, embed, head, loss, optimizer  the rest of the model and the update
-    moe, expert_bias                                   a mixture of experts (its shared expert
-                                                       included) and its bias update
+    moe_router, moe_dispatch, moe_experts,             a mixture of experts' routing, blocked
+    moe_combine, moe_shared                            layout, expert kernels (with their
+                                                       SwiGLU), gather-and-sum, shared expert
+    moe, expert_bias                                   the rest of the mixture (other expert
+                                                       paths) and its bias update
     other                                              whatever carries no label (copies, scan
                                                        plumbing, layout changes)
 
@@ -29,13 +32,8 @@ Perfetto / TensorBoard.
 
 from __future__ import annotations
 
-import collections
 import csv
-import glob
-import gzip
-import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -46,7 +44,16 @@ from ml_collections import config_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
 
-from benchmarks import timing
+from benchmarks import timing, trace_parts
+from benchmarks.trace_parts import (
+    MOE_PARTS,
+    PARTS,
+    PHASES,
+    attribute,
+    kernel_events,
+    op_names_from_hlo,
+    part_and_phase,
+)
 from kimi_k3 import data as data_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
@@ -61,108 +68,6 @@ flags.DEFINE_string("trace_dir", "", "Where the profiler trace goes; default a t
 flags.DEFINE_string("out", "", "Markdown file for the table (also printed).")
 flags.DEFINE_string("ops_out", "", "CSV of every kernel: ms per step, HLO op, part, phase, op_name.")
 FLAGS = flags.FLAGS
-
-PARTS = ("kda_proj", "kda_conv", "kda_gate", "kda_core", "kda_out", "mla_proj", "mla_attention",
-         "mla_out", "mlp", "moe", "norm", "attn_res", "embed", "head", "loss", "optimizer",
-         "expert_bias")
-PHASES = ("forward", "recompute", "backward")
-_PART = re.compile(r"(?<![\w])(" + "|".join(PARTS) + r")(?![\w])")
-
-
-# ---------------------------------------------------------------------------------------------
-# HLO instruction -> (part, phase)
-# ---------------------------------------------------------------------------------------------
-
-
-def part_and_phase(op_name: str) -> tuple[str, str]:
-    """The outermost named-scope label in ``op_name`` (so a norm inside ``kda_out`` counts as
-    kda_out) and the phase the name stack says."""
-    m = _PART.search(op_name)  # the first (outermost) label, inside transform wrappers too
-    part = m.group(1) if m else "other"
-    if "rematted_computation" in op_name:
-        phase = "recompute"
-    elif "transpose(" in op_name:
-        phase = "backward"
-    else:
-        phase = "forward"
-    return part, phase
-
-
-_INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = ")
-_COMP = re.compile(r"^%?([\w.\-]+) \(.*\) -> .* \{$")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-
-
-def op_names_from_hlo(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> op_name for every instruction of a compiled module's text; a fusion
-    without metadata of its own takes its fused computation's root's."""
-    own, calls, roots = {}, {}, {}
-    comp = None
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line.strip())
-        if m:
-            comp = m.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        is_root, name = m.groups()
-        op_name, called = _OP_NAME.search(line), _CALLS.search(line)
-        if op_name:
-            own[name] = op_name.group(1)
-            if is_root and comp:
-                roots[comp] = op_name.group(1)
-        if called:
-            calls[name] = called.group(1)
-    out = dict(own)
-    for name, called in calls.items():
-        if name not in out and called in roots:
-            out[name] = roots[called]
-    return out
-
-
-def kernel_times(trace_dir: str) -> list[tuple[str, float]]:
-    """(hlo_op, microseconds) of every device-side event of the newest trace in ``trace_dir``
-    (on CPU, where there is no device timeline, the host's XLA thunks)."""
-    return [(op, dur) for op, _, dur in kernel_events(trace_dir)]
-
-
-def idle_before(events: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
-    """(hlo_op, microseconds) for each kernel that started after the device had gone idle:
-    the time from the end of everything before it (a running maximum, so kernels that overlap
-    on several streams leave no false gap) to its start. ``events``: (hlo_op, start, duration)
-    in microseconds, any order. The first kernel has none."""
-    out, end = [], None
-    for op, ts, dur in sorted(events, key=lambda e: e[1]):
-        if end is not None and ts > end:
-            out.append((op, ts - end))
-        end = ts + dur if end is None else max(end, ts + dur)
-    return out
-
-
-def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(hlo_op, start, duration), microseconds, of every device-side event of the newest trace
-    in ``trace_dir`` (on CPU, the host's XLA thunks)."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
-    if not files:
-        raise FileNotFoundError(f"--trace_dir: no *.trace.json.gz under {trace_dir!r}")
-    with gzip.open(files[-1]) as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    # libtpu, when installed, adds a "/device:CUSTOM:..." track of its own even on a CPU: not
-    # a device this step ran on.
-    device_pids = {p for p, n in names.items() if "/device:" in n and "CUSTOM" not in n}
-    out = []
-    for e in events:
-        if e.get("ph") != "X" or "hlo_op" not in e.get("args", {}):
-            continue
-        if device_pids and e["pid"] not in device_pids:
-            continue
-        out.append((e["args"]["hlo_op"], float(e["ts"]), float(e["dur"])))
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # The run
@@ -213,25 +118,7 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     for _ in range(trace_steps):
         jax.block_until_ready(one_step())
     jax.profiler.stop_trace()
-    op_names = op_names_from_hlo(hlo)
-    per = collections.defaultdict(float)
-    per_op = collections.defaultdict(float)
-    events = kernel_events(trace_dir)
-    for hlo_op, _, us in events:
-        part, phase = part_and_phase(op_names.get(hlo_op, ""))
-        per[(part, phase)] += us / trace_steps / 1e3
-        per_op[(hlo_op, op_names.get(hlo_op, "?"))] += us / trace_steps / 1e3
-    # Idle device time, by the part whose kernel came next (the one the device waited for);
-    # waits longer than a millisecond are the host between traced steps, counted apart.
-    idle = collections.defaultdict(lambda: [0.0, 0])
-    for hlo_op, us in idle_before(events):
-        part = "(between steps)" if us > 1e3 else part_and_phase(op_names.get(hlo_op, ""))[0]
-        idle[part][0] += us / trace_steps / 1e3
-        idle[part][1] += 1
-    result["idle"] = {part: (ms, n / trace_steps) for part, (ms, n) in idle.items()}
-    result["parts"] = dict(per)
-    result["ops"] = sorted(per_op.items(), key=lambda kv: -kv[1])
-    result["top"] = result["ops"][:25]
+    result.update(attribute(kernel_events(trace_dir), op_names_from_hlo(hlo), trace_steps))
     return result
 
 
@@ -251,7 +138,7 @@ def format_table(r: dict, title: str) -> str:
     lines += ["| part | forward ms | recompute ms | backward ms | total ms | share of step |",
               "|---|---|---|---|---|---|"]
     kernel_total = 0.0
-    for part in (*PARTS, "other"):
+    for part in (*PARTS, *MOE_PARTS, "other"):
         row = [r["parts"].get((part, ph), 0.0) for ph in PHASES]
         total = sum(row)
         kernel_total += total
@@ -274,6 +161,7 @@ def format_table(r: dict, title: str) -> str:
 
 def main(argv):
     del argv
+    trace_parts.commands_apart()
     config = FLAGS.config
     config.checkpoint.enabled = False
     trace_dir = FLAGS.trace_dir or os.path.join("/tmp", f"step_profile_{os.getpid()}")

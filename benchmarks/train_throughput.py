@@ -9,13 +9,35 @@ held-out evaluation and without checkpoints, on a fresh ``--workdir``. The first
 the remaining log windows of tokens/s, seconds per step and MFU (model FLOPs per token from
 ``kimi_k3.model.flops_per_token`` against the device's dense bf16 peak), with the command, the
 device, the shapes and the JAX version, and is written to ``--out`` and printed.
+
+Several runs of one config in one call, side by side (``--variant``, repeatable), and the
+dense same-card anchor (``--anchor``, a script you supply) after them:
+
+    python benchmarks/train_throughput.py --config=configs/1b.py --workdir=/tmp/fp8 \\
+        --config.data.global_batch_size=8 --config.train.steps=6 --config.train.log_every=2 \\
+        --variant=bf16= --variant=fp8=--config.model.matmul_format=fp8 \\
+        --anchor=PATH/TO/dense_anchor.py --out=/tmp/fp8/fp8_1b.md
+    python benchmarks/train_throughput.py --smoke --workdir=/tmp/fp8_smoke   # CPU, tiny
+
+Each variant (``LABEL=FLAGS``, FLAGS: ``--config.*`` overrides separated by spaces) runs this
+script in a process of its own, one after another (its own compile, its own device memory),
+with the command line's ``--config`` flags and then its own; the anchor runs last, as
+``python ANCHOR --anchor_args``, and its printed line is read. The table has a row per run with
+tokens/s, its ratio to the first variant's, s/step, MFU and peak memory. MFU counts the same
+model FLOPs whatever ``model.matmul_format``: an FP8 run's MFU is on bf16-equivalent FLOPs,
+against the bf16 peak. ``--smoke``: configs/tiny.py at test size on the CPU, the variants bf16
+and fp8 unless given; the figures mean nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 from absl import app, flags
@@ -26,44 +48,214 @@ from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import train_lib
 from kimi_k3.model import count_params, flops_per_token
 
+REPO = Path(__file__).resolve().parents[1]
+
 config_flags.DEFINE_config_file("config", "configs/small.py", "Config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "A fresh run folder (an existing checkpoint would resume).")
 flags.DEFINE_string("out", "", "Markdown file for the table; default <workdir>/throughput.md.")
+flags.DEFINE_multi_string("variant", [], "LABEL=FLAGS: a run of the config with FLAGS "
+                          "(--config.* overrides separated by spaces; may be empty), each in a "
+                          "process of its own; the first is the others' baseline.")
+flags.DEFINE_string("anchor", "", "The dense same-card anchor script, run after the variants.")
+flags.DEFINE_string("anchor_args", "--remat dots --batch 8", "The anchor's arguments.")
+flags.DEFINE_bool("smoke", False, "CPU: configs/tiny.py at test size, 3 steps; the variants "
+                  "bf16 and fp8 unless given.")
+flags.DEFINE_integer("timeout_s", 600, "Seconds each run of --variant or --anchor may take.")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
+# --smoke: configs/tiny.py shrunk as the tests shrink it (tests/helpers.py's TINY).
+SMOKE_CONFIG = ["--config=configs/tiny.py", "--config.model.num_layers=2",
+                "--config.model.kda_per_mla=1", "--config.model.kda.impl=recurrent",
+                "--config.data.seq_len=32", "--config.data.global_batch_size=4",
+                "--config.data.eval_fraction=0.0", "--config.opt.schedule=constant",
+                "--config.opt.warmup_steps=2", "--config.train.log_every=1",
+                "--config.train.progress_bar=False", "--config.train.tensorboard=False",
+                "--config.train.steps=3"]
+SMOKE_VARIANTS = ["bf16=", "fp8=--config.model.matmul_format=fp8"]
+# The anchor's line: "... 60,177 tokens/s, 0.545 s/step, MFU 46.1%, peak 58.4 GiB, loss 0.128"
+ANCHOR_LINE = re.compile(r"([\d,.]+) tokens/s, ([\d.]+) s/step, MFU ([\d.]+)%, peak ([\d.]+) GiB"
+                         r"(?:, loss ([\d.naif]+))?")
 
-def summarise(config, workdir: str, command: str) -> str:
-    """The Markdown table from ``<workdir>/metrics.jsonl``."""
+
+def measure(config, workdir: str) -> dict:
+    """One run's figures from ``<workdir>/metrics.jsonl`` and the device."""
     summary = metrics_lib.throughput_summary(os.path.join(workdir, "metrics.jsonl"))
-    mfu = summary["mfu"]
-    mfu = f"{100 * mfu:.1f}%" if mfu is not None else "n/a (unknown peak)"
     peak = metrics_lib.peak_memory_bytes()
-    peak = "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
     dc, m = config.data, config.model
-    n = jax.device_count()
+    return {
+        "config": os.path.basename(str(FLAGS["config"].config_filename)),
+        "params": count_params(m), "batch": dc.global_batch_size, "seq": dc.seq_len,
+        "flops_per_token": flops_per_token(m, dc.seq_len),
+        "matmul_format": m.get("matmul_format", "bf16"),
+        "windows": summary["windows"], "log_every": config.train.log_every,
+        "tokens_per_s": summary["tokens_per_s"], "step_s": summary["step_time_s"],
+        "mfu": summary["mfu"], "peak_gib": None if peak is None else peak / 2**30,
+        "final_loss": summary["final_loss"],
+        "device": (f"{jax.device_count()} x {jax.devices()[0].device_kind} "
+                   f"({jax.process_count()} process(es)), JAX {jax.__version__}; mesh "
+                   f"data={config.mesh.data}, fsdp={config.mesh.fsdp}, tensor={config.mesh.tensor}; "
+                   f"compute {m.dtype}, parameters {m.param_dtype}"),
+    }
+
+
+def _pct(v) -> str:
+    return "n/a (unknown peak)" if v is None else f"{100 * v:.1f}%"
+
+
+def summarise(row: dict, command: str) -> str:
+    """The Markdown table of one run."""
+    peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.1f} GiB"
+    fmt = (", FP8 projections (MFU on bf16-equivalent FLOPs)" if row["matmul_format"] == "fp8"
+           else "")
     lines = [
         f"Command: `python {command}`",
         "",
-        f"Device: {n} x {jax.devices()[0].device_kind} ({jax.process_count()} process(es)), "
-        f"JAX {jax.__version__}; mesh data={config.mesh.data}, fsdp={config.mesh.fsdp}, "
-        f"tensor={config.mesh.tensor}; compute {m.dtype}, parameters {m.param_dtype}",
+        f"Device: {row['device']}{fmt}",
         "",
         "| config | params | batch x seq | FLOPs/token | steps timed | tokens/s | s/step | MFU "
         "| peak memory / device | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        f"| {os.path.basename(str(FLAGS['config'].config_filename))} | "
-        f"{count_params(m) / 1e6:.1f}M | {dc.global_batch_size} x {dc.seq_len} | "
-        f"{flops_per_token(m, dc.seq_len):.3g} | {summary['windows']} windows of "
-        f"{config.train.log_every} | {summary['tokens_per_s']:,.0f} | "
-        f"{summary['step_time_s']:.3f} | {mfu} | {peak} | {summary['final_loss']:.3f} |",
+        f"| {row['config']} | {row['params'] / 1e6:.1f}M | {row['batch']} x {row['seq']} | "
+        f"{row['flops_per_token']:.3g} | {row['windows']} windows of {row['log_every']} | "
+        f"{row['tokens_per_s']:,.0f} | {row['step_s']:.3f} | {_pct(row['mfu'])} | {peak} | "
+        f"{row['final_loss']:.3f} |",
     ]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Several runs side by side: each in a process of its own
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """"LABEL=FLAGS" -> (label, flags); every flag must be a --config.* override."""
+    label, sep, rest = text.partition("=")
+    extra = shlex.split(rest)
+    if not sep or not re.fullmatch(r"[\w.-]+", label):
+        raise app.UsageError(f"--variant: {text!r} is not LABEL=FLAGS (a label of letters, "
+                             "digits, '.', '_' or '-')")
+    bad = [f for f in extra if not f.startswith("--config.")]
+    if bad:
+        raise app.UsageError(f"--variant {label}: {bad} are not --config.* overrides")
+    return label, extra
+
+
+def config_args(argv: list[str]) -> list[str]:
+    """The command line's ``--config=FILE`` and ``--config.*`` overrides, in order."""
+    return [a for a in argv if a.startswith(("--config=", "--config."))]
+
+
+def _run(cmd: list[str], log: Path, timeout_s: float, env: dict) -> str:
+    """Runs ``cmd`` (output to ``log``); "ok", or how it ended."""
+    with open(log, "w") as out:
+        try:
+            p = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                               timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"stopped at its limit of {timeout_s:.0f} s"
+    if p.returncode == 0:
+        return "ok"
+    tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return f"exit {p.returncode}: {tail[-1].strip()[:160] if tail else 'no output'}"
+
+
+def run_variants(variants, common: list[str], workdir: Path, timeout_s: float, env,
+                 done=lambda rows: None) -> list[dict]:
+    """Each variant in turn; ``done(rows)`` after each (the table so far is written then)."""
+    rows = []
+    for label, extra in variants:
+        wd, out = workdir / label, workdir / f"{label}.md"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *common, *extra,
+               f"--workdir={wd}", f"--out={out}"]
+        print(f"[train_throughput] {label}: {shlex.join(cmd[1:])}", flush=True)
+        status = _run(cmd, workdir / f"{label}.log", timeout_s, env)
+        result = out.with_suffix(".json")
+        row = json.loads(result.read_text()) if status == "ok" and result.exists() else {}
+        rows.append({**row, "label": label, "flags": " ".join(extra), "status": status})
+        print(f"[train_throughput] {label}: {status}", flush=True)
+        done(rows)
+    return rows
+
+
+def run_anchor(anchor: str, args: str, workdir: Path, timeout_s: float, env) -> dict:
+    cmd = [sys.executable, anchor, *shlex.split(args)]
+    print(f"[train_throughput] anchor: {shlex.join(cmd[1:])}", flush=True)
+    log = workdir / "anchor.log"
+    status = _run(cmd, log, timeout_s, env)
+    row = {"label": "dense anchor", "flags": f"{os.path.basename(anchor)} {args}".strip(),
+           "status": status}
+    found = ANCHOR_LINE.findall(log.read_text(errors="replace")) if log.exists() else []
+    if found:
+        tps, step, mfu, peak, loss = found[-1]
+        row.update(tokens_per_s=float(tps.replace(",", "")), step_s=float(step),
+                   mfu=float(mfu) / 100, peak_gib=float(peak),
+                   final_loss=float(loss) if loss else None)
+    elif status == "ok":
+        row["status"] = "no 'tokens/s, s/step, MFU, peak' line in its output"
+    return row
+
+
+def comparison(rows: list[dict], command: str) -> str:
+    """One table: a row per run, tokens/s against the first variant's."""
+    base = rows[0].get("tokens_per_s") if rows else None
+    device = next((r["device"] for r in rows if r.get("device")), "unknown (no run finished)")
+    f = lambda v, spec: "" if v is None else format(v, spec)
+    lines = [f"Command: `python {command}`", "", f"Device: {device}. Each run in its own process, "
+             "one after another. MFU: model FLOPs per token (kimi_k3.model.flops_per_token, the "
+             "same for bf16 and FP8 products: bf16-equivalent FLOPs) x tokens/s over the dense "
+             "bf16 peak; the anchor's as its script prints it.", "",
+             f"| run | flags | batch x seq | steps timed | tokens/s | x {rows[0]['label']} | "
+             "s/step | MFU (bf16-equivalent) | peak memory / device | final loss | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        ratio = f"{tps / base:.2f}x" if tps and base else ""
+        shape = f"{r['batch']} x {r['seq']}" if "batch" in r else ""
+        timed = f"{r['windows']} windows of {r['log_every']}" if "windows" in r else ""
+        mfu = "" if "tokens_per_s" not in r else _pct(r.get("mfu"))
+        lines.append(f"| {r['label']} | `{r['flags']}` | {shape} | {timed} | {f(tps, ',.0f')} | "
+                     f"{ratio} | {f(r.get('step_s'), '.3f')} | {mfu} | "
+                     f"{f(r.get('peak_gib'), '.1f')}{' GiB' if r.get('peak_gib') else ''} | "
+                     f"{f(r.get('final_loss'), '.3f')} | {r['status']} |")
+    return "\n".join(lines) + "\n"
+
+
+def compare(argv: list[str], workdir: Path, out: Path) -> str:
+    """The --variant / --anchor mode: the runs in subprocesses, their table written to ``out``
+    after each (a call stopped midway keeps the rows it has)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    common = config_args(argv[1:])
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    variants = list(FLAGS.variant)
+    if FLAGS.smoke:
+        common = SMOKE_CONFIG + [a for a in common if not a.startswith("--config=")]
+        variants = variants or SMOKE_VARIANTS
+        env["JAX_PLATFORMS"] = "cpu"
+    command = " ".join(shlex.quote(a) for a in argv)
+    write = lambda rows: out.write_text(comparison(rows, command)) if rows else None
+    rows = run_variants([parse_variant(v) for v in variants], common, workdir, FLAGS.timeout_s,
+                        env, write) if variants else []
+    if FLAGS.anchor:
+        rows.append(run_anchor(FLAGS.anchor, FLAGS.anchor_args, workdir, FLAGS.timeout_s, env))
+        write(rows)
+    return comparison(rows, command) if rows else "no runs: give --variant or --anchor\n"
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.anchor and not os.path.isfile(FLAGS.anchor):
+        raise app.UsageError(f"--anchor: no file {FLAGS.anchor!r}")
+    if FLAGS.variant or FLAGS.anchor or FLAGS.smoke:
+        # Nothing here touches a device: it is the subprocesses'.
+        out = Path(FLAGS.out or os.path.join(FLAGS.workdir, "throughput.md"))
+        table = compare(sys.argv, Path(FLAGS.workdir), out)
+        out.write_text(table)
+        print(table)
+        return
     mesh_lib.initialize_distributed()
     config = FLAGS.config
     config.data.eval_fraction = 0.0  # no held-out split: nothing but training is timed
@@ -74,10 +266,13 @@ def main(argv):
         raise app.UsageError(f"--workdir {FLAGS.workdir!r} already holds a run; use a fresh one")
     train_lib.train(config, FLAGS.workdir)
     if jax.process_index() == 0:
-        table = summarise(config, FLAGS.workdir, " ".join(shlex.quote(a) for a in sys.argv))
+        row = measure(config, FLAGS.workdir)
+        table = summarise(row, " ".join(shlex.quote(a) for a in sys.argv))
         out = FLAGS.out or os.path.join(FLAGS.workdir, "throughput.md")
         with open(out, "w") as f:
             f.write(table)
+        with open(os.path.splitext(out)[0] + ".json", "w") as f:
+            json.dump(row, f)
         print(table)
 
 

@@ -201,6 +201,12 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.norm_eps = 1e-6
     cfg.dtype = "float32"  # compute dtype: "float32" | "bfloat16" | "float16"
     cfg.param_dtype = "float32"  # parameter storage dtype
+    # The linear projections' products (KDA's q/k/v/o, MLA's, the SwiGLUs', the experts'):
+    # "bf16" (in dtype) | "fp8" (e4m3 operands forward, e5m2 gradients backward, one scale per
+    # tensor from its current maximum: layers/dense.py). Attention, the KDA op and its low-rank
+    # gate projections, norms, the router and the output head stay in dtype / float32. "fp8"
+    # runs on a GPU with FP8 matrix units (sm_89+: Ada, Hopper) and on the CPU (for tests).
+    cfg.matmul_format = "bf16"
     cfg.remat = "none"  # "none" | "full" | "dots" | "dots_kernels": what each scanned unit
     # keeps for its backward pass (the rest is recomputed; see REMAT_POLICIES)
     cfg.scan_layers = True  # scan over the repeating unit of the pattern
@@ -415,6 +421,12 @@ class ModelSpec:
     scan_layers: bool
     attn_res_impl: str = "xla"  # "xla" | "pallas" (resolved)
     mlp_impl: str = "xla"  # the dense SwiGLU's backward: "xla" | "pallas" (resolved)
+    matmul_format: str = "bf16"  # the projections' products: "bf16" | "fp8" (checked here)
+
+    @property
+    def fp8(self) -> bool:
+        """The projections multiply in FP8 (``matmul_format == "fp8"``)."""
+        return self.matmul_format == "fp8"
 
     @property
     def compute_dtype(self):
@@ -767,7 +779,30 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
         remat=f.choice("remat", REMAT_POLICIES), scan_layers=scan_layers,
         attn_res_impl=dispatch.choose_attn_res_impl(
             f.choice("attn_res_impl", dispatch.ATTN_RES_IMPLS), backend),
-        mlp_impl=dispatch.choose_mlp_impl(f.choice("mlp_impl", dispatch.MLP_IMPLS), backend))
+        mlp_impl=dispatch.choose_mlp_impl(f.choice("mlp_impl", dispatch.MLP_IMPLS), backend),
+        matmul_format=_matmul_format(cfg, moe, backend))
+
+
+def _matmul_format(cfg, moe: MoeSpec | None, backend: str | None) -> str:
+    """``config.model.matmul_format`` checked: "fp8" only where its products run
+    (``dispatch.fp8_error``) and, with experts, on the expert forms that have them."""
+    if "matmul_format" not in cfg:  # a model section written before FP8 existed
+        return "bf16"
+    f = _Fields(cfg, "config.model.")
+    fmt = f.choice("matmul_format", dispatch.MATMUL_FORMATS)
+    if fmt != "fp8":
+        return fmt
+    why = dispatch.fp8_error(backend)
+    if why is not None:
+        f.fail("matmul_format", fmt, f"cannot run here: {why}; allowed here: 'bf16'")
+    if moe is not None and moe.capacity_factor == 0 and moe.expert_matmul != "dense":
+        raise ConfigError(
+            f"config.model.moe.expert_matmul: {moe.expert_matmul!r} cannot run with "
+            f"config.model.matmul_format='fp8': FP8 experts run in the 'dense' form or on "
+            f"capacity buffers (config.model.moe.capacity_factor > 0); the grouped forms "
+            f"('ragged', 'mosaic_gpu', 'blocked', which 'auto' picks) multiply in the compute "
+            f"dtype only; allowed: 'dense', or a capacity factor, or matmul_format 'bf16'")
+    return fmt
 
 
 def data_spec(cfg) -> DataSpec:

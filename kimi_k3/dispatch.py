@@ -29,11 +29,16 @@ decoding: q_offset != 0 or S != T).
 Attention against a cache (``kimi_k3.layers.attention.cache_attention``, MLA's prefill and
 decoding), where each block of keys also returns its log-sum-exp: "auto" is cuDNN on GPU in
 bf16/fp16, splash on TPU when the piece is a multiple of 128 tokens, "xla" otherwise.
+
+The projections' number format (``model.matmul_format``, ``layers/dense.py``): "bf16" (the
+compute dtype) everywhere; "fp8" where :func:`fp8_error` finds none: a GPU with FP8 matrix
+units, or the CPU (for tests). There is no "auto": FP8 is asked for by name.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 
 import jax
@@ -47,6 +52,7 @@ CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions
 ATTN_RES_IMPLS = ("auto", "xla", "pallas")  # an Attention Residual read and its norm
 MLP_IMPLS = ("auto", "xla", "pallas")  # the dense SwiGLU's activation backward
 DECODE_ATTN_IMPLS = ("auto", "xla", "pallas")  # MLA decoding over the latent cache
+MATMUL_FORMATS = ("bf16", "fp8")  # the projections' products (model.matmul_format)
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX):
 # the GPU (Triton and, on Hopper, Mosaic GPU kernels) and the TPU (the same kernel source
@@ -63,11 +69,47 @@ def _report(op: str, requested: str, chosen: str, why: str) -> None:
     logging.info("%s: impl=%r -> %r (%s)", op, requested, chosen, why)
 
 
+def _chosen(op: str, requested: str, chosen: str, why: str) -> str:
+    """``chosen``, reported (``_report``): every choose_* function returns through here."""
+    _report(op, requested, chosen, why)
+    return chosen
+
+
+def _check_choice(requested: str, choices: tuple[str, ...], what: str) -> None:
+    """The first step of every choose_* function: ``requested`` must be one of ``choices``;
+    the error names ``what`` (e.g. "kda: impl")."""
+    if requested not in choices:
+        raise ValueError(f"{what} must be one of {choices}, got {requested!r}")
+
+
+def _half(dtype) -> bool:
+    """A half-precision compute dtype (bf16 / fp16): what the GPU's matrix-unit kernels take."""
+    return str(dtype) in ("bfloat16", "float16")
+
+
 def kda_kernel_error(backend: str) -> str | None:
     """None when the Pallas KDA kernel can run on ``backend`` with the installed JAX (compiled
     on "gpu" / "tpu", interpreted on "cpu"), else why not (one line)."""
     family = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(backend)
     return device.probe(backend).why_not(family) if family else None
+
+
+def fp8_error(backend: str | None = None) -> str | None:
+    """None when FP8 products (``model.matmul_format="fp8"``) run on ``backend`` (default: the
+    target platform), else why not (one line). A GPU needs FP8 matrix units (``device.probe``:
+    CUDA, sm_89 or later); the CPU runs them with XLA converting the FP8 operands (the same
+    numbers, without the speed: for tests); TPUs are refused (the path is built and tested for
+    NVIDIA's FP8 GEMMs; TPUs before v7 have no FP8 matrix units). Qwix, the quantisation
+    library, must be installed."""
+    if importlib.util.find_spec("qwix") is None:
+        return "Qwix, its quantisation library, is not installed (pip install 'kimi_k3[fp8]')"
+    backend = backend or device.target_platform()
+    if backend == "cpu":
+        return None
+    if backend == "tpu":
+        return ("FP8 products are built for NVIDIA GPUs with FP8 matrix units (sm_89+) and run "
+                "on the CPU for tests; TPUs are not supported")
+    return device.probe(backend).fp8_why_not()
 
 
 def choose_conv_impl(requested: str, backend: str | None = None) -> str:
@@ -98,8 +140,7 @@ def choose_mlp_impl(requested: str, backend: str | None = None) -> str:
 def _kernels_on_the_gpu(requested: str, choices, what: str, backend) -> str:
     """``requested`` checked against ``choices``; "auto" is "pallas" on the GPU when its
     Pallas-Triton kernels compile there (``device.probe``), "xla" elsewhere."""
-    if requested not in choices:
-        raise ValueError(f"{what}: impl must be one of {choices}, got {requested!r}")
+    _check_choice(requested, choices, f"{what}: impl")
     if requested != "auto":
         return requested
     backend = backend or device.target_platform()
@@ -108,28 +149,22 @@ def _kernels_on_the_gpu(requested: str, choices, what: str, backend) -> str:
 
 def choose_kda_impl(requested: str, backend: str | None = None) -> str:
     """The KDA implementation to run for ``requested`` on ``backend`` (default: JAX's)."""
-    if requested not in KDA_IMPLS:
-        raise ValueError(f"kda: impl must be one of {KDA_IMPLS}, got {requested!r}")
+    _check_choice(requested, KDA_IMPLS, "kda: impl")
     backend = backend or device.target_platform()
     if requested == "pallas":
         error = kda_kernel_error(backend)
         if error:
             raise ValueError(f"kda: impl='pallas' cannot run here: {error}; use impl='auto' or "
                              f"'xla'")
-        _report("kda", requested, "pallas", backend)
-        return "pallas"
+        return _chosen("kda", requested, "pallas", backend)
     if requested != "auto":
-        _report("kda", requested, requested, backend)
-        return requested
+        return _chosen("kda", requested, requested, backend)
     if backend in AUTO_PALLAS_BACKENDS:
         error = kda_kernel_error(backend)
         if error is None:
-            _report("kda", requested, "pallas", backend)
-            return "pallas"
-        _report("kda", requested, "xla", f"{backend}: {error}")
-        return "xla"
-    _report("kda", requested, "xla", f"{backend}: the kernel only interprets here")
-    return "xla"
+            return _chosen("kda", requested, "pallas", backend)
+        return _chosen("kda", requested, "xla", f"{backend}: {error}")
+    return _chosen("kda", requested, "xla", f"{backend}: the kernel only interprets here")
 
 
 def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool,
@@ -141,8 +176,7 @@ def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool
     explicit kernel cannot take them.
     """
     mask_bytes = 3 * batch * T * S  # cuDNN's packed-document mask: bool, then a bf16 bias
-    if requested not in ATTN_IMPLS:
-        raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {requested!r}")
+    _check_choice(requested, ATTN_IMPLS, "attention: impl")
     backend = backend or device.target_platform()
     whole = not continues_cache and T == S
     if requested in ("cudnn", "pallas") and not whole:
@@ -152,13 +186,11 @@ def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool
         raise ValueError(f"attention: impl='cudnn' needs a GPU, the backend is {backend!r}; use "
                          f"'auto' or 'xla'")
     if requested != "auto":
-        _report("attention", requested, requested, backend)
-        return requested
-    half = str(dtype) in ("bfloat16", "float16")
+        return _chosen("attention", requested, requested, backend)
     chosen, why = "xla", f"{backend}, {dtype}"
     if not whole:
         why += ", continues a cache"
-    elif backend == "gpu" and half:
+    elif backend == "gpu" and _half(dtype):
         if not packed:
             chosen = "cudnn"
         elif mask_bytes <= CUDNN_MASK_BYTES:
@@ -169,8 +201,7 @@ def choose_attention_impl(requested: str, *, dtype, T: int, S: int, packed: bool
             why += f", packed documents, T={T} not a multiple of 128"
     elif backend == "tpu" and T % 128 == 0:
         chosen = "pallas"
-    _report("attention", requested, chosen, why)
-    return chosen
+    return _chosen("attention", requested, chosen, why)
 
 
 def attention_fallback(requested: str, chosen: str, err: Exception) -> None:
@@ -203,8 +234,7 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
     :func:`cudnn_fused_attention` ("auto" takes "xla" on a GPU without it); "pallas"
     is splash (TPU, or interpreted on CPU) and needs T % 128 == 0; explicit requests run or
     raise."""
-    if requested not in ATTN_IMPLS:
-        raise ValueError(f"attention: impl must be one of {ATTN_IMPLS}, got {requested!r}")
+    _check_choice(requested, ATTN_IMPLS, "attention: impl")
     backend = backend or device.target_platform()
     if requested == "cudnn" and backend != "gpu":
         raise ValueError(f"attention: impl='cudnn' needs a GPU, the backend is {backend!r}; use "
@@ -219,16 +249,13 @@ def choose_cache_attention_impl(requested: str, *, dtype, T: int,
                          f"pieces of a multiple of 128 tokens; got T={T} on {backend!r}; use "
                          f"'auto', 'cudnn' (GPU) or 'xla'")
     if requested != "auto":
-        _report("cache attention", requested, requested, backend)
-        return requested
-    half = str(dtype) in ("bfloat16", "float16")
+        return _chosen("cache attention", requested, requested, backend)
     chosen = "xla"
-    if backend == "gpu" and half and lse_entry:
+    if backend == "gpu" and _half(dtype) and lse_entry:
         chosen = "cudnn"
     elif backend == "tpu" and T % 128 == 0:
         chosen = "pallas"
-    _report("cache attention", requested, chosen, f"{backend}, {dtype}, pieces of {T}")
-    return chosen
+    return _chosen("cache attention", requested, chosen, f"{backend}, {dtype}, pieces of {T}")
 
 
 def blocked_why(backend: str, dims: tuple[int, int] = ()) -> str | None:
@@ -262,8 +289,7 @@ def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, 
     "dense" cannot take)."""
     from kimi_k3.ops.grouped_matmul import mosaic_gpu_fits
 
-    if requested not in EXPERT_MATMULS:
-        raise ValueError(f"moe: expert_matmul must be one of {EXPERT_MATMULS}, got {requested!r}")
+    _check_choice(requested, EXPERT_MATMULS, "moe: expert_matmul")
     backend = backend or device.target_platform()
     if requested == "dense" and tokens_move:
         raise ValueError("moe: expert_matmul='dense' cannot run with all-to-all expert "
@@ -286,16 +312,15 @@ def choose_expert_matmul(requested: str, *, tokens_move: bool, dims: tuple[int, 
         if why is not None:
             raise ValueError(f"moe: expert_matmul='blocked' cannot run here: {why}")
     if requested != "auto":
-        _report("expert matmul", requested, requested, backend)
-        return requested
+        return _chosen("expert matmul", requested, requested, backend)
     if backend == "gpu" and blocked_why(backend, dims) is None:
         chosen = "blocked"
     elif dims and mosaic_why() is None:
         chosen = "mosaic_gpu"
     else:
         chosen = "dense" if backend == "gpu" and not tokens_move else "ragged"
-    _report("expert matmul", requested, chosen, backend + (", all-to-all" if tokens_move else ""))
-    return chosen
+    return _chosen("expert matmul", requested, chosen,
+                   backend + (", all-to-all" if tokens_move else ""))
 
 
 def choose_decode_attention_impl(requested: str, *, dtype, unsupported: str | None,
@@ -309,9 +334,7 @@ def choose_decode_attention_impl(requested: str, *, dtype, unsupported: str | No
     "auto": "pallas" on a GPU with Pallas-Triton for a bf16 / fp16 cache whose shapes the
     kernel takes (its dots run on the matrix units, exact for half-precision entries but not
     for float32 ones), "xla" otherwise. An explicit "pallas" on a GPU it cannot serve raises."""
-    if requested not in DECODE_ATTN_IMPLS:
-        raise ValueError(f"mla: decode_impl must be one of {DECODE_ATTN_IMPLS}, got "
-                         f"{requested!r}")
+    _check_choice(requested, DECODE_ATTN_IMPLS, "mla: decode_impl")
     backend = backend or device.target_platform()
     why = None
     if backend == "gpu":
@@ -320,10 +343,7 @@ def choose_decode_attention_impl(requested: str, *, dtype, unsupported: str | No
         raise ValueError(f"mla: decode_impl='pallas' cannot run here: {why}; use 'auto' or "
                          f"'xla'")
     if requested != "auto":
-        _report("decode attention", requested, requested, backend)
-        return requested
-    half = str(dtype) in ("bfloat16", "float16")
-    chosen = "pallas" if backend == "gpu" and why is None and half else "xla"
-    _report("decode attention", requested, chosen, f"{backend}, {dtype}" + (
+        return _chosen("decode attention", requested, requested, backend)
+    chosen = "pallas" if backend == "gpu" and why is None and _half(dtype) else "xla"
+    return _chosen("decode attention", requested, chosen, f"{backend}, {dtype}" + (
         f": {why}" if why and backend == "gpu" else ""))
-    return chosen

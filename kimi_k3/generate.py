@@ -316,6 +316,15 @@ class Decoder:
         """(logits [B, V] after ``token_B``, the cache after it)."""
         return self._step(self._state, jnp.asarray(token_B, jnp.int32), cache)
 
+    def compiled_step(self, token_B, cache):
+        """``step`` compiled ahead for these shapes: (a function (token_B, cache) -> (logits,
+        cache) that runs this very program, its compiled HLO text), so that a profile's kernels
+        can be matched to the program's instructions by name."""
+        token_B = jnp.asarray(token_B, jnp.int32)
+        program = self._step.lower(self._state, token_B, cache).compile()
+        return (lambda tok, c: program(self._state, jnp.asarray(tok, jnp.int32), c),
+                program.as_text())
+
     def pieces(self, T: int, piece_len: int) -> int:
         """The prefill calls ``prefill`` makes for T tokens."""
         return -(-T // min(piece_len, T))

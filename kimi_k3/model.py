@@ -124,7 +124,9 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     experts); KDA's chunked core, HV * (6 K^2 + 3 C K + C^2) per token (C = chunk size: the
     intra-chunk scores, the WY products and the state pass); causal MLA attention over on
     average (seq_len + 1) / 2 keys, 2 H (dn + ds + dv) per key; and the Attention Residual
-    reads, 4 D per source. Norms, convolutions and elementwise work are left out.
+    reads, 4 D per source. Norms, convolutions and elementwise work are left out. The count is
+    the same whatever ``matmul_format``: an FP8 run's MFU is on these bf16-equivalent FLOPs,
+    against the card's dense bf16 peak.
     """
     spec = model_spec(spec)
     if not (isinstance(seq_len, int) and seq_len > 0):
@@ -201,13 +203,14 @@ class DecoderLayer(nnx.Module):
         norm = dict(eps=spec.norm_eps, dtype=dtype, param_dtype=pdtype)
         self.mixer_norm = RMSNorm(D, **norm)
         mixer_cls, part = MIXERS[kind]
-        self.mixer = mixer_cls(D, getattr(spec, part), rngs=rngs, dtype=dtype, param_dtype=pdtype)
+        self.mixer = mixer_cls(D, getattr(spec, part), rngs=rngs, dtype=dtype, param_dtype=pdtype,
+                               fp8=spec.fp8)
         self.mlp_norm = RMSNorm(D, **norm)
         if experts:
-            self.mlp = MoE(D, spec.moe, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+            self.mlp = MoE(D, spec.moe, rngs=rngs, dtype=dtype, param_dtype=pdtype, fp8=spec.fp8)
         else:
             self.mlp = SwiGLU(D, spec.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype,
-                              impl=spec.mlp_impl)
+                              impl=spec.mlp_impl, fp8=spec.fp8)
         if spec.attn_res != "none":
             self.mixer_query = DepthQuery(D, param_dtype=pdtype)
             self.mlp_query = DepthQuery(D, param_dtype=pdtype)

@@ -575,7 +575,9 @@ def run_summary(spec: RunSpec, *, workdir, config_name, mesh, n_params, train_ro
         f"kimi_k3 train  {config_name}  ->  {workdir}",
         f"  model       {m.num_layers} layers {m.pattern} ({m.pattern.count('K')} KDA, "
         f"{m.pattern.count('M')} MLA), d_model {m.d_model}, vocab {m.vocab_size}, "
-        f"{n_params:,} parameters, {m.dtype}, attn_res {m.attn_res}; {', '.join(kinds)}"
+        f"{n_params:,} parameters, {m.dtype}"
+        f"{' with FP8 projections (MFU on bf16-equivalent FLOPs)' if m.fp8 else ''}, "
+        f"attn_res {m.attn_res}; {', '.join(kinds)}"
         f"{experts}",
         f"  data        {source}: {train_rows:,} train rows{held_out} of {T} tokens; "
         f"batch {B} x {T} = {B * T:,} tokens per step"

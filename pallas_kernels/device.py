@@ -7,6 +7,7 @@
     dev.platform, dev.kind, dev.compute_capability      # "gpu", "NVIDIA H200", "9.0"
     dev.triton, dev.mosaic_gpu, dev.mosaic_tpu, dev.cudnn_lse
     dev.why_not("mosaic_gpu")                           # None, or one line saying why not
+    dev.fp8_why_not()                                   # FP8 matrix units (sm_89+), or why not
 
 Everything that depends on the card (``kimi_k3.dispatch``'s "auto", the KDA kernel's default
 tuning, the Mosaic GPU kernels, the experts' grouped matmul, the MFU's peak) asks here and
@@ -72,6 +73,23 @@ class Device:
         """An NVIDIA card of compute capability 9.x (Hopper): wgmma and TMA exist on sm_90a
         only (Blackwell's sm_100 has tcgen05 instead, another kernel)."""
         return self.compute_capability.split(".")[0] == "9"
+
+    def fp8_why_not(self) -> str | None:
+        """None when this device multiplies FP8 (e4m3fn, e5m2) matrices on its matrix units, or
+        may: an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell), or a
+        CUDA GPU asked about without its device (the card is known when the program runs);
+        else why not (one line)."""
+        if self.platform != "gpu":
+            return f"the backend is {self.platform!r}, not a GPU"
+        if self.lowering != "cuda":
+            return f"the GPU runs {self.lowering!r}, whose FP8 formats are not e4m3fn / e5m2"
+        if not self.compute_capability:
+            return None
+        major, _, minor = self.compute_capability.partition(".")
+        if (int(major), int(minor or 0)) < (8, 9):
+            return (f"{self.kind} is sm_{self.compute_capability.replace('.', '')}; FP8 matrix "
+                    f"units need sm_89 or later (Ada, Hopper)")
+        return None
 
     def why_not(self, family: str) -> str | None:
         """None when ``family`` (one of KERNEL_FAMILIES) compiles here, else why not."""

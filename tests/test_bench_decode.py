@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 from pathlib import Path
 
 import jax
@@ -47,6 +48,20 @@ def test_smoke_run_writes_a_row_per_batch_and_the_ratio(bench, tmp_path):
     assert "| all-MLA floor ms | 3:1 floor ms | all-MLA x floor | 3:1 x floor |" in table
     assert "50 GB/s" in table and "all-MLA: latent cache read: xla" in table
     assert plots.is_png(tmp_path / "decode_ms_per_token.png")
+
+
+def test_the_profile_gives_each_part_of_the_step_its_kernels(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # put back afterwards
+    (row,) = bench.main(["--smoke", f"--out_dir={tmp_path}", "--contexts=32", "--max_batch=1",
+                         "--variants=3:1", f"--profile_dir={tmp_path / 'traces'}"])
+    assert "--xla_gpu_enable_command_buffer=" in os.environ["XLA_FLAGS"]
+    prof = row["profile"]
+    # KM: a KDA layer then an MLA layer, each part of the step its own kernels
+    assert all(prof["parts"].get(p, 0) > 0 for p in ("kda_core", "kda_conv", "mla_attention",
+                                                      "attn_res"))
+    assert prof["kernels"] >= len(prof["parts"]) and prof["idle_ms"] >= 0
+    table = (tmp_path / "decode.md").read_text()
+    assert "Batch 1's step by model part" in table and "| 32 | 3:1 |" in table
 
 
 def test_the_timed_step_from_a_random_cache_is_the_models_step(bench):

@@ -33,7 +33,12 @@ def step_profile():
     return load("step_profile")
 
 
-def test_op_names_come_from_the_hlo_and_name_the_part_and_phase(step_profile):
+@pytest.fixture(scope="module")
+def trace_parts():
+    return load("trace_parts")
+
+
+def test_op_names_come_from_the_hlo_and_name_the_part_and_phase(trace_parts):
     def f(x):
         with jax.named_scope("mlp"):
             y = jnp.tanh(x @ x)
@@ -42,15 +47,21 @@ def test_op_names_come_from_the_hlo_and_name_the_part_and_phase(step_profile):
         return y.sum()
 
     hlo = jax.jit(jax.grad(jax.checkpoint(f))).lower(jnp.ones((32, 32))).compile().as_text()
-    names = step_profile.op_names_from_hlo(hlo)
-    parts = {step_profile.part_and_phase(n) for n in names.values()}
+    names = trace_parts.op_names_from_hlo(hlo)
+    parts = {trace_parts.part_and_phase(n) for n in names.values()}
     assert ("mlp", "backward") in parts and ("kda_core", "backward") in parts
     assert ("kda_core", "recompute") in parts
-    assert step_profile.part_and_phase("jit(s)/jvp(kda_out)/norm/mul") == ("kda_out", "forward")
-    assert step_profile.part_and_phase("jit(s)/copy") == ("other", "forward")
+    assert trace_parts.part_and_phase("jit(s)/jvp(kda_out)/norm/mul") == ("kda_out", "forward")
+    assert trace_parts.part_and_phase("jit(s)/copy") == ("other", "forward")
+    # a mixture of experts' stages by their own labels, also without the outer "moe"
+    assert trace_parts.part_and_phase("jit(s)/jvp(moe)/moe_router/dot") == ("moe_router",
+                                                                            "forward")
+    assert trace_parts.part_and_phase("jit(s)/transpose(moe_experts)/x") == ("moe_experts",
+                                                                             "backward")
+    assert trace_parts.part_and_phase("jit(s)/moe/sort") == ("moe", "forward")
 
 
-def test_idle_time_is_counted_before_the_kernel_that_waited(step_profile):
+def test_idle_time_is_counted_before_the_kernel_that_waited(trace_parts):
     """Gaps on the device timeline go to the kernel after them; kernels overlapping on two
     streams leave none (a running end, not the previous kernel's); the order given does not
     matter."""
@@ -60,8 +71,8 @@ def test_idle_time_is_counted_before_the_kernel_that_waited(step_profile):
               ("e", 35.0, 1.0), ("f", 100.0, 1.0)]   # back to back; idle 36 -> 100
     rng = np.random.default_rng()
     shuffled = [events[i] for i in rng.permutation(len(events))]
-    assert step_profile.idle_before(shuffled) == [("d", 6.0), ("f", 64.0)]
-    assert step_profile.idle_before([]) == []
+    assert trace_parts.idle_before(shuffled) == [("d", 6.0), ("f", 64.0)]
+    assert trace_parts.idle_before([]) == []
 
 
 def test_the_profile_of_the_real_step_adds_up(step_profile, tmp_path):
@@ -601,3 +612,18 @@ def test_the_runner_runs_each_entry_in_its_folder_with_a_time_limit(tmp_path, mo
     with pytest.raises(SystemExit):
         run.main(["nope", f"--out_dir={tmp_path}"])
     assert "no benchmark or group 'nope'" in capsys.readouterr().err
+
+
+def test_routed_experts_bench_checks_each_form_against_the_sorted_rows(capsys):
+    """routed_experts_bench.py --smoke: every form on the same routing, each checked against the
+    sorted rows (dropless at this capacity factor), and the blocked kernels' own table."""
+    bench = load("routed_experts_bench")
+    bench.main(["--smoke", "--capacity_factor=2", "--kernels=wgrad"])
+    out = capsys.readouterr().out
+    rows = {r.split("|")[2].strip(): r.split("|") for r in out.splitlines()
+            if r.startswith("| 64 |")}
+    assert set(rows) == {"blocked", "sorted_xla", "capacity", "ceiling"}, out
+    for impl in ("blocked", "sorted_xla", "capacity"):
+        assert float(rows[impl][4]) < 2e-2, rows[impl]  # bf16 against the sorted rows
+    kernels = [r for r in out.splitlines() if "| wgrad " in r]
+    assert len(kernels) == 2 and all(float(r.split("|")[3]) > 0 for r in kernels), out

@@ -9,6 +9,19 @@ With float32 parameters and bf16 compute the weight's gradient comes out of its 
 float32 (``low_precision_einsum``): dW = x^T dy is never rounded to bf16. The training step
 rounds the weights to bf16 once per step and hands Dense both (``precast``, ``Precast``), so
 the micro-batches of gradient accumulation do not each convert every weight again.
+
+With ``fp8=True`` (``model.matmul_format = "fp8"``) the product runs in FP8 (:func:`fp8_einsum`,
+Qwix's quantisation): e4m3 operands forward, an e5m2 gradient backward, one float32 scale per
+tensor taken from its current absolute maximum, each product accumulated in float32:
+
+    s_a = max|a| / 448 (e4m3) or max|a| / 57344 (e5m2);  1 where that is below sqrt(tiny f32)
+    q(a) = round_e4m3(clip(a / s_a, -448, 448))            (q5: e5m2, +-57344, its own scale)
+    y  = (q(x) . q(W))      s_x s_W                         in the compute dtype
+    dx = (q5(dy) . q(W)^T)  s_dy s_W                        in x's dtype
+    dW = (q(x)^T . q5(dy))  s_x s_dy                        in W's dtype (float32: never bf16)
+
+No state: the scales are computed from the tensors of the step (current scaling), so a model
+has the same parameters, optimizer state and checkpoints in either format.
 """
 
 from __future__ import annotations
@@ -23,13 +36,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kimi_k3.ops.kda_context import vary_like
 from kimi_k3.sharding import param
 
 
 class Dense(nnx.Module):
     """x [..., *in_shape] -> y [..., *out_shape]; W [*in_shape, *out_shape].
 
-    Init: normal with std = init_scale / sqrt(prod(in_shape)) (fan-in scaling).
+    Init: normal with std = init_scale / sqrt(prod(in_shape)) (fan-in scaling). ``fp8``: the
+    product in FP8 (the module docstring), else in ``dtype``; the parameters are the same.
     """
 
     def __init__(
@@ -42,6 +57,7 @@ class Dense(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         init_scale: float = 1.0,
+        fp8: bool = False,
     ):
         self.in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
         self.out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
@@ -52,6 +68,7 @@ class Dense(nnx.Module):
         w = jax.random.normal(rngs.params(), shape, jnp.float32) * std
         self.kernel = param(w.astype(param_dtype), names)
         self.dtype = dtype
+        self.fp8 = fp8
         self._eq = _equation(len(self.in_shape), len(self.out_shape))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -62,6 +79,8 @@ class Dense(nnx.Module):
         # float32 cotangent with bf16 operands, which XLA runs as a float32 GEMM (several times
         # slower); f32_logits below is the variant for the one product that wants float32 out.
         w, w_lo = master_and_copy(self.kernel)
+        if self.fp8:
+            return fp8_einsum(self._eq, x.astype(self.dtype), w, w_lo)
         if jnp.dtype(self.dtype).itemsize < jnp.dtype(w.dtype).itemsize:
             return low_precision_einsum(len(self.in_shape), len(self.out_shape), self.dtype,
                                         x, w, w_lo)
@@ -227,3 +246,81 @@ def _rounded_bwd(eq, out_dtype, residuals, dy):
 
 
 _rounded_einsum.defvjp(_rounded_fwd, _rounded_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 products (model.matmul_format = "fp8"; the module docstring gives the equations)
+# ---------------------------------------------------------------------------------------------
+
+E4M3 = jnp.float8_e4m3fn  # the forward operands x and W: 3 mantissa bits, finite up to +-448
+E5M2 = jnp.float8_e5m2  # the incoming gradient dy: 2 mantissa bits, up to +-57344
+
+
+def _qwix():
+    """Qwix, the FP8 products' quantisation library: an optional dependency (the ``fp8`` extra),
+    imported where the first FP8 product is traced, so that a bf16 model never loads it."""
+    try:
+        import qwix  # optional backend: pip install 'kimi_k3[fp8]'
+    except ImportError as err:
+        raise ImportError(f"model.matmul_format='fp8' needs Qwix: pip install 'kimi_k3[fp8]' "
+                          f"({err})") from err
+    return qwix
+
+
+def quantize(a: jax.Array, qtype):
+    """``a`` as a Qwix ``QArray`` of ``qtype`` (E4M3 or E5M2) with one float32 scale for the
+    whole tensor, from its absolute maximum now: s = max|a| / max(qtype) (1 where that is below
+    sqrt(tiny float32)), qvalue = round_to_nearest_even(clip(a / s, -max, max)), all in
+    float32."""
+    return _qwix().quantize(a.astype(jnp.float32), qtype)
+
+
+def fp8_einsum(eq: str, x: jax.Array, w: jax.Array, w_lo: jax.Array | None = None
+               ) -> jax.Array:
+    """``einsum(eq, x, w)`` (eq = "x,w->y") in FP8, the result in x's dtype: x and w quantised
+    to E4M3 (w from its compute-dtype copy ``w_lo`` where ``precast`` made one), the backward's
+    dy to E5M2; the two backward products reuse the forward's quantised x and w. dW comes out
+    in w's dtype (float32 master weights: never rounded to bf16); none flows through w_lo.
+
+    Inside ``jax.shard_map`` (the experts' dispatch) the operands are first marked as varying
+    over the same mesh axes, as ``jnp.einsum`` does implicitly: the custom backward's dW then
+    has w's type, and autodiff sums it over the axes w was shared along."""
+    src = jax.lax.stop_gradient(w if w_lo is None else _copy_in(w, w_lo, w_lo.dtype))
+    x, w, src = (vary_like(a, x, w, src) for a in (x, w, src))
+    return _fp8_einsum(eq, x, w, src)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_einsum(eq: str, x: jax.Array, w: jax.Array, w_src: jax.Array) -> jax.Array:
+    """``fp8_einsum`` from the weight's source ``w_src``; ``w`` gives the gradient's dtype."""
+    return _fp8_fwd(eq, x, w, w_src)[0]
+
+
+def _scaled_einsum(eq: str, a_q, b_q, out_dtype) -> jax.Array:
+    """``einsum(eq)`` of two per-tensor ``QArray``s in ``out_dtype``: the dot of their FP8 values
+    (float32 accumulation) times the product of their scales. Written as Flax's ``fp8_ops``
+    write it for XLA's GPU compiler, which makes the dot of f8 operands a cuBLASLt FP8 GEMM (Ada,
+    Hopper) and folds the multiply by a broadcast scalar into it. The dot's result is already
+    in ``out_dtype``, so a remat policy that keeps matmul outputs keeps bf16 ones, as without
+    FP8."""
+    y = jnp.einsum(eq, a_q.qvalue, b_q.qvalue, preferred_element_type=out_dtype)
+    return y * (a_q.scale * b_q.scale).reshape(()).astype(out_dtype)
+
+
+def _fp8_fwd(eq, x, w, w_src):
+    x_q, w_q = quantize(x, E4M3), quantize(w_src, E4M3)
+    y = _scaled_einsum(eq, x_q, w_q, x.dtype)
+    # Empty arrays carry x's and w's dtypes to the backward (residuals must be JAX values).
+    return y, (x_q, w_q, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _fp8_bwd(eq, residuals, dy):
+    x_q, w_q, x_like, w_like = residuals
+    eq_dx, eq_dw = _transposes(eq)
+    dy_q = quantize(dy, E5M2)
+    dx = _scaled_einsum(eq_dx, dy_q, w_q, x_like.dtype)
+    dw = _scaled_einsum(eq_dw, x_q, dy_q, w_like.dtype)
+    return dx, dw, None  # w_src is a copy of w (stop_gradient): its gradient is w's
+
+
+_fp8_einsum.defvjp(_fp8_fwd, _fp8_bwd)

@@ -50,8 +50,12 @@ class KDALayer(nnx.Module):
     """x [B, T, D] -> [B, T, D], optionally continuing from and returning a cache.
 
     The mixer interface (shared with GatedMLA): ``Mixer(d_model, spec, *, rngs, dtype,
-    param_dtype)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache, pos)
-    -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
+    param_dtype, fp8)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache,
+    pos) -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
+    ``fp8``: q, k, v and the output projection multiply in FP8 (``layers/dense.py``); the
+    low-rank decay-gate and output-gate projections and beta's stay in ``dtype``: they are
+    narrow (rank K), so FP8 would save little there, and the decay gate compounds its error
+    over the recurrence.
     """
 
     # Set by kimi_k3/internals.py on its copy of a model: the forward then keeps what the
@@ -59,14 +63,15 @@ class KDALayer(nnx.Module):
     capture_internals = False
 
     def __init__(self, d_model: int, spec: KdaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, fp8: bool = False):
         H, HV, K = spec.num_heads, spec.num_v_heads, spec.head_dim
         V = K
         self.spec, self.dtype = spec, dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.q_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
-        self.k_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **kw)
-        self.v_proj = Dense(d_model, (HV, V), names=("embed", "heads", "kv"), **kw)
+        wide = dict(kw, fp8=fp8)  # the projections into and out of the heads
+        self.q_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **wide)
+        self.k_proj = Dense(d_model, (H, K), names=("embed", "heads", "kv"), **wide)
+        self.v_proj = Dense(d_model, (HV, V), names=("embed", "heads", "kv"), **wide)
         conv_kw = dict(names=("heads", "kv"), rngs=rngs, param_dtype=param_dtype,
                        impl=spec.conv_impl)
         self.q_conv = ShortConv((H, K), spec.conv_width, **conv_kw)
@@ -89,7 +94,7 @@ class KDALayer(nnx.Module):
                              param_dtype=param_dtype)
         self.g_down = Dense(d_model, V, names=("embed", "rank"), **kw)
         self.g_up = Dense(V, (HV, V), names=("rank", "heads", "kv"), **kw)
-        self.o_proj = Dense((HV, V), d_model, names=("heads", "kv", "embed"), **kw)
+        self.o_proj = Dense((HV, V), d_model, names=("heads", "kv", "embed"), **wide)
 
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:

@@ -66,8 +66,10 @@ class GatedMLA(nnx.Module):
     """x [B, T, D] -> [B, T, D], optionally continuing from and returning a latent cache.
 
     The mixer interface (shared with KDALayer): ``Mixer(d_model, spec, *, rngs, dtype,
-    param_dtype)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache, pos)
-    -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
+    param_dtype, fp8)``, ``init_cache(batch_size, max_len)``, ``__call__(x, segment_ids, cache,
+    pos) -> (out, cache)``. ``spec`` is checked and resolved already (kimi_k3/config.py).
+    ``fp8``: every projection but the shared key slice's (ds columns: nothing to gain) multiplies
+    in FP8 (``layers/dense.py``); the attention itself stays in ``dtype``.
     """
 
     # Set by kimi_k3/internals.py on its copy of a model: a forward without a cache then keeps
@@ -75,26 +77,27 @@ class GatedMLA(nnx.Module):
     capture_internals = False
 
     def __init__(self, d_model: int, spec: MlaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, fp8: bool = False):
         H, R, dn = spec.num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim
         ds, dv, q_lora_rank = spec.shared_head_dim, spec.v_head_dim, spec.q_lora_rank
         self.spec, self.dtype = spec, dtype
         self.scale = (dn + ds) ** -0.5
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        wide = dict(kw, fp8=fp8)
         if q_lora_rank > 0:
-            self.q_down = Dense(d_model, q_lora_rank, names=("embed", "q_lora"), **kw)
+            self.q_down = Dense(d_model, q_lora_rank, names=("embed", "q_lora"), **wide)
             self.q_norm = RMSNorm(q_lora_rank, name="q_lora", dtype=dtype, param_dtype=param_dtype)
-            self.q_up = Dense(q_lora_rank, (H, dn + ds), names=("q_lora", "heads", "kv"), **kw)
+            self.q_up = Dense(q_lora_rank, (H, dn + ds), names=("q_lora", "heads", "kv"), **wide)
         else:
-            self.q_proj = Dense(d_model, (H, dn + ds), names=("embed", "heads", "kv"), **kw)
-        self.kv_down = Dense(d_model, R, names=("embed", "kv_lora"), **kw)
+            self.q_proj = Dense(d_model, (H, dn + ds), names=("embed", "heads", "kv"), **wide)
+        self.kv_down = Dense(d_model, R, names=("embed", "kv_lora"), **wide)
         self.kv_norm = RMSNorm(R, name="kv_lora", dtype=dtype, param_dtype=param_dtype)
         self.k_shared = Dense(d_model, ds, names=("embed", "kv"), **kw)
-        self.k_up = Dense(R, (H, dn), names=("kv_lora", "heads", "kv"), **kw)
-        self.v_up = Dense(R, (H, dv), names=("kv_lora", "heads", "kv"), **kw)
+        self.k_up = Dense(R, (H, dn), names=("kv_lora", "heads", "kv"), **wide)
+        self.v_up = Dense(R, (H, dv), names=("kv_lora", "heads", "kv"), **wide)
         if spec.output_gate:
-            self.g_proj = Dense(d_model, (H, dv), names=("embed", "heads", "kv"), **kw)
-        self.o_proj = Dense((H, dv), d_model, names=("heads", "kv", "embed"), **kw)
+            self.g_proj = Dense(d_model, (H, dv), names=("embed", "heads", "kv"), **wide)
+        self.o_proj = Dense((H, dv), d_model, names=("heads", "kv", "embed"), **wide)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
         """Zero cache: ``latent_kv`` [B, max_len, R + ds] = [c ; k_s] per position."""

@@ -22,13 +22,14 @@ from pallas_kernels import swiglu as swiglu_kernel
 
 class SwiGLU(nnx.Module):
     """x [B, T, D] -> [B, T, D]. ``impl``: "xla" or "pallas" (resolved already:
-    ``dispatch.choose_mlp_impl``)."""
+    ``dispatch.choose_mlp_impl``); ``fp8``: both projections multiply in FP8
+    (``layers/dense.py``)."""
 
     def __init__(self, d_model: int, mlp_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, impl: str = "xla"):
+                 param_dtype=jnp.float32, impl: str = "xla", fp8: bool = False):
         if impl not in ("xla", "pallas"):
             raise ValueError(f"SwiGLU: impl must be 'xla' or 'pallas', got {impl!r}")
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, fp8=fp8)
         self.impl = impl
         # One matmul for both input projections; axis 1 is (gate, up).
         self.wi = Dense(d_model, (2, mlp_dim), names=("embed", None, "mlp"), **kw)

@@ -67,7 +67,7 @@ from jax.sharding import PartitionSpec
 from kimi_k3 import sharding
 from kimi_k3.config import MoeSpec
 from kimi_k3.dispatch import choose_expert_matmul
-from kimi_k3.layers.dense import Dense
+from kimi_k3.layers.dense import Dense, fp8_einsum
 from kimi_k3.layers.mlp import SwiGLU
 from kimi_k3.ops import routed_experts as routed_lib
 from kimi_k3.ops.routed_experts import routed_experts
@@ -153,14 +153,24 @@ def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _swiglu_batched(x_ExCxD, wi_ExDx2xF, wo_ExFxD):
+def _product(eq: str, a, w, fp8: bool, out_dtype=None):
+    """``einsum(eq, a, w)``: in FP8 (``dense.fp8_einsum``: e4m3 operands, e5m2 gradients, one
+    scale per tensor, which under a mesh is per device: the dispatch runs in ``shard_map``), or
+    in a's dtype with a ``out_dtype`` result."""
+    if fp8:
+        y = fp8_einsum(eq, a, w)
+        return y if out_dtype is None else y.astype(out_dtype)
+    return jnp.einsum(eq, a, w, preferred_element_type=out_dtype)
+
+
+def _swiglu_batched(x_ExCxD, wi_ExDx2xF, wo_ExFxD, fp8: bool = False):
     """Expert SwiGLUs on fixed buffers: expert e on its C rows."""
-    h_ExCx2xF = jnp.einsum("ecd,edgf->ecgf", x_ExCxD, wi_ExDx2xF)
+    h_ExCx2xF = _product("ecd,edgf->ecgf", x_ExCxD, wi_ExDx2xF, fp8)
     h_ExCxF = jax.nn.silu(h_ExCx2xF[:, :, 0]) * h_ExCx2xF[:, :, 1]
-    return jnp.einsum("ecf,efd->ecd", h_ExCxF, wo_ExFxD)
+    return _product("ecf,efd->ecd", h_ExCxF, wo_ExFxD, fp8)
 
 
-def _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo):
+def _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo, fp8: bool = False):
     """Every token through every local expert, each expert's hidden activations scaled by the
     token's routing weight for it (zero off its top-k; ids >= E_l belong to other devices):
 
@@ -170,10 +180,10 @@ def _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo):
     its expert FLOPs, but two plain einsums."""
     E_l = wi.shape[0]
     g_NxE = jnp.sum(jax.nn.one_hot(idx_NxK, E_l, dtype=jnp.float32) * w_NxK[..., None], axis=1)
-    h_NxEx2xF = jnp.einsum("nd,edgf->negf", x_NxD, wi)
+    h_NxEx2xF = _product("nd,edgf->negf", x_NxD, wi, fp8)
     a_NxExF = jax.nn.silu(h_NxEx2xF[:, :, 0]) * h_NxEx2xF[:, :, 1]
     a_NxExF = (a_NxExF.astype(jnp.float32) * g_NxE[..., None]).astype(x_NxD.dtype)
-    return jnp.einsum("nef,efd->nd", a_NxExF, wo, preferred_element_type=jnp.float32)
+    return _product("nef,efd->nd", a_NxExF, wo, fp8, jnp.float32)
 
 
 def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str = "ragged",
@@ -212,7 +222,8 @@ def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str = "rag
     return out_RxD
 
 
-def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int):
+def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int,
+                   fp8: bool = False):
     """At most ``capacity`` assignments per expert (first choices first, in token order), the rest
     dropped. Experts and ids as in ``_dropless`` (with P = 1, E_l marks a choice served
     elsewhere). Returns (routed output [N, D] float32, dropped choices per token [N])."""
@@ -233,10 +244,10 @@ def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int
     if P > 1:
         buf_PxElxCxD = jax.lax.all_to_all(buf_ExCxD.reshape(P, E_l, C, -1), axes, 0, 0)
         buf = buf_PxElxCxD.transpose(1, 0, 2, 3).reshape(E_l, P * C, -1)
-        y = _swiglu_batched(buf, wi, wo).reshape(E_l, P, C, -1).transpose(1, 0, 2, 3)
+        y = _swiglu_batched(buf, wi, wo, fp8).reshape(E_l, P, C, -1).transpose(1, 0, 2, 3)
         y_ExCxD = jax.lax.all_to_all(y, axes, 0, 0).reshape(E, C, -1)
     else:
-        y_ExCxD = _swiglu_batched(buf_ExCxD, wi, wo)
+        y_ExCxD = _swiglu_batched(buf_ExCxD, wi, wo, fp8)
     y_MxD = jnp.where(keep_M[:, None],
                       y_ExCxD[jnp.minimum(e_M, E - 1), jnp.minimum(pos_M, C - 1)], 0)
     out_NxD = jnp.einsum("nk,knd->nd", w_NxK, y_MxD.reshape(K, N, -1).astype(jnp.float32))
@@ -245,11 +256,12 @@ def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int
 
 
 def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes, dispatch: str,
-            ffn_axes, matmul: str, typed: bool = True):
+            ffn_axes, matmul: str, typed: bool = True, fp8: bool = False):
     """The routed experts on one device's tokens: (output [B, T, D] in x's dtype, dropped
     choices per token [B, T] float32). ``dispatch``: as ``sharding.ExpertLayout`` says;
     ``matmul``: ``choose_expert_matmul``'s choice; ``typed``: inside a ``shard_map`` that
-    checks which axes values vary over."""
+    checks which axes values vary over; ``fp8``: the capacity buffers' and the "dense" form's
+    products in FP8 (the config allows no other form with it)."""
     B, T, D = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(B * T, D)
     idx_NxK, w_NxK = idx_BxTxK.reshape(B * T, -1), w_BxTxK.reshape(B * T, -1)
@@ -271,11 +283,11 @@ def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes,
                                     / spec.num_experts))
         out_NxD, dropped_N = _with_capacity(
             x_NxD, idx_NxK, w_NxK, wi.astype(x_BxTxD.dtype), wo.astype(x_BxTxD.dtype), P=P,
-            axes=axes, capacity=capacity)
+            axes=axes, capacity=capacity, fp8=fp8)
     else:
         if matmul == "dense":
             out_NxD = _dense_experts(x_NxD, idx_NxK, w_NxK, wi.astype(x_BxTxD.dtype),
-                                     wo.astype(x_BxTxD.dtype))
+                                     wo.astype(x_BxTxD.dtype), fp8)
         else:
             out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes, matmul=matmul,
                                 remat=spec.remat_experts)
@@ -308,19 +320,20 @@ class MoE(nnx.Module):
     """x [B, T, D] -> [B, T, D]: routed experts plus the shared expert (module docstring).
 
     Called like the dense SwiGLU it replaces. Writes its measurements (``load``, ``dropped``,
-    ``balance_loss``: ``MoeStat``) on every call; reads ``bias`` (``ExpertBias``).
+    ``balance_loss``: ``MoeStat``) on every call; reads ``bias`` (``ExpertBias``). ``fp8``: the
+    experts' and the shared expert's products in FP8, the router's in float32 as ever.
     """
 
     def __init__(self, d_model: int, spec: MoeSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
-        self.spec, self.dtype = spec, dtype
+                 param_dtype=jnp.float32, fp8: bool = False):
+        self.spec, self.dtype, self.fp8 = spec, dtype, fp8
         E = spec.num_experts
         self.router = Dense(d_model, E, names=("embed", None), rngs=rngs, dtype=jnp.float32,
                             param_dtype=param_dtype)
         self.bias = sharding.param(jnp.zeros((E,), jnp.float32), (None,), kind=ExpertBias)
         self.experts = Experts(d_model, E, spec.expert_dim, rngs=rngs, param_dtype=param_dtype)
         self.shared = (SwiGLU(d_model, spec.shared_dim, rngs=rngs, dtype=dtype,
-                              param_dtype=param_dtype) if spec.num_shared else None)
+                              param_dtype=param_dtype, fp8=fp8) if spec.num_shared else None)
         self.load = sharding.param(jnp.zeros((E,), jnp.float32), (None,), kind=MoeStat)
         # Scalars carry no axis names (flax's scan cannot take an axis off an empty tuple).
         self.dropped = MoeStat(jnp.zeros((), jnp.float32))
@@ -330,8 +343,9 @@ class MoE(nnx.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         spec = self.spec
         x_BxTxD = x_BxTxD.astype(self.dtype)
-        s_BxTxE, idx_BxTxK, w_BxTxK = route(x_BxTxD, self.router.kernel[...], self.bias[...],
-                                            spec, self.dtype)
+        with jax.named_scope("moe_router"):
+            s_BxTxE, idx_BxTxK, w_BxTxK = route(x_BxTxD, self.router.kernel[...],
+                                                self.bias[...], spec, self.dtype)
         wi, wo = self.experts.wi[...], self.experts.wo[...]
         layout = sharding.expert_layout(WI_NAMES)
         D, F = wi.shape[1], wi.shape[-1]
@@ -340,7 +354,7 @@ class MoE(nnx.Module):
                 spec.expert_matmul, tokens_move=False, dims=(D, F), dtype=x_BxTxD.dtype)
             y_BxTxD, dropped_BxT = _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, spec=spec, P=1,
                                            axes=(), dispatch="local", ffn_axes=(),
-                                           matmul=matmul)
+                                           matmul=matmul, fp8=self.fp8)
         else:
             tok, ex = layout.tokens, (layout.experts or None)
             ffn = layout.ffn or None
@@ -353,7 +367,7 @@ class MoE(nnx.Module):
             typed = matmul != "blocked"
             fn = functools.partial(_routed, spec=spec, P=P, axes=layout.experts,
                                    dispatch=layout.dispatch, ffn_axes=layout.ffn, matmul=matmul,
-                                   typed=typed)
+                                   typed=typed, fp8=self.fp8)
             tokens_3d = PartitionSpec(*tok, None)
             y_BxTxD, dropped_BxT = jax.shard_map(
                 fn, mesh=layout.mesh, check_vma=typed,
@@ -361,7 +375,8 @@ class MoE(nnx.Module):
                           PartitionSpec(ex, ffn, None)),
                 out_specs=(tokens_3d, tok))(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo)
         if self.shared is not None:
-            y_BxTxD = y_BxTxD + self.shared(x_BxTxD)
+            with jax.named_scope("moe_shared"):
+                y_BxTxD = y_BxTxD + self.shared(x_BxTxD)
         self.load[...] = expert_load(idx_BxTxK, spec.num_experts)
         self.dropped[...] = jnp.sum(dropped_BxT)
         if spec.balance_loss_coef > 0:

@@ -139,18 +139,27 @@ def _blocked_fwd(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, tiles, remat):
     dt = x_RxD.dtype
     F = wo_ExFxD.shape[1]
     M = layout.rows.shape[0]
-    h_Mx2F = gmm_kernels.gmm(x_RxD, wi_ExDx2F.astype(dt), layout.block_group, layout.rows,
-                             tiles=tiles)
-    g, u, s = _swiglu_parts(h_Mx2F, F)
-    w_M = jnp.zeros((M,), jnp.float32).at[layout.pos.reshape(-1)].set(
-        w_RxK.reshape(-1).astype(jnp.float32), mode="drop")
-    aw_MxF = (g * s * u * w_M[:, None]).astype(dt)
-    z_MxD = gmm_kernels.gmm(aw_MxF, wo_ExFxD.astype(dt), layout.block_group, tiles=tiles)
-    y_RxD = _gather_sum(z_MxD, layout.pos)
+    with jax.named_scope("moe_experts"):
+        h_Mx2F = gmm_kernels.gmm(x_RxD, wi_ExDx2F.astype(dt), layout.block_group, layout.rows,
+                                 tiles=tiles)
+        g, u, s = _swiglu_parts(h_Mx2F, F)
+    with jax.named_scope("moe_dispatch"):
+        w_M = jnp.zeros((M,), jnp.float32).at[layout.pos.reshape(-1)].set(
+            w_RxK.reshape(-1).astype(jnp.float32), mode="drop")
+    with jax.named_scope("moe_experts"):
+        aw_MxF = (g * s * u * w_M[:, None]).astype(dt)
+        z_MxD = gmm_kernels.gmm(aw_MxF, wo_ExFxD.astype(dt), layout.block_group, tiles=tiles)
+    with jax.named_scope("moe_combine"):
+        y_RxD = _gather_sum(z_MxD, layout.pos)
     return y_RxD, (x_RxD, w_M, wi_ExDx2F, wo_ExFxD, None if remat else h_Mx2F, layout)
 
 
 def _blocked_bwd(tiles, remat, res, dy_RxD):
+    with jax.named_scope("moe_experts"):
+        return _blocked_bwd_kernels(tiles, remat, res, dy_RxD)
+
+
+def _blocked_bwd_kernels(tiles, remat, res, dy_RxD):
     x_RxD, w_M, wi_ExDx2F, wo_ExFxD, h_Mx2F, layout = res
     dt = x_RxD.dtype
     if remat:
@@ -178,7 +187,8 @@ def _blocked_bwd(tiles, remat, res, dy_RxD):
     dh_Mx2F = jnp.concatenate([dg, du], axis=1).astype(dt)
     dxg_MxD = gmm_kernels.gmm(dh_Mx2F, wi_ExDx2F.astype(dt), layout.block_group,
                               transpose_rhs=True, tiles=tiles)
-    dx_RxD = _gather_sum(dxg_MxD, layout.pos).astype(dt)
+    with jax.named_scope("moe_combine"):
+        dx_RxD = _gather_sum(dxg_MxD, layout.pos).astype(dt)
     dwi = gmm_kernels.wgrad(x_RxD, dh_Mx2F, layout.block_start, layout.block_end,
                             rows_a=layout.rows, out_dtype=wi_ExDx2F.dtype, tiles=tiles)
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), layout)
@@ -207,8 +217,9 @@ def routed_blocked(x_RxD, ids_RxK, w_RxK, wi, wo,
     (float32 parameters get float32 dW, summed in the kernel's float32 accumulator). ``remat``:
     keep x, not h, for the backward pass, which computes h again (one more matmul)."""
     E, D, _, F = wi.shape
-    layout = blocked_layout(ids_RxK, E, tiles.block_m)
-    layout = jax.tree.map(jax.lax.stop_gradient, layout)
+    with jax.named_scope("moe_dispatch"):
+        layout = blocked_layout(ids_RxK, E, tiles.block_m)
+        layout = jax.tree.map(jax.lax.stop_gradient, layout)
     x_RxD, w_RxK, wi, wo = _varying_alike(x_RxD, w_RxK.astype(jnp.float32), wi, wo,
                                           *jax.tree.leaves(layout))[:4]
     return _blocked(x_RxD, w_RxK, wi.reshape(E, D, 2 * F), wo, layout, tiles, remat)
