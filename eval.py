@@ -60,13 +60,7 @@ _LENGTHS = flags.DEFINE_list(
     "Context lengths to evaluate, in tokens: integers, or with K / M (x 1024 / x 1048576).")
 
 
-@flags.validator("context_lengths")
-def _lengths_parse(values):
-    try:
-        eval_scoring.parse_context_lengths(values)
-    except ValueError as e:  # names the flag and the bad item
-        raise flags.ValidationError(str(e)) from e
-    return True
+cli.validate_with("context_lengths", eval_scoring.parse_context_lengths)
 
 _PIECE = flags.DEFINE_integer(
     "piece_len", 2048, "Tokens per prefill call (bounds memory); any positive number: the last "

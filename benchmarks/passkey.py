@@ -58,31 +58,10 @@ _TRAIN_LENGTHS = flags.DEFINE_list("train_lengths", ["128"],
 _TRAIN_BATCH = flags.DEFINE_integer("train_batch_size", 16, "Training rows per step.", lower_bound=1)
 
 
-@flags.validator("context_lengths")
-def _lengths_parse(values):
-    try:
-        eval_scoring.parse_context_lengths(values)
-    except ValueError as e:  # names the flag and the bad item
-        raise flags.ValidationError(str(e)) from e
-    return True
-
-
-@flags.validator("train_lengths")
-def _train_lengths_parse(values):
-    try:
-        eval_scoring.parse_context_lengths(values, "--train_lengths")
-    except ValueError as e:
-        raise flags.ValidationError(str(e)) from e
-    return True
-
-
-@flags.validator("depths")
-def _depths_parse(values):
-    try:
-        passkey.parse_depths(values)
-    except ValueError as e:
-        raise flags.ValidationError(str(e)) from e
-    return True
+cli.validate_with("context_lengths", eval_scoring.parse_context_lengths)
+cli.validate_with("train_lengths",
+                  lambda v: eval_scoring.parse_context_lengths(v, "--train_lengths"))
+cli.validate_with("depths", passkey.parse_depths)
 
 
 def main(argv):

@@ -211,6 +211,20 @@ def define_multihost_flags() -> MultihostFlags:
         flags.DEFINE_integer("process_id", None, "This process's index (multi-host)."))
 
 
+def validate_with(flag: str, parse: Callable[[Sequence[str]], object]) -> None:
+    """Registers ``parse`` as the validator of list flag ``flag``: the ValueError it raises on a
+    bad item (naming the flag and the item) becomes absl's one-line flag error."""
+
+    def check(values) -> bool:
+        try:
+            parse(values)
+        except ValueError as err:
+            raise flags.ValidationError(str(err)) from err
+        return True
+
+    flags.register_validator(flag, check)
+
+
 def start(argv: Sequence[str], compilation_cache: str) -> None:
     """The opening of an entry point's ``main``: stray arguments are a usage error; library
     logs at WARNING unless --verbosity is given (the command prints its own lines; -v 0 for
