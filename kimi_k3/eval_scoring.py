@@ -555,6 +555,7 @@ class Scorer:
             self._state = jax.device_put(self._state, NamedSharding(mesh, PartitionSpec()))
         self._compiled = {}  # (B, P, Lpad) -> the piece function compiled for those shapes
         self.compile_seconds = 0.0  # spent compiling the piece function, so far
+        self.trace_seconds = 0.0  # of it, tracing and lowering it (before XLA or its cache)
 
     def _context(self):
         """The mesh and rules in force while tracing and running (nothing without a mesh)."""
@@ -577,7 +578,10 @@ class Scorer:
         if key not in self._compiled:
             t0 = time.perf_counter()
             with self._context():
-                self._compiled[key] = self._piece.lower(self._state, x0, cache, y0).compile()
+                lowered = self._piece.lower(self._state, x0, cache, y0)
+                t1 = time.perf_counter()
+                self._compiled[key] = lowered.compile()
+            self.trace_seconds += t1 - t0
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[key]
 
@@ -733,11 +737,17 @@ class ScoringProgress:
         self._say(f"{self.label}: {self.n}/{self.pieces} pieces, {rate:,.0f} tokens/s ({how}), "
                   f"ETA {left:.0f} s")
 
-    def done(self, seconds: float, compile_seconds: float) -> None:
+    def done(self, seconds: float, compile_seconds: float, trace_seconds: float = 0.0) -> None:
+        """The closing line: the scoring time, its compiling part (of that, tracing: the rest
+        is XLA, or loading from its cache), and the first piece's time against the others'
+        (the first also runs whatever the program sets up on the device when first called)."""
         total = self.n * self.tokens
+        first = "" if self.t_first is None else f", first piece {self.t_first - self.t0:.1f} s"
+        if self.t_first is not None and self.n > 1:
+            first += f", the others {(seconds - (self.t_first - self.t0)) / (self.n - 1):.2f} s each"
         self._say(f"{self.label}: {self.n} pieces ({total:,} tokens) scored in {seconds:.1f} s, "
-                  f"{compile_seconds:.1f} s of it compiling: {total / max(seconds, 1e-9):,.0f} "
-                  f"tokens/s")
+                  f"{compile_seconds:.1f} s of it compiling ({trace_seconds:.1f} s tracing)"
+                  f"{first}: {total / max(seconds, 1e-9):,.0f} tokens/s")
 
 
 def evaluate_windows(
@@ -762,7 +772,7 @@ def evaluate_windows(
         if on_piece is not None:
             on_piece()
 
-    t0, compile0 = time.perf_counter(), scorer.compile_seconds
+    t0, compile0, trace0 = time.perf_counter(), scorer.compile_seconds, scorer.trace_seconds
     for start in range(0, N, opts.batch_size):
         batch = windows.tokens_NxL1[start : start + opts.batch_size]
         n = batch.shape[0]
@@ -775,7 +785,7 @@ def evaluate_windows(
         nll_NxK[start : start + n] = np.add.reduceat(nll_BxL.astype(np.float64), starts, axis=1)
     seconds = time.perf_counter() - t0
     if N:
-        progress.done(seconds, scorer.compile_seconds - compile0)
+        progress.done(seconds, scorer.compile_seconds - compile0, scorer.trace_seconds - trace0)
 
     # Per window: [NLL, bytes, NLL per bucket] over [targets, bytes, targets per bucket].
     nbytes_N = np.zeros(N)
@@ -816,6 +826,9 @@ def evaluate_windows(
                     for k, (lo, hi) in enumerate(buckets)],
         "seconds": seconds,  # compilation included
         "compile_seconds": scorer.compile_seconds - compile0,
+        "trace_seconds": scorer.trace_seconds - trace0,  # of compile_seconds
+        "first_piece_seconds": (None if progress.t_first is None
+                                else progress.t_first - progress.t0),  # compiling included
     }
     if max_diff is not None:
         out["whole_vs_piecewise_max_abs_nll_diff"] = max_diff

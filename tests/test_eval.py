@@ -570,12 +570,13 @@ def test_scoring_progress_in_a_log_says_pieces_rate_eta_and_the_scoring_time(mon
     progress = eval_scoring.ScoringProgress("L=4,096", 5, 1024, every=1.5, stream=log)
     for _ in range(5):
         progress.piece()
-    progress.done(30.0, 2.5)
+    progress.done(30.0, 2.5, 0.5)
     lines = log.getvalue().splitlines()
     assert lines == [
         "L=4,096: 1/5 pieces, 256 tokens/s (first piece, compiling included), ETA 16 s",
         "L=4,096: 3/5 pieces, 1,024 tokens/s (after the first piece), ETA 2 s",
-        "L=4,096: 5 pieces (5,120 tokens) scored in 30.0 s, 2.5 s of it compiling: 171 tokens/s"]
+        "L=4,096: 5 pieces (5,120 tokens) scored in 30.0 s, 2.5 s of it compiling (0.5 s "
+        "tracing), first piece 4.0 s, the others 6.50 s each: 171 tokens/s"]
 
     class Terminal(io.StringIO):
         def isatty(self):
