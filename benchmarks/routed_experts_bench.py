@@ -25,7 +25,8 @@ and backward. Each row: compile seconds, ms (benchmarks/timing.py medians), TF/s
 of the ceiling's time. Before timing, every implementation is checked against ``sorted_xla`` on
 the same inputs (largest difference over the largest value, bf16). With ``--kernels`` the
 blocked kernels are also timed one by one (``pallas_kernels.grouped_matmul``) against the
-equal-group einsum of each.
+equal-group einsum of each, and on a Hopper GPU the same six products through the Mosaic GPU
+kernels on the layout's rows (``mosaic_cases``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 from benchmarks import timing
 from kimi_k3.layers import moe as moe_lib
+from kimi_k3.ops import grouped_matmul as go
 from kimi_k3.ops import routed_experts as re_lib
 from pallas_kernels import grouped_matmul as gk
 
@@ -99,6 +101,29 @@ def bench(impl, tiles, args_, reps, dy, capacity_factor=1.25):
             "fwd_bwd_ms": timing.time_jax(b, *args_, batches=reps).ms}
 
 
+def mosaic_cases(x, lay, wi2, wo, h, a, dy, BM):
+    """The same six products through the Hopper Mosaic GPU kernels (``kimi_k3.ops.
+    grouped_matmul``) on the blocked layout's rows, each expert's blocks one group (padding rows
+    zero), the token rows gathered by XLA into the layout's order inside the timed call: what
+    a layout that let Mosaic GPU take some of the products would cost."""
+    A = lay.pos.size
+    D, F = x.shape[1], wo.shape[1]
+    sizes = ((lay.block_end - lay.block_start) * BM).astype(jnp.int32)
+    rows = lambda m: jnp.take(m, lay.rows, axis=0, mode="fill", fill_value=0)
+    return {
+        "mosaic x->h (XLA gather)": (lambda: go.mosaic_products(rows(x), wi2, sizes), (A, D, 2 * F)),
+        "mosaic a->z": (lambda: go.mosaic_products(a, wo, sizes), (A, F, D)),
+        "mosaic dy->da (XLA gather)": (lambda: go.mosaic_products(rows(dy), wo, sizes,
+                                                                  transpose_rhs=True), (A, D, F)),
+        "mosaic dh->dx": (lambda: go.mosaic_products(h, wi2, sizes, transpose_rhs=True),
+                          (A, 2 * F, D)),
+        "mosaic wgrad x,dh->dWi (XLA gather)": (lambda: go.mosaic_weight_grad(rows(x), h, sizes),
+                                                (A, D, 2 * F)),
+        "mosaic wgrad a,dy->dWo (XLA gather)": (lambda: go.mosaic_weight_grad(a, rows(dy), sizes),
+                                                (A, F, D)),
+    }
+
+
 def kernel_rows(x, ids, wi, wo, tiles, reps, which="all", ceilings=None):
     """The blocked kernels one by one at these shapes (those whose name holds ``which``, or
     all), each against its equal-group einsum (timed once per shape into ``ceilings``)."""
@@ -126,12 +151,19 @@ def kernel_rows(x, ids, wi, wo, tiles, reps, which="all", ceilings=None):
         "wgrad a,dy->dWo": (lambda: gk.wgrad(a, dy, lay.block_start, lay.block_end,
                                              rows_b=lay.rows, tiles=tiles), (A, F, D)),
     }
+    if go.mosaic_gpu_fits(D, F, x.dtype) is None and jax.default_backend() == "gpu":
+        cases.update(mosaic_cases(x, lay, wi2, wo, h, a, dy, tiles.block_m))
     rows = []
     for name, (fn, (A_, K_, N_)) in cases.items():
         if which != "all" and which not in name:
             continue
-        f, _ = timing.compile_jax(jax.jit(fn))
-        ms = timing.time_jax(f, batches=reps).ms
+        try:
+            f, _ = timing.compile_jax(jax.jit(fn))
+            ms = timing.time_jax(f, batches=reps).ms
+        except Exception as e:  # one kernel that does not run here must not stop the others
+            rows.append(f"| {tile_label(tiles)} | {name} | failed: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160]} | | | |")
+            continue
         if (A_, K_, N_) not in ceilings:
             lhs = jnp.zeros((E, A_ // E, K_), x.dtype) + 0.1
             rhs = jnp.zeros((E, K_, N_), x.dtype) + 0.1

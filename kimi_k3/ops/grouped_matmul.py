@@ -66,7 +66,9 @@ def _zero_past(out_AxN: jax.Array, sizes_G: jax.Array) -> jax.Array:
 # Jitted so that every call site of the same shapes (the layers of a scanned unit, the forward
 # and its recomputation) shares one lowering: Mosaic GPU kernels are slow to lower.
 @functools.partial(jax.jit, static_argnames="transpose_rhs")
-def _mgpu_forward(lhs_AxK, rhs_GxKxN, sizes_G, transpose_rhs=False):
+def mosaic_products(lhs_AxK, rhs_GxKxN, sizes_G, transpose_rhs=False):
+    """out[a] = lhs[a] @ rhs[g(a)] (rhs[g]^T with ``transpose_rhs``) for rows sorted by group,
+    through the Hopper kernel; rows past sum(sizes) zero."""
     fwd, _ = _mosaic_modules()
     out = fwd.ragged_dot(lhs_AxK, rhs_GxKxN, group_sizes=sizes_G, block_m=_BLOCK_M,
                          block_n=_BLOCK_N, block_k=_BLOCK_K, max_concurrent_steps=_STEPS,
@@ -76,15 +78,15 @@ def _mgpu_forward(lhs_AxK, rhs_GxKxN, sizes_G, transpose_rhs=False):
 
 @jax.custom_vjp
 def _mgpu(lhs_AxK, rhs_GxKxN, sizes_G):
-    return _mgpu_forward(lhs_AxK, rhs_GxKxN, sizes_G)
+    return mosaic_products(lhs_AxK, rhs_GxKxN, sizes_G)
 
 
 def _mgpu_fwd(lhs_AxK, rhs_GxKxN, sizes_G):
-    return _mgpu_forward(lhs_AxK, rhs_GxKxN, sizes_G), (lhs_AxK, rhs_GxKxN, sizes_G)
+    return mosaic_products(lhs_AxK, rhs_GxKxN, sizes_G), (lhs_AxK, rhs_GxKxN, sizes_G)
 
 
 @jax.jit
-def _mgpu_weight_grad(lhs_AxK, dout_AxN, sizes_G):
+def mosaic_weight_grad(lhs_AxK, dout_AxN, sizes_G):
     """d rhs[g] = lhs_g^T d out_g: the contraction runs over the rows of each group."""
     _, wgrad = _mosaic_modules()
     return wgrad.transposed_ragged_dot(
@@ -96,8 +98,8 @@ def _mgpu_bwd(res, dout_AxN):
     lhs_AxK, rhs_GxKxN, sizes_G = res
     dout_AxN = _zero_past(dout_AxN.astype(lhs_AxK.dtype), sizes_G)
     # d lhs = d out @ rhs^T per group: rhs [G, K, N] read as [G, N', K'] with N' = K, K' = N.
-    dlhs_AxK = _mgpu_forward(dout_AxN, rhs_GxKxN, sizes_G, transpose_rhs=True)
-    drhs_GxKxN = _mgpu_weight_grad(lhs_AxK, dout_AxN, sizes_G)
+    dlhs_AxK = mosaic_products(dout_AxN, rhs_GxKxN, sizes_G, transpose_rhs=True)
+    drhs_GxKxN = mosaic_weight_grad(lhs_AxK, dout_AxN, sizes_G)
     sizes_zero = jnp.zeros(sizes_G.shape, jax.dtypes.float0)
     return dlhs_AxK, drhs_GxKxN.astype(rhs_GxKxN.dtype), sizes_zero
 
