@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import device
+from pallas_kernels.tuning import pow2_tile
 
 f32 = jnp.float32
 
@@ -57,12 +58,10 @@ DEFAULT_TILES = GmmTiles()
 
 def _tile(size: int, want: int, name: str) -> int:
     """The largest power of two <= ``want`` dividing ``size`` (at least 16: Triton's dots)."""
-    t = want
-    while t >= 16:
-        if size % t == 0:
-            return t
-        t //= 2
-    raise ValueError(f"grouped matmul: {name} = {size} must be a multiple of 16")
+    tile = pow2_tile(size, want)
+    if tile is None:
+        raise ValueError(f"grouped matmul: {name} = {size} must be a multiple of 16")
+    return tile
 
 
 def _load_rows(ref, rows_BM, cols):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import device
+from pallas_kernels.tuning import pow2_tile
 
 f32 = jnp.float32
 
@@ -46,12 +47,7 @@ DEFAULT_TILES = SwigluTiles()
 def columns_for(F: int, tiles: SwigluTiles = DEFAULT_TILES) -> int | None:
     """The column tile for a width F: the largest power of two <= tiles.columns that divides
     F and is at least 16, or None when there is none (the layer then keeps XLA's form)."""
-    bf = tiles.columns
-    while bf >= 16:
-        if F % bf == 0:
-            return bf
-        bf //= 2
-    return None
+    return pow2_tile(F, tiles.columns)
 
 
 def swiglu_reference(h_Nx2xF: jax.Array) -> jax.Array:

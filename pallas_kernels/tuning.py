@@ -8,6 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 
+
+def pow2_tile(size: int, want: int, least: int = 16) -> int | None:
+    """The largest power of two <= ``want`` that divides ``size`` and is at least ``least``
+    (Triton's dots take no smaller tile), or None when there is none."""
+    t = want
+    while t >= least:
+        if size % t == 0:
+            return t
+        t //= 2
+    return None
+
+
 # The state passes aim for this many programs when KernelTuning.bv_seq is 0 (automatic).
 TARGET_PROGRAMS = 256
 

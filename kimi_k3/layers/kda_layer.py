@@ -162,11 +162,7 @@ class KDALayer(nnx.Module):
             raise ValueError("KDALayer: segment_ids must be None when continuing from a cache")
         c = cache if cache is not None else {}
         # Named scopes label the parts in profiles (benchmarks/step_profile.py).
-        with jax.named_scope("kda_proj"):
-            q, k, v = self.q_proj(x_BxTxD), self.k_proj(x_BxTxD), self.v_proj(x_BxTxD)
-            f_BxTxHVxK = self.f_up(self.f_down(x_BxTxD))
-            b_BxTxHV = self.b_proj(x_BxTxD)
-            o_gate_BxTxHVxV = self.g_up(self.g_down(x_BxTxD))
+        q, k, v, f_BxTxHVxK, b_BxTxHV, o_gate_BxTxHVxV = self._project(x_BxTxD)
         with jax.named_scope("kda_conv"):
             # SiLU, and the L2 norm per head for q and k: inside the convolution kernels
             # (conv_impl "pallas"), after the convolution otherwise.
@@ -221,6 +217,16 @@ class KDALayer(nnx.Module):
             return out_BxTxD, None
         return out_BxTxD, {"state": state, "conv_q": tail_q, "conv_k": tail_k, "conv_v": tail_v}
 
+    def _project(self, x_BxTxD: jax.Array):
+        """The layer's projections of x, before their convolutions: q [B, T, H, K], k, v
+        [B, T, HV, V], the decay gate's pre-activation f [B, T, HV, K] and beta's [B, T, HV]
+        (low rank), the output gate's [B, T, HV, V] (low rank)."""
+        with jax.named_scope("kda_proj"):
+            q, k, v = self.q_proj(x_BxTxD), self.k_proj(x_BxTxD), self.v_proj(x_BxTxD)
+            f_BxTxHVxK = self.f_up(self.f_down(x_BxTxD))
+            return (q, k, v, f_BxTxHVxK, self.b_proj(x_BxTxD),
+                    self.g_up(self.g_down(x_BxTxD)))
+
     def step(self, x_Bx1xD: jax.Array, cache: dict[str, jax.Array], pos: jax.Array,
              layer: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """One decoding step: (out [B, 1, D], the cache after the token), the numbers of
@@ -233,11 +239,7 @@ class KDALayer(nnx.Module):
         del pos
         c = cache if layer is None else {name: a[layer] for name, a in cache.items()}
         K = self.spec.head_dim
-        with jax.named_scope("kda_proj"):
-            q, k, v = self.q_proj(x_Bx1xD), self.k_proj(x_Bx1xD), self.v_proj(x_Bx1xD)
-            f_Bx1xHVxK = self.f_up(self.f_down(x_Bx1xD))
-            b_Bx1xHV = self.b_proj(x_Bx1xD)
-            o_gate_Bx1xHVxV = self.g_up(self.g_down(x_Bx1xD))
+        q, k, v, f_Bx1xHVxK, b_Bx1xHV, o_gate_Bx1xHVxV = self._project(x_Bx1xD)
         with jax.named_scope("kda_conv"):
             q, tail_q = _conv_step(self.q_conv, q, c["conv_q"], l2=True)
             k, tail_k = _conv_step(self.k_conv, k, c["conv_k"], l2=True)
