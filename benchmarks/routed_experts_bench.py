@@ -201,6 +201,9 @@ def main(argv=None) -> None:
     if a.smoke:
         a.tokens, a.experts, a.top_k, a.d_model, a.expert_dim = "64", 4, 2, 32, 32
         a.impls, a.reps, a.tiles = "blocked,sorted_xla,capacity,ceiling", 1, ["16,32,16,4,1"]
+    if not a.capacity_factor > 0:
+        ap.error(f"--capacity_factor: {a.capacity_factor} must be > 0 (buffers of ceil(c N k / E) "
+                 f"rows per expert)")
     impls = a.impls.split(",")
     bad = [i for i in impls if i not in IMPLS]
     if bad:

@@ -627,3 +627,6 @@ def test_routed_experts_bench_checks_each_form_against_the_sorted_rows(capsys):
         assert float(rows[impl][4]) < 2e-2, rows[impl]  # bf16 against the sorted rows
     kernels = [r for r in out.splitlines() if "| wgrad " in r]
     assert len(kernels) == 2 and all(float(r.split("|")[3]) > 0 for r in kernels), out
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--capacity_factor=0"])
+    assert "--capacity_factor: 0.0 must be > 0" in capsys.readouterr().err
