@@ -22,14 +22,24 @@ the KDA peers (their columns read "—" without them). ``--list`` names each ent
 
 Each entry (``REGISTRY``) gives its command lines, the card it needs, the files it writes under
 ``--out_dir/<name>/`` besides ``log.txt`` (every command's output, with the command), and the
-wheels it imports. In the commands, ``{python}`` is this interpreter, ``{out}`` the entry's
-folder, ``{work}`` a scratch folder (run folders, traces, compilation caches: not kept with the
-results), ``{anchor}`` the ``--anchor`` script (the dense same-card baseline, a script the user
+wheels it imports. An entry may also have ``prepare`` commands: started together before its
+measured commands, each within its own time limit (their outputs in ``log.txt`` once all have
+ended), the measured commands then one after another; ``--print`` shows them as ``cmd &`` lines
+and a ``wait``. The training entries whose steps take minutes to compile use them, or their
+script's own ``--compile_first``, to compile every program at once into a JAX compilation cache
+(``{work}/jax_cache``) that their measured commands read. In the commands, ``{python}`` is this
+interpreter, ``{out}`` the entry's folder, ``{work}`` a scratch folder (run folders, traces,
+compilation caches: not kept with the results; ``--work_dir`` keeps it across calls),
+``{anchor}`` the ``--anchor`` script (the dense same-card baseline, a script the user
 supplies; the entry is skipped without it) and ``{fla_tuning}`` a copy, in ``{out}``, of
 ``benchmarks/results/fla_autotune_h200.tgz`` (fla's autotuning results, which kda_kernel.py
 extends: the copy comes back with the results). Each command gets the smaller of its own time
 limit and what is left of ``--budget_s``; its process group is killed past it. ``summary.md``
 lists every entry's status, seconds and files.
+
+``--work_dir=DIR`` puts the scratch folders in DIR instead of a fresh temporary folder: before
+an entry runs, its folder there is emptied but for its compilation cache (``jax_cache``), so a
+call that was cut short leaves the programs it compiled to the next call on the same machine.
 
 ``all`` runs, in registry order, the entries whose card this host has (GPUs counted with
 ``nvidia-smi -L``) and whose needs are met, for up to the sum of their time limits (``--list``);
@@ -65,6 +75,7 @@ FLA_TUNING = "benchmarks/results/fla_autotune_h200.tgz"
 WHEEL_MODULES = {"ml-collections": "ml_collections", "tensorboardX": "tensorboardX",
                  "fla-core": "fla", "jax-linear-attention": "jla"}
 MIN_START_S = 30  # an entry is not started with less of --budget_s left
+KEPT_IN_WORK = ("jax_cache",)  # what --work_dir keeps of an entry's scratch folder between calls
 ONE_B = ("--d_model=2048", "--num_layers=20", "--heads=16", "--head_dim=128", "--kv_lora_rank=512")
 
 
@@ -84,8 +95,9 @@ class Command:
 class Benchmark:
     """A registry entry: what it measures (``what``, the BENCHMARKS.md section), its commands,
     the GPUs it needs (0: CPU) and on which card (``card``), the files it writes in its folder,
-    the wheels it needs (``wheels``) or uses when present (``optional``), and whether it needs
-    ``--anchor``."""
+    the wheels it needs (``wheels``) or uses when present (``optional``), whether it needs
+    ``--anchor``, and ``prepare``: commands started together before ``commands`` (compiling
+    ahead), each within its own time limit."""
 
     what: str
     commands: tuple[Command, ...]
@@ -95,6 +107,12 @@ class Benchmark:
     wheels: tuple[str, ...] = ("ml-collections",)
     optional: tuple[str, ...] = ()
     needs_anchor: bool = False
+    prepare: tuple[Command, ...] = ()
+
+    def time_limit(self) -> int:
+        """Seconds at most: the longest prepare command's, then every command's in turn."""
+        return max((c.timeout_s for c in self.prepare), default=0) + sum(
+            c.timeout_s for c in self.commands)
 
 
 def py(script: str, *args: str, **kw) -> Command:
@@ -125,6 +143,13 @@ MOE_LOSS_FLAGS = ("--config.model.moe.num_experts=16 --config.model.moe.top_k=4 
 NO_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}  # every kernel its own trace event
 # JAX's allocator growing on demand: PyTorch (fla) shares the card in the same process.
 SHARED = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+# A compilation cache shared by an entry's commands: what its prepare commands compile (several
+# processes at once, their allocators growing on demand) its measured commands read.
+JAX_CACHE = "--compilation_cache={work}/jax_cache"
+# moe_train: the step profiles with 95% of the card for JAX; the compile-only runs keep that
+# fraction (the allocator's limit, which the micro-batch estimate reads: the same micro-batch,
+# the same program) and share the card.
+MOE_TRAIN_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
 REGISTRY: dict[str, Benchmark] = {
     "kda_kernel": Benchmark(
@@ -170,13 +195,14 @@ REGISTRY: dict[str, Benchmark] = {
             "--out={out}/throughput_small.md", timeout_s=300),),
         writes=("throughput_small.md",), wheels=TRAIN),
     "fp8_train": Benchmark(
-        "FP8 training: configs/1b.py (8 rows a step) in bf16 and FP8, then the anchor",
+        "FP8 training: configs/1b.py (8 rows a step) in bf16 and FP8, both steps compiled at "
+        "once first (train_throughput.py --compile_first), then each run, then the anchor",
         (py("benchmarks/train_throughput.py", "--config=configs/1b.py",
             "--config.data.global_batch_size=8",
             "--config.train.steps=6", "--config.train.log_every=2", "--variant=bf16=",
             "--variant=fp8=--config.model.matmul_format=fp8", "--anchor={anchor}",
-            "--timeout_s=280", "--workdir={work}/runs", "--out={out}/fp8_1b.md",
-            timeout_s=600),),
+            "--compile_first", JAX_CACHE, "--timeout_s=300", "--workdir={work}/runs",
+            "--out={out}/fp8_1b.md", timeout_s=600),),
         card=FP8_CARD, writes=("fp8_1b.md",), wheels=FP8, needs_anchor=True),
     "fp8_loss": Benchmark(
         "FP8 training: loss at configs/small.py's shapes, FP8 against bf16 and a second seed",
@@ -303,15 +329,19 @@ REGISTRY: dict[str, Benchmark] = {
         card=HOPPER, writes=("routed_experts.md",)),
     "moe_train": Benchmark(
         "Mixture of experts: the training step of configs/moe_1b.py as written, profiled, then "
-        "configs/1b.py's",
+        "configs/1b.py's (both compiled at once first)",
         tuple(py("benchmarks/step_profile.py", f"--config=configs/{name}.py", "--steps=2",
                  "--trace_steps=1", f"--trace_dir={{work}}/trace_{name}",
                  f"--out={{out}}/profile_{name}.md", f"--ops_out={{out}}/ops_{name}.csv",
-                 timeout_s=330, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"})
+                 JAX_CACHE, timeout_s=330, env=MOE_TRAIN_ENV)
               for name in ("moe_1b", "1b")),
         card="an H100 (the 80 GB card moe_1b must fit)",
         writes=("profile_moe_1b.md", "profile_1b.md", "ops_moe_1b.csv", "ops_1b.csv"),
-        wheels=TRAIN),
+        wheels=TRAIN,
+        prepare=tuple(py("benchmarks/step_profile.py", f"--config=configs/{name}.py",
+                         "--compile_only", JAX_CACHE, timeout_s=420,
+                         env={**MOE_TRAIN_ENV, **SHARED})
+                      for name in ("moe_1b", "1b"))),
     "moe_state_loss": Benchmark(
         "Mixture of experts: loss with bf16 moments and gradient sums against float32 state, "
         "configs/small.py with 16 experts",
@@ -403,11 +433,13 @@ def describe(name: str) -> str:
     gpus = "CPU" if b.gpus == 0 else f"{b.gpus} GPU{'s' if b.gpus > 1 else ''}"
     wheels = ", ".join([*b.wheels, *(f"{w} (optional)" for w in b.optional)]) or "none"
     files = ", ".join(["log.txt", *b.writes])
-    limit = sum(c.timeout_s for c in b.commands)
+    limit = b.time_limit()
     lines = [f"{name}: {b.what}", f"    card: {gpus}, {b.card}; time limit {limit} s",
              f"    writes: {name}/ {files}", f"    wheels: {wheels}"]
     if b.needs_anchor:
         lines.append("    needs: --anchor=PATH (the dense anchor script)")
+    if b.prepare:
+        lines.append(f"    first: {len(b.prepare)} commands together (compiling ahead)")
     return "\n".join(lines)
 
 
@@ -482,13 +514,68 @@ def run_command(cmd: Command, values: dict[str, str], env: dict[str, str], log, 
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_group(proc)
             rc = f"timed out after {timeout:.0f} s"
     log.write(f"[run] exit {rc} after {sw.seconds:.1f} s\n\n")
     log.flush()
     return rc, sw.seconds
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_together(cmds, values: dict[str, str], env: dict[str, str], log, limits,
+                 poll_s: float = 0.2) -> list[tuple[int | str, float]]:
+    """Starts every command of ``cmds`` at once, each in its own process group with its output
+    in a file of its own in ``{work}`` (stdout in its ``{out}`` file when it names one), and
+    kills each group past its own limit (``limits``); once all have ended, their outputs go to
+    ``log`` in turn, each after its command line. Returns (exit code or "timed out", seconds)
+    for each command."""
+    procs, logs = [], []
+    with contextlib.ExitStack() as stack:
+        for i, cmd in enumerate(cmds):
+            logs.append(os.path.join(values["work"], f"together_{i}.log"))
+            err = stack.enter_context(open(logs[-1], "w"))
+            out = (stack.enter_context(open(os.path.join(values["out"], cmd.stdout), "w"))
+                   if cmd.stdout else err)
+            procs.append(subprocess.Popen(
+                [fill(a, values) for a in cmd.argv], cwd=REPO,
+                env={**env, **{k: fill(v, values) for k, v in cmd.env}}, stdout=out, stderr=err,
+                start_new_session=True))
+        t0, ended = time.monotonic(), {}
+        while len(ended) < len(procs):
+            for i, proc in enumerate(procs):
+                if i in ended:
+                    continue
+                rc = proc.poll()
+                if rc is None and time.monotonic() - t0 > limits[i]:
+                    _kill_group(proc)
+                    rc = f"timed out after {limits[i]:.0f} s"
+                if rc is not None:
+                    ended[i] = (rc, time.monotonic() - t0)
+            time.sleep(poll_s if len(ended) < len(procs) else 0)
+    for cmd, part, (rc, seconds) in zip(cmds, logs, (ended[i] for i in range(len(procs))),
+                                        strict=True):
+        log.write(f"$ {command_line(cmd, values)} &\n")
+        with open(part, errors="replace") as f:
+            shutil.copyfileobj(f, log)
+        log.write(f"[run] exit {rc} after {seconds:.1f} s (started with the others)\n\n")
+    log.flush()
+    return [ended[i] for i in range(len(procs))]
+
+
+def clear_scratch(work: Path) -> None:
+    """--work_dir: an entry's scratch folder emptied but for what it keeps between calls."""
+    for path in work.iterdir() if work.is_dir() else ():
+        if path.name in KEPT_IN_WORK:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def run_entry(name: str, out_dir: Path, work_root: Path, env: dict[str, str], args,
@@ -506,17 +593,30 @@ def run_entry(name: str, out_dir: Path, work_root: Path, env: dict[str, str], ar
     absent = missing_modules(b.optional, env)
     out = out_dir / name
     work = work_root / name
+    clear_scratch(work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     values = {"python": sys.executable, "out": str(out), "work": str(work),
               "anchor": os.path.abspath(args.anchor) if args.anchor else "",
               "fla_tuning": str(out / "fla_autotune.tgz")}
-    if any("{fla_tuning}" in a for c in b.commands for a in (*c.argv, *dict(c.env).values())):
+    if any("{fla_tuning}" in a for c in (*b.prepare, *b.commands)
+           for a in (*c.argv, *dict(c.env).values())):
         shutil.copy(REPO / FLA_TUNING, values["fla_tuning"])
     print(f"[run] {name}: {b.what}", flush=True)
     if absent:
         print(f"[run] {name}: without {', '.join(absent)} (its columns stay empty)", flush=True)
     with open(out / "log.txt", "a") as log:
+        left = deadline - time.monotonic()
+        if b.prepare and left >= MIN_START_S:
+            for cmd in b.prepare:
+                print(f"[run]   $ {command_line(cmd, values)} &", flush=True)
+            done = run_together(b.prepare, values, env, log,
+                                [min(args.timeout_s or c.timeout_s, left) for c in b.prepare])
+            row["seconds"] += max(seconds for _, seconds in done)
+            failed = [rc for rc, _ in done if rc != 0]
+            if failed:  # the measured commands run all the same, compiling what they lack
+                row["status"] = "prepare: " + (f"exit {failed[0]}" if isinstance(failed[0], int)
+                                               else failed[0])
         for cmd in b.commands:
             left = deadline - time.monotonic()
             if left < MIN_START_S:
@@ -577,6 +677,9 @@ def parse_args(argv=None):
                     help="each command's limit instead of the registry's")
     ap.add_argument("--pack", action="store_true",
                     help="leave summary.md and results.tgz (the folders) in --out_dir")
+    ap.add_argument("--work_dir", default="",
+                    help="scratch folders here, each emptied before its entry but for its "
+                         "compilation cache (default: a fresh temporary folder)")
     args = ap.parse_args(argv)
     if args.anchor and not os.path.isfile(args.anchor):
         ap.error(f"--anchor: no file {args.anchor!r}")
@@ -602,10 +705,17 @@ def main(argv=None) -> list[dict]:
         values = {"python": "python3", "anchor": args.anchor or "PATH/TO/dense_anchor.py",
                   "fla_tuning": FLA_TUNING}
         for name in names:
-            print(f"# {name}: {REGISTRY[name].what}")
-            for cmd in REGISTRY[name].commands:
-                print(command_line(cmd, {**values, "out": f"{args.out_dir}/{name}",
-                                         "work": f"/tmp/bench_work/{name}"}))
+            b = REGISTRY[name]
+            filled = {**values, "out": f"{args.out_dir}/{name}",
+                      "work": f"{args.work_dir or '/tmp/bench_work'}/{name}"}
+            print(f"# {name}: {b.what}")
+            if b.prepare:
+                print("# started together, each within its limit; then the commands after "
+                      "'wait', one at a time")
+                print("\n".join(f"{command_line(cmd, filled)} &" for cmd in b.prepare))
+                print("wait")
+            for cmd in b.commands:
+                print(command_line(cmd, filled))
         return []
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -613,7 +723,8 @@ def main(argv=None) -> list[dict]:
     if args.wheels:
         install_wheels(args.wheels, site)
     env = child_env(site)
-    work_root = Path(tempfile.mkdtemp(prefix="bench_work_"))
+    work_root = (Path(args.work_dir).resolve() if args.work_dir
+                 else Path(tempfile.mkdtemp(prefix="bench_work_")))
     deadline = time.monotonic() + (args.budget_s or float("inf"))
     print(f"[run] {len(names)} benchmarks: {', '.join(names)}; results in {out_dir}, scratch in "
           f"{work_root}", flush=True)

@@ -28,6 +28,19 @@ the gap between the step's wall time and the sum of kernel times (host work, lau
 idle), and where the device sat idle: each gap between kernels on the device timeline, summed
 by the part of the kernel that came after it. The trace itself stays in ``--trace_dir`` for
 Perfetto / TensorBoard.
+
+Compiling ahead: ``--compile_only`` builds the setup as the profile does (``train_lib.build``
+of the config's RunSpec: same mesh and micro-batch, whose estimate compiles a gradient when
+``train.microbatch_size`` is 0), compiles the initialiser and the train step from shapes alone
+(``train_lib.compile_ahead``: no train state allocated, so several can share a card with
+``XLA_PYTHON_CLIENT_PREALLOCATE=false``), prints a line per program and exits. With the same
+``--compilation_cache=DIR`` (kimi_k3/compile_cache.py) the profile then reads every one of them
+from DIR; its header says whether the step came from the cache and what the cache did in the
+process (programs read; programs compiled and written):
+
+    python benchmarks/step_profile.py --config=configs/1b.py --compilation_cache=/tmp/jc \
+        --compile_only
+    python benchmarks/step_profile.py --config=configs/1b.py --compilation_cache=/tmp/jc
 """
 
 from __future__ import annotations
@@ -54,10 +67,10 @@ from benchmarks.trace_parts import (
     op_names_from_hlo,
     part_and_phase,
 )
+from kimi_k3 import compile_cache, train_lib
 from kimi_k3 import data as data_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
-from kimi_k3 import train_lib
 from kimi_k3.config import run_spec
 from kimi_k3.model import flops_per_token
 
@@ -67,21 +80,38 @@ flags.DEFINE_integer("trace_steps", 3, "Steps recorded by the profiler (0: no tr
 flags.DEFINE_string("trace_dir", "", "Where the profiler trace goes; default a temporary folder.")
 flags.DEFINE_string("out", "", "Markdown file for the table (also printed).")
 flags.DEFINE_string("ops_out", "", "CSV of every kernel: ms per step, HLO op, part, phase, op_name.")
+flags.DEFINE_bool("compile_only", False, "Compile the profile's initialiser and train step into "
+                  "--compilation_cache, print a line for each and exit: nothing runs.")
+_CACHE = compile_cache.define_flag()
 FLAGS = flags.FLAGS
+COMPILED_PREFIX = "compile_only:"  # --compile_only's line for each program
 
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
 
 
+def build(config) -> train_lib.Setup:
+    """The trainer's setup for ``config``, as the profile (and --compile_only) builds it."""
+    spec = run_spec(config)
+    return train_lib.build(spec, mesh_lib.make_mesh(spec.mesh))
+
+
+def compile_only(config) -> list[str]:
+    """--compile_only: the profile's programs compiled ahead (``train_lib.compile_ahead``);
+    a line each."""
+    setup = build(config)
+    return [f"{COMPILED_PREFIX} {program} (micro-batch {setup.microbatch_size} rows)"
+            for program in train_lib.compile_ahead(setup)]
+
+
 def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     """Times the trainer's step for ``config`` and attributes its kernels to model parts."""
-    spec = run_spec(config)
-    mesh = mesh_lib.make_mesh(spec.mesh)
+    setup = build(config)
+    spec = setup.spec
     B, T = spec.data.global_batch_size, spec.data.seq_len
     stream, _ = data_lib.load_split_streams(spec.data, spec.model.vocab_size)
     rows = data_lib.PackedRows(stream, T, spec.seed, spec.data.shuffle)
-    setup = train_lib.build(spec, mesh)
     it = data_lib.BatchIterator(rows, B, data_lib.host_batch_slice(setup.batch_sharding, (B, T)))
     batches = [train_lib.global_batch(next(it), setup.batch_sharding, B) for _ in range(4)]
     state = setup.init_state()
@@ -89,7 +119,8 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     # Compiled once, ahead of the first step: the trace's kernel names then match this very
     # executable's HLO text (a second compile may number its fusions differently), and the
     # 1B step is not compiled twice.
-    with timing.stopwatch() as compiling, setup.context():
+    with timing.stopwatch() as compiling, compile_cache.counting() as step_cache, \
+            setup.context():
         step_fn = setup.train_step.lower(state, batches[0]).compile()
     compile_s = compiling.seconds
     hlo = step_fn.as_text()
@@ -106,7 +137,7 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     # Two warm-up steps, then each step a batch of its own, waited for (the state threads
     # through the steps; benchmarks/timing.py).
     step_s = timing.time_jax(one_step, warmup=2, calls=1, batches=steps).seconds
-    result = {"step_s": step_s, "compile_s": compile_s, "tokens": B * T,
+    result = {"step_s": step_s, "compile_s": compile_s, "step_cache": step_cache, "tokens": B * T,
               "flops_per_token": flops_per_token(spec.model, T),
               "peak_bytes": metrics_lib.peak_memory_bytes(), "parts": {}, "top": []}
     if trace_steps <= 0:
@@ -122,6 +153,19 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     return result
 
 
+def _cache_text(r: dict) -> str:
+    """The header's words on JAX's persistent cache: where the step came from, and what the
+    cache did in the whole process (``r["cache"]``, when counted)."""
+    step = r.get("step_cache")
+    if step is None:
+        return ""
+    where = ("read from the persistent cache" if step.hits else
+             "compiled and written to the persistent cache" if step.misses else
+             "compiled, not cached")
+    total = f"; the process's persistent cache: {r['cache']}" if r.get("cache") else ""
+    return f" (the train step {where}){total}"
+
+
 def format_table(r: dict, title: str) -> str:
     step_ms = 1e3 * r["step_s"]
     peak = 989e12 if jax.default_backend() == "gpu" else None
@@ -131,7 +175,7 @@ def format_table(r: dict, title: str) -> str:
         f"step {step_ms:.1f} ms, {r['tokens'] / r['step_s']:,.0f} tokens/s"
         + (f", MFU {100 * mfu:.1f}% (989 TFLOP/s dense bf16)" if mfu else "")
         + (f", peak {r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "")
-        + f"; compilation {r['compile_s']:.0f} s", "",
+        + f"; compilation {r['compile_s']:.0f} s{_cache_text(r)}", "",
     ]
     if not r["parts"]:
         return "\n".join(lines)
@@ -160,12 +204,23 @@ def format_table(r: dict, title: str) -> str:
 
 
 def main(argv):
-    del argv
-    trace_parts.commands_apart()
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.compile_only and not FLAGS.compilation_cache:
+        raise app.UsageError("--compile_only needs a cache to compile into: --compilation_cache "
+                             "is ''")
+    trace_parts.commands_apart()  # the XLA flags (part of the cache key) of both modes
+    compile_cache.enable(FLAGS.compilation_cache)
     config = FLAGS.config
     config.checkpoint.enabled = False
+    if FLAGS.compile_only:
+        for line in compile_only(config):
+            print(line, flush=True)
+        return
     trace_dir = FLAGS.trace_dir or os.path.join("/tmp", f"step_profile_{os.getpid()}")
-    r = profile(config, FLAGS.steps, FLAGS.trace_steps, trace_dir)
+    with compile_cache.counting() as cache:
+        r = profile(config, FLAGS.steps, FLAGS.trace_steps, trace_dir)
+    r["cache"] = cache
     dev = jax.devices()[0]
     title = (f"Step profile: `{' '.join(sys.argv[1:])}`; {dev.device_kind}, JAX "
              f"{jax.__version__}, {time.strftime('%Y-%m-%d')}")

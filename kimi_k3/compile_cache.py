@@ -5,11 +5,19 @@ time, the Mosaic GPU kernels seconds each: a second run of the same shapes reads
 programs from disk instead. ``train.py``, ``eval.py`` and ``generate.py`` take
 ``--compilation_cache=DIR`` (default :data:`DEFAULT_DIR`; "" turns it off). A cache folder set
 in the environment (``JAX_COMPILATION_CACHE_DIR``) wins over the default.
+
+``counting()`` counts what the cache did for a stretch of a process, from JAX's monitoring
+events: a hit is a program read from the cache instead of compiled; a miss, a program compiled
+and written to it (JAX records a miss only when it writes: a program compiled in less than
+``jax_persistent_cache_min_compile_time_secs`` is neither).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator
 
 import jax
 from absl import flags
@@ -39,3 +47,38 @@ def enable(path: str) -> str | None:
                          "another folder, or '' to compile without a cache") from err
     jax.config.update("jax_compilation_cache_dir", path)
     return path
+
+
+HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the cache
+MISS_EVENT = "/jax/compilation_cache/cache_misses"  # a program compiled and written to it
+
+
+@dataclasses.dataclass
+class Count:
+    """Persistent-cache events while ``counting()``: programs read from the cache (``hits``)
+    and programs compiled and written to it (``misses``)."""
+
+    hits: int = 0
+    misses: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.hits} read, {self.misses} compiled and written"
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Count]:
+    """Counts the persistent cache's hits and misses (module docstring) in this process while
+    open; counts may nest."""
+    count = Count()
+
+    def listener(event: str, **_) -> None:
+        if event == HIT_EVENT:
+            count.hits += 1
+        elif event == MISS_EVENT:
+            count.misses += 1
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_listener(listener)

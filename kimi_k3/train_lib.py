@@ -5,7 +5,9 @@
 ``train(config, workdir)`` reads top to bottom in sections: config, mesh, input, model and
 optimizer (shapes from ``jax.eval_shape``, nothing allocated), sharding, update step,
 checkpoint restore, loop. Everything it builds is importable (``build``, ``make_train_step``,
-``next_token_loss``) so tests drive the same code without the command line.
+``next_token_loss``) so tests drive the same code without the command line. ``compile_ahead``
+compiles a run's initialiser and step from shapes alone, nothing allocated: with JAX's
+persistent cache on, the run then reads them from it (the benchmarks' ``--compile_only``).
 
 Loss: the mean next-token cross-entropy over every position whose next token belongs to the
 same document (``segment_ids[t + 1] == segment_ids[t] != 0``); the last token of a document
@@ -54,11 +56,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_k3 import checkpoint as ckpt_lib
+from kimi_k3 import compile_cache, optim
 from kimi_k3 import data as data_lib
 from kimi_k3 import internals as internals_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
-from kimi_k3 import optim
 from kimi_k3 import sharding as sharding_lib
 from kimi_k3.config import ConfigError, RunSpec, check_context, kda_chunk, opt_spec, run_spec
 from kimi_k3.layers.attention import documents_per_row
@@ -309,8 +311,9 @@ class Setup:
     batch_sharding: NamedSharding
     train_step: object  # jitted
     eval_step: object  # jitted
-    init_state: object  # jitted, returns the sharded initial state
+    init_state: object  # () -> the sharded initial state (``init_program`` under the mesh)
     microbatch_size: int  # rows per forward/backward pass (train.microbatch_size, resolved)
+    init_program: object  # jitted: () -> the initial state; called by ``init_state``
 
     def context(self):
         """The mesh and the logical rules, in force while the model is traced."""
@@ -481,7 +484,54 @@ def build(config, mesh, model_fn=None) -> Setup:
 
     return Setup(spec, mesh, rules, graphdef, rest, tx, schedule, abstract_state,
                  state_shardings, moe_layers, batch_sharding, train_step, eval_step, init_fn,
-                 micro)
+                 micro, jit_init)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precompiled:
+    """A program ``compile_ahead`` compiled: its name, the seconds to trace, lower and compile
+    it (or read it from the cache), and what JAX's persistent cache did meanwhile."""
+
+    name: str
+    seconds: float
+    cache: compile_cache.Count
+
+    def __str__(self) -> str:
+        if self.cache.hits:
+            how = "read from the persistent cache"
+        elif self.cache.misses:
+            how = "compiled and written to the persistent cache"
+        else:
+            how = ("compiled, not cached (the cache is off, or it took less than "
+                   "jax_persistent_cache_min_compile_time_secs)")
+        return f"{self.name} {self.seconds:.1f} s, {how}"
+
+
+def abstract_batch(setup: Setup) -> dict:
+    """A global batch in shapes alone, as ``global_batch`` makes it: {"tokens", "segment_ids"},
+    int32 [B, T] ShapeDtypeStructs placed by ``setup.batch_sharding``."""
+    B, T = setup.spec.data.global_batch_size, setup.spec.data.seq_len
+    x_BxT = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=setup.batch_sharding)
+    return {"tokens": x_BxT, "segment_ids": x_BxT}
+
+
+def compile_ahead(setup: Setup) -> list[Precompiled]:
+    """Compiles what a run of ``setup`` compiles before its first step, the initialiser and
+    the train step, from shapes alone (``setup.abstract_state``, ``abstract_batch``): nothing
+    is allocated, and each program is lowered as the run's own call lowers it (``init_state()``,
+    ``train_step(state, batch)`` under ``setup.context()``: the same HLO, shardings, donation
+    and compiler options), so with JAX's persistent cache on (kimi_k3.compile_cache) the run
+    reads them from it. ``build`` compiled what it needed on the way (``choose_microbatch``'s
+    gradient, for a RunSpec with ``train.microbatch_size = 0``), into the cache as well."""
+    programs = (("initialiser", setup.init_program, ()),
+                ("train_step", setup.train_step, (setup.abstract_state, abstract_batch(setup))))
+    done = []
+    for name, fn, args in programs:
+        t0 = time.perf_counter()
+        with compile_cache.counting() as count, setup.context():
+            fn.lower(*args).compile()
+        done.append(Precompiled(name, time.perf_counter() - t0, count))
+    return done
 
 
 def moe_report(m: dict, moe_layers) -> dict:

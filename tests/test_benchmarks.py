@@ -1,11 +1,13 @@
 """The measuring scripts themselves: the step profiler attributes kernels to model parts, the
-attention benchmark checks its implementations against each other (CPU smoke runs)."""
+attention benchmark checks its implementations against each other (CPU smoke runs); a
+compile-only run puts exactly the measured run's programs in the compilation cache."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
 import os
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import load_config
+from tests.helpers import TINY, env, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -527,7 +529,7 @@ def test_every_runner_command_parses_with_its_scripts_flags(capsys):
     problems, jobs, scripts = [], [], set()
     for name, b in run.REGISTRY.items():
         assert b.commands and b.what, name
-        for cmd in b.commands:
+        for cmd in (*b.prepare, *b.commands):
             line = run.command_line(dataclasses.replace(cmd, stdout=""), values)
             assert "{" not in line, line  # every placeholder known
             if "{anchor}" in cmd.argv or cmd.argv[0] == "bash":
@@ -558,6 +560,22 @@ def test_every_runner_command_parses_with_its_scripts_flags(capsys):
         run.REGISTRY["kda_kernel"].commands[0],
         {**values, "out": "$OUT/kda_kernel", "work": "/tmp/bench_work/kda_kernel"})]
     assert "--no_xla" in printed[1] and len(printed) == 6, printed
+    # An entry compiling ahead: its prepare commands backgrounded together, then "wait", then
+    # the measured commands; every one of them with the entry's cache.
+    run.main(["moe_train", "--print", "--out_dir=$OUT"])
+    printed = capsys.readouterr().out.splitlines()
+    wait = printed.index("wait")
+    prepare, measured = printed[wait - 2:wait], printed[wait + 1:]
+    assert all(line.endswith(" --compile_only "
+                             "--compilation_cache=/tmp/bench_work/moe_train/jax_cache &")
+               and "XLA_PYTHON_CLIENT_PREALLOCATE=false" in line for line in prepare), printed
+    assert len(measured) == 2 and all(
+        "--compilation_cache=/tmp/bench_work/moe_train/jax_cache" in line
+        and "--compile_only" not in line for line in measured), printed
+    for lines in (prepare, measured):
+        assert ["moe_1b.py" in lines[0], "configs/1b.py" in lines[1]] == [True, True], lines
+    fp8 = run.REGISTRY["fp8_train"].commands[0].argv
+    assert "--compile_first" in fp8 and run.JAX_CACHE in fp8
 
 
 def test_the_runner_runs_each_entry_in_its_folder_with_a_time_limit(tmp_path, monkeypatch, capsys):
@@ -581,6 +599,22 @@ def test_the_runner_runs_each_entry_in_its_folder_with_a_time_limit(tmp_path, mo
                               needs_anchor=True, wheels=()),
         "wheeled": Benchmark("needs a missing wheel", (Command(("{python}", "-c", "pass")),),
                              gpus=2, wheels=("no-such-distribution",)),
+        # "first" ends only if "second" runs beside it; "stuck" is stopped at its limit; the
+        # measured command comes after them all.
+        "prepared": Benchmark("prepare commands together, then the measured one", (Command(
+            ("{python}", "-c", "import os; print('after', sorted(os.listdir('{work}')))")),),
+            wheels=(), gpus=0, prepare=(
+                Command(("{python}", "-c", "import os, time\n"
+                         "while not os.path.exists('{work}/second'): time.sleep(0.05)\n"
+                         "print('first done'); open('{work}/first', 'w')"), timeout_s=20),
+                Command(("{python}", "-c", "open('{work}/second', 'w'); print('second done')"),
+                        timeout_s=20),
+                Command(("{python}", "-c", "import time; time.sleep(60)"), timeout_s=2))),
+        # --work_dir: the scratch emptied before the entry, but for its compilation cache
+        "kept": Benchmark("keeps its cache", (Command(
+            ("{python}", "-c", "import os; print('found', sorted(os.listdir('{work}'))); "
+             "os.makedirs('{work}/jax_cache', exist_ok=True); os.makedirs('{work}/run')")),),
+            wheels=(), gpus=0),
     }
     monkeypatch.setattr(run, "REGISTRY", registry)
     monkeypatch.setattr(run, "GROUPS", {"pair": ("table", "slow")})
@@ -591,10 +625,12 @@ def test_the_runner_runs_each_entry_in_its_folder_with_a_time_limit(tmp_path, mo
     with pytest.raises(ValueError, match="no benchmark or group 'nope'"):
         run.select(["nope"], gpus=1, have_anchor=True)
     t0 = time.monotonic()
-    rows = run.main(["pair", "anchored", "wheeled", f"--out_dir={tmp_path}", "--pack"])
-    assert time.monotonic() - t0 < 30  # the sleeper was killed at its limit
+    rows = run.main(["pair", "anchored", "wheeled", "prepared", f"--out_dir={tmp_path}",
+                     "--pack"])
+    assert time.monotonic() - t0 < 30  # the sleepers were killed at their limits
     status = {r["name"]: r["status"] for r in rows}
     assert status["table"] == "ok", rows
+    assert status["prepared"] == "prepare: timed out after 2 s", rows
     assert status["slow"] == "timed out after 2 s"
     assert status["anchored"] == "skipped: needs --anchor=PATH"
     assert status["wheeled"].startswith("skipped: no-such-distribution not importable")
@@ -607,8 +643,19 @@ def test_the_runner_runs_each_entry_in_its_folder_with_a_time_limit(tmp_path, mo
         assert tar.extractfile("table/table.md").read() == b"| a |\n"
         work = tar.extractfile("table/x.md").read().decode()
         log = tar.extractfile("slow/log.txt").read().decode()
+        prepared = tar.extractfile("prepared/log.txt").read().decode()
     assert work.endswith("table") and not work.startswith(str(tmp_path))  # scratch elsewhere
     assert "started" in log and "timed out after 2 s" in log and "$ " in log
+    # each prepare command's output after its own command line, then the measured command's
+    sections = [prepared.index(t) for t in ("while not os.path", "first done\n", "second done\n",
+                                            "time.sleep(60)", "timed out after 2 s",
+                                            "after ['first', 'second'")]
+    assert sections == sorted(sections), prepared
+    assert prepared.count("$ ") == 4 and prepared.count("[run] exit 0 after") == 3, prepared
+    for _ in range(2):
+        run.main(["kept", f"--out_dir={tmp_path / 'kept'}", f"--work_dir={tmp_path / 'work'}"])
+    kept = (tmp_path / "kept" / "kept" / "log.txt").read_text()
+    assert "found []" in kept and "found ['jax_cache']" in kept, kept
     with pytest.raises(SystemExit):
         run.main(["nope", f"--out_dir={tmp_path}"])
     assert "no benchmark or group 'nope'" in capsys.readouterr().err
@@ -630,3 +677,66 @@ def test_routed_experts_bench_checks_each_form_against_the_sorted_rows(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--capacity_factor=0"])
     assert "--capacity_factor: 0.0 must be > 0" in capsys.readouterr().err
+
+
+def _train_step_entries(cache) -> list[str]:
+    """The cache's entries for the train step (JAX names an entry after its program)."""
+    return sorted(f for f in os.listdir(cache) if f.startswith("jit_train_step-"))
+
+
+def test_compiling_first_makes_each_measured_run_read_its_step_from_the_cache(
+        tmp_path, jax_cache, rng):
+    """train_throughput.py --compile_first, two variants of different shapes: both compiled
+    at once into a fresh cache, then each measured run reads its initialiser and train step
+    from it and compiles nothing into it (a step lowered otherwise than the compile-only
+    run's would have been written: a third entry); the two variants' steps are two entries."""
+    cache, work = tmp_path / "cache", tmp_path / "runs"
+    seq_len = int(rng.choice([48, 64]))
+    p = subprocess.run(
+        [sys.executable, "benchmarks/train_throughput.py", "--smoke", "--compile_first",
+         f"--compilation_cache={cache}", f"--workdir={work}", "--variant=a=",
+         f"--variant=b=--config.data.seq_len={seq_len}",
+         f"--config.seed={int(rng.integers(1000))}"],
+        cwd=REPO, env=env(jax_cache), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for label in ("a", "b"):
+        compiled = (work / f"{label}.compile.log").read_text()
+        assert "compile_only: train_step" in compiled and "written to the persistent cache" \
+            in compiled, compiled
+    rows = {r.split("|")[1].strip(): r.split("|") for r in p.stdout.splitlines()
+            if r.startswith("| ") and not r.startswith("| run")}
+    assert set(rows) == {"a", "b"}, p.stdout
+    assert rows["b"][3].strip() == f"4 x {seq_len}"
+    for label in ("a", "b"):
+        assert rows[label][-3].strip() == "2 read, 0 compiled and written", rows[label]
+        assert rows[label][-2].strip() == "ok", rows[label]
+    assert len(_train_step_entries(cache)) == 2
+
+
+def test_step_profile_reads_the_step_its_compile_only_run_wrote(tmp_path, jax_cache):
+    """step_profile.py --compile_only then the profile, with one cache: the profile's step is
+    read from it; --compile_only without a cache, and train_throughput.py's flags that do not
+    go together, are refused naming the flag."""
+    cache = tmp_path / "cache"
+    flags = [*TINY[:5], "--config.data.global_batch_size=2", f"--compilation_cache={cache}"]
+    run = lambda *args: subprocess.run([sys.executable, *args], cwd=REPO, env=env(jax_cache),
+                                       capture_output=True, text=True, timeout=300)
+    p = run("benchmarks/step_profile.py", *flags, "--compile_only")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("compile_only:")]
+    assert [ln.split()[1] for ln in lines] == ["initialiser", "train_step"], p.stdout
+    assert all("compiled and written to the persistent cache (micro-batch 2 rows)" in ln
+               for ln in lines), lines
+    entries = _train_step_entries(cache)
+    p = run("benchmarks/step_profile.py", *flags, "--steps=1", "--trace_steps=0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "(the train step read from the persistent cache); the process's persistent cache: " \
+        "2 read, 0 compiled and written" in p.stdout, p.stdout
+    assert _train_step_entries(cache) == entries and len(entries) == 1
+    for args, message in (
+            (["benchmarks/step_profile.py", "--compile_only", "--compilation_cache="],
+             "--compile_only needs a cache to compile into: --compilation_cache is ''"),
+            (["benchmarks/train_throughput.py", "--compile_only", "--variant=a="],
+             "--compile_only compiles one run's programs, not --variant's runs")):
+        p = run(*args)
+        assert p.returncode != 0 and message in p.stderr, (args, p.stderr[-2000:])
