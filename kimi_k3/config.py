@@ -186,6 +186,9 @@ def default_model_config() -> ml_collections.ConfigDict:
     # the FLOPs, no sort) | "auto" (kimi_k3/dispatch.py)
     cfg.moe.remat_experts = False  # "blocked": keep only the experts' input for the backward
     # pass and compute their hidden activations again there (less memory, one more matmul)
+    cfg.moe.latent_dim = 0  # 0 = off; l > 0: LatentMoE (Elango et al. 2026): the routed
+    # experts run in a width l < d_model between a shared down- and up-projection (the router
+    # and the shared expert stay at d_model)
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
     # How each read and the RMSNorm after it run in an unrolled stack (scan_layers=False):
@@ -390,6 +393,7 @@ class MoeSpec:
     expert_matmul: str = "auto"  # "auto" | "ragged" | "mosaic_gpu" | "blocked" | "dense": how
     # dropless experts multiply
     remat_experts: bool = False  # "blocked": the hidden activations computed again backward
+    latent_dim: int = 0  # 0 = off; else the routed experts' width l in [1, d_model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -699,7 +703,7 @@ def _mla_spec(cfg, d_model: int) -> MlaSpec:
                      if "decode_impl" in cfg.mla else "auto"))
 
 
-def _moe_spec(cfg, num_layers: int) -> MoeSpec | None:
+def _moe_spec(cfg, num_layers: int, d_model: int) -> MoeSpec | None:
     """``config.model.moe`` checked; None when ``num_experts`` is 0 (the dense FFN)."""
     if "moe" not in cfg:  # a model section written before the mixture of experts existed
         return None
@@ -729,6 +733,11 @@ def _moe_spec(cfg, num_layers: int) -> MoeSpec | None:
     if first_k_dense >= num_layers:
         f.fail("first_k_dense", first_k_dense, f"must be < num_layers={num_layers} (leave at "
                                                f"least one mixture-of-experts layer)")
+    # A run folder's config written before the latent form existed has no field: off.
+    latent_dim = f.int("latent_dim", 0, f"must be 0 (off) or an integer in [1, d_model={d_model})"
+                       ) if "latent_dim" in cfg.moe else 0
+    if latent_dim >= d_model:
+        f.fail("latent_dim", latent_dim, f"must be 0 (off) or an integer in [1, d_model={d_model})")
     scale = f.number("routed_scaling_factor", allowed="must be a finite number > 0")
     if scale <= 0:
         f.fail("routed_scaling_factor", scale, "must be a finite number > 0")
@@ -743,7 +752,7 @@ def _moe_spec(cfg, num_layers: int) -> MoeSpec | None:
         capacity_factor=f.number("capacity_factor", 0.0,
                                  allowed="must be >= 0 (0 = dropless)"),
         expert_matmul=f.choice("expert_matmul", dispatch.EXPERT_MATMULS),
-        remat_experts=f.bool("remat_experts"))
+        remat_experts=f.bool("remat_experts"), latent_dim=latent_dim)
 
 
 def model_spec(cfg, backend: str | None = None) -> ModelSpec:
@@ -759,7 +768,7 @@ def model_spec(cfg, backend: str | None = None) -> ModelSpec:
     pattern = layer_pattern(cfg)
     f.bool("final_mla")
     scan_layers = f.bool("scan_layers")
-    moe = _moe_spec(cfg, cfg.num_layers)
+    moe = _moe_spec(cfg, cfg.num_layers, cfg.d_model)
     # A mixture's dense-FFN first layers differ from the rest: they run unrolled before the scan.
     prefix = pattern[:moe.first_k_dense] if moe else ""
     unit, repeats, tail = scan_plan(pattern[len(prefix):], scan_layers)

@@ -267,7 +267,8 @@ def blocked_why(backend: str, dims: tuple[int, int] = ()) -> str | None:
             return why
     elif backend != "cpu":
         return f"the kernels are Pallas-Triton (GPU, or interpret mode on CPU), not {backend}"
-    for name, size in zip(("d_model", "moe.expert_dim"), dims, strict=False):
+    for name, size in zip(("d_model (moe.latent_dim where set)", "moe.expert_dim"), dims,
+                          strict=False):
         if size % 16:
             return f"{name} = {size} (a multiple of 16)"
     return None

@@ -81,8 +81,10 @@ def _matmul_params(spec: ModelSpec) -> dict[str, int]:
         mla += D * Hm * dv
     out = {"K": kda, "M": mla, "mlp": 3 * D * spec.mlp_dim, "head": D * spec.vocab_size}
     if spec.moe is not None:  # what one token multiplies: router, k routed and the shared expert
-        e = spec.moe
-        out["moe"] = D * e.num_experts + 3 * D * (e.top_k * e.expert_dim + e.shared_dim)
+        e = spec.moe  # (LatentMoE: the k routed in the latent width, plus down and up)
+        L = e.latent_dim or D
+        out["moe"] = (D * e.num_experts + 3 * L * e.top_k * e.expert_dim + 3 * D * e.shared_dim
+                      + (2 * D * L if e.latent_dim else 0))
     return out
 
 
@@ -159,11 +161,12 @@ def count_params(spec: ModelSpec, active: bool = False) -> int:
 
 
 def unused_expert_params(spec: ModelSpec) -> int:
-    """Routed-expert weights one token leaves out: E - k experts of 3 D F in each MoE layer."""
+    """Routed-expert weights one token leaves out: E - k experts of 3 D F in each MoE layer
+    (3 l F in the latent width l with ``moe.latent_dim``)."""
     if spec.moe is None:
         return 0
     e = spec.moe
-    per_layer = (e.num_experts - e.top_k) * 3 * spec.d_model * e.expert_dim
+    per_layer = (e.num_experts - e.top_k) * 3 * (e.latent_dim or spec.d_model) * e.expert_dim
     return ffn_kinds(spec).count("e") * per_layer
 
 

@@ -5,6 +5,8 @@
     largest c, the topk_group best kept, the other experts' c = -inf;  chosen = the k largest c
     (ties: the lower index);  w = s[chosen], / (sum + 1e-20) if renormalised, * scale
     y = sum_j w_j SwiGLU_{chosen_j}(x) + SwiGLU_shared(x),  SwiGLU(x) = (silu(x Wg) * (x Wu)) Wo
+    LatentMoE (weights Wd [D, l], Wl [l, D]): the routed sum taken on x Wd, then times Wl;
+    the router and the shared expert still read x
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def moe(x, p, R, *, k, n_group=1, topk_group=1, renormalize=True, scale=1.0, kee
     """(y [N, D], grads of sum(y * R) w.r.t. x and every weight in ``p``, chosen [N, k]).
 
     p: Wr [D, E], b [E], wi [E, D, 2, F], wo [E, F, D], and optionally shared_wi [D, 2, Fs],
-    shared_wo [Fs, D]. ``keep`` [N, k]: assignments that are computed (capacity); the others
-    contribute nothing.
+    shared_wo [Fs, D]; with LatentMoE's Wd [D, l] and Wl [l, D], wi [E, l, 2, F] and wo
+    [E, F, l]. ``keep`` [N, k]: assignments that are computed (capacity); the others contribute
+    nothing.
     """
     x = np.asarray(x, np.float64)
     p = {name: np.asarray(v, np.float64) for name, v in p.items()}
@@ -83,21 +86,32 @@ def moe(x, p, R, *, k, n_group=1, topk_group=1, renormalize=True, scale=1.0, kee
     s, chosen, raw, w = route(x, p["Wr"], p["b"], k=k, n_group=n_group, topk_group=topk_group,
                               renormalize=renormalize, scale=scale)
     keep = np.ones_like(chosen, bool) if keep is None else keep
-    y = np.zeros_like(x)
+    latent = "Wd" in p
+    # The experts' input, and the cotangent of their weighted sum: in the latent width l when
+    # LatentMoE wraps them (ye = sum_j w_j SwiGLU_j(xe), y = ye Wl), else x's own.
+    xe = x @ p["Wd"] if latent else x
+    Re = R @ p["Wl"].T if latent else R
+    ye = np.zeros_like(xe)
     g = {name: np.zeros_like(v) for name, v in p.items()}
-    gx = np.zeros_like(x)
+    gxe = np.zeros_like(xe)
     dw = np.zeros_like(w)
     for e in range(E):
         t, j = np.nonzero((chosen == e) & keep)
         if not len(t):
             continue
-        o, cache = _swiglu(x[t], p["wi"][e], p["wo"][e])
-        y[t] += w[t, j, None] * o
-        dw[t, j] = (o * R[t]).sum(-1)
-        dxe, dwi, dwo = _swiglu_backward(x[t], p["wi"][e], p["wo"][e], cache, w[t, j, None] * R[t])
-        np.add.at(gx, t, dxe)
+        o, cache = _swiglu(xe[t], p["wi"][e], p["wo"][e])
+        ye[t] += w[t, j, None] * o
+        dw[t, j] = (o * Re[t]).sum(-1)
+        dxe, dwi, dwo = _swiglu_backward(xe[t], p["wi"][e], p["wo"][e], cache,
+                                         w[t, j, None] * Re[t])
+        np.add.at(gxe, t, dxe)
         g["wi"][e] += dwi
         g["wo"][e] += dwo
+    if latent:
+        y, gx = ye @ p["Wl"], gxe @ p["Wd"].T
+        g["Wl"], g["Wd"] = ye.T @ R, x.T @ gxe
+    else:
+        y, gx = ye, gxe
     if "shared_wi" in p:
         o, cache = _swiglu(x, p["shared_wi"], p["shared_wo"])
         y += o

@@ -4,7 +4,8 @@
    the layer on one device without a mesh: outputs and gradients of the input and every
    weight, dropless and with capacity buffers (a factor at which nothing can drop); and on
    (2, 1, 4, 1) with rules under which the expert axis does not split the tokens ("psum"
-   dispatch). Rules that split the tokens over some expert axes only are refused.
+   dispatch); LatentMoE's layer on (1, 2, 2, 2). Rules that split the tokens over some expert
+   axes only are refused.
 2. A small HybridLM with MoE FFNs ("MMM": a dense first layer, then two scanned MoE layers)
    through train_lib: 8 steps on one device in 2 micro-batches (the loss falls), then 3 steps
    from the same initial state on the (1, 2, 2, 2) mesh in one pass; their losses, parameters
@@ -91,9 +92,15 @@ def layer_errors() -> dict:
     _, params_b, rest_b = nnx.split(layer_b, nnx.Param, ...)
     cases += [("blocked", blocked, "expert8", MESHES["expert8"], DEFAULT_RULES),
               ("blocked", blocked, "expert4_not_splitting_tokens", (2, 1, 4, 1), psum_rules)]
+    # LatentMoE: the experts (width 10, split over fsdp as "embed") on the latent tokens.
+    latent = dataclasses.replace(spec, latent_dim=10)
+    layer_l = nnx.jit(lambda: MoE(D, latent, rngs=nnx.Rngs(jax.random.key(3, impl="rbg"))))()
+    _, params_l, rest_l = nnx.split(layer_l, nnx.Param, ...)
+    cases += [("latent", latent, "fsdp2_expert2_tensor2", MESHES["fsdp2_expert2_tensor2"],
+               DEFAULT_RULES)]
     for mode, s, name, sizes, rules in cases:
-        if mode == "blocked":
-            params, rest = params_b, rest_b
+        if mode in ("blocked", "latent"):
+            params, rest = (params_b, rest_b) if mode == "blocked" else (params_l, rest_l)
             if id(s) not in wants:
                 wants[id(s)] = run(dataclasses.replace(s, expert_matmul="ragged"))
         mesh = mesh_of(sizes)

@@ -322,6 +322,7 @@ def test_defaults_are_configs_kimi_linear_48b():
     ("kda.gate", "bounded", "kda.gate: 'bounded' must be 'softplus'"),
     ("mla.output_gate", True, "mla.output_gate: True must be False"),
     ("moe.capacity_factor", 1.25, "moe.capacity_factor: 1.25 must be 0"),
+    ("moe.latent_dim", 8, "moe.latent_dim: 8 must be 0"),
 ])
 def test_export_refuses_what_transformers_cannot_run(field, value, match):
     model_config = model_config_from_hf(json.loads((BASE / "config.json").read_text()))

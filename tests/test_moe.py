@@ -49,6 +49,8 @@ def make_layer(spec: MoeSpec, p: dict) -> MoE:
     values["experts"] = {"wi": p["wi"], "wo": p["wo"]}
     if spec.num_shared:
         values["shared"] = {"wi": {"kernel": p["shared_wi"]}, "wo": {"kernel": p["shared_wo"]}}
+    if spec.latent_dim:
+        values["latent_down"], values["latent_up"] = {"kernel": p["Wd"]}, {"kernel": p["Wl"]}
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), values))
     nnx.update(layer, state)
     return layer
@@ -58,11 +60,14 @@ def draw(rng, spec: MoeSpec, bias=None):
     """Weights, input and output cotangent in float32 (as the layer sees them), redrawn until
     every token's k-th and (k+1)-th choice (and group) are apart by 1e-3, so float32 and
     float64 choose the same experts."""
+    De = spec.latent_dim or D  # the routed experts' width
     for _ in range(100):
         f32 = lambda shape, scale: rng.normal(size=shape, scale=scale).astype(np.float32)
-        p = {"Wr": f32((D, E), D ** -0.5), "wi": f32((E, D, 2, F), D ** -0.5),
-             "wo": f32((E, F, D), F ** -0.5),
+        p = {"Wr": f32((D, E), D ** -0.5), "wi": f32((E, De, 2, F), De ** -0.5),
+             "wo": f32((E, F, De), F ** -0.5),
              "b": (f32((E,), 0.1) if bias is None else np.asarray(bias, np.float32))}
+        if spec.latent_dim:
+            p["Wd"], p["Wl"] = f32((D, De), D ** -0.5), f32((De, D), De ** -0.5)
         if spec.num_shared:
             p["shared_wi"], p["shared_wo"] = f32((D, 2, F), D ** -0.5), f32((F, D), F ** -0.5)
         x, R = f32((B * T, D), 1.0), f32((B * T, D), 1.0)
@@ -107,6 +112,8 @@ def layer_outputs_and_grads(layer: MoE, x, R):
     named = {"Wr": g["router"]["kernel"], "wi": g["experts"]["wi"], "wo": g["experts"]["wo"]}
     if layer.shared is not None:
         named["shared_wi"], named["shared_wo"] = g["shared"]["wi"]["kernel"], g["shared"]["wo"]["kernel"]
+    if layer.latent_down is not None:
+        named["Wd"], named["Wl"] = g["latent_down"]["kernel"], g["latent_up"]["kernel"]
     return np.asarray(y), {k: np.asarray(v) for k, v in named.items()}, np.asarray(gx), layer
 
 
@@ -122,7 +129,7 @@ def assert_close(got, want, what, rtol=2e-5):
 
 
 @pytest.mark.parametrize("case", ["kimi_linear", "grouped_unnormalised", "capacity_no_drops",
-                                  "dense_experts"])
+                                  "dense_experts", "latent", "latent_capacity"])
 def test_layer_matches_the_float64_definition(rng, case):
     spec = {
         "kimi_linear": moe_spec(),  # sigmoid, renormalised, x 2.446, one shared expert
@@ -130,6 +137,9 @@ def test_layer_matches_the_float64_definition(rng, case):
         "grouped_unnormalised": moe_spec(n_group=4, topk_group=2, renormalize=False,
                                          routed_scaling_factor=1.5, num_shared=0, shared_dim=0),
         "capacity_no_drops": moe_spec(capacity_factor=E / 3),  # C = N: nothing can drop
+        "latent": moe_spec(latent_dim=D // 2 + 1),  # LatentMoE, l not dividing D
+        "latent_capacity": moe_spec(latent_dim=5, capacity_factor=E / 3, num_shared=0,
+                                    shared_dim=0),
     }[case]
     p, x, R = draw(rng, spec)
     y_ref, g_ref, gx_ref, chosen = reference(spec, p, x, R)
@@ -265,6 +275,10 @@ def moe_config(**moe):
     ("num_experts", -8, {}, r"moe\.num_experts"),
     ("bias_update_rate", -0.1, {}, r"moe\.bias_update_rate: -0.1 must be >= 0"),
     ("expert_matmul", "grouped", {}, r"moe\.expert_matmul: 'grouped'"),
+    ("latent_dim", -4, {}, r"moe\.latent_dim: -4 must be 0 \(off\) or an integer in \[1, "
+                           r"d_model=\d+\)"),
+    ("latent_dim", 1 << 20, {}, r"moe\.latent_dim: 1048576 must be 0 \(off\) or an integer in "
+                                r"\[1, d_model=\d+\)"),
 ])
 def test_a_bad_moe_config_names_the_field(field, value, others, match):
     c = moe_config(**others)
@@ -306,6 +320,29 @@ def test_kimi_linear_48b_has_its_published_size():
     assert 6 * (active - 163840 * 2304) < flops_per_token(spec, 4096) < 8 * active
 
 
+def test_latent_moe_counts_what_it_holds_and_what_a_token_multiplies():
+    """LatentMoE's parameters from the layer's own shapes (nothing allocated): the routed
+    experts a token leaves out are E - k experts of 3 l F, and the FLOPs per token move with
+    the weights a token multiplies (router, down, the k experts, up, shared expert)."""
+    plain, latent = moe_config(first_k_dense=1), moe_config(first_k_dense=1, latent_dim=40)
+    sp, sl = model_spec(plain), model_spec(latent)
+    d, e = sl.d_model, sl.moe
+    n_moe = sl.num_layers - 1
+
+    def layer_params(spec):
+        layer = nnx.eval_shape(lambda: MoE(spec.d_model, spec.moe, rngs=nnx.Rngs(0)))
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+
+    unused = (e.num_experts - e.top_k) * 3 * 40 * e.expert_dim
+    assert count_params(sl) - count_params(sl, active=True) == n_moe * unused
+    assert count_params(sl) - count_params(sp) == n_moe * (layer_params(sl) - layer_params(sp))
+    active_plain = layer_params(sp) - (e.num_experts - e.top_k) * 3 * d * e.expert_dim
+    active_latent = layer_params(sl) - unused
+    assert active_latent - active_plain == 2 * d * 40 + 3 * e.top_k * e.expert_dim * (40 - d)
+    assert flops_per_token(sl, 64) - flops_per_token(sp, 64) == pytest.approx(
+        6 * n_moe * (active_latent - active_plain))
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer's view
 # ---------------------------------------------------------------------------------------------
@@ -330,9 +367,9 @@ def test_moe_metrics_reach_metrics_jsonl_per_layer(tmp_path):
 def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tmp_path):
     """tests/moe_parallel_check.py: the layer on meshes with expert 8, (fsdp 2, expert 2,
     tensor 2) and an expert axis that does not split the tokens, against one device (outputs,
-    gradients, dropless, capacity, the dense expert form and the blocked kernels); the whole model through
-    train_lib: loss falling on one device (2 micro-batches), the same steps on 8 devices; the
-    routing biases move and round-trip through a checkpoint."""
+    gradients, dropless, capacity, the dense expert form, the blocked kernels and LatentMoE);
+    the whole model through train_lib: loss falling on one device (2 micro-batches), the same
+    steps on 8 devices; the routing biases move and round-trip through a checkpoint."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
                XLA_FLAGS=SUBPROCESS_XLA_FLAGS, PYTHONPATH=str(REPO),
                JAX_COMPILATION_CACHE_DIR=jax_cache,
@@ -342,7 +379,7 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.split("RESULT ", 1)[1])
-    assert len(r["layer"]) == 7
+    assert len(r["layer"]) == 8
     for mesh, err in r["layer"].items():
         assert err < 2e-5, (mesh, err)
     assert r["mixed_rules_error"].startswith("mesh.axis_rules: the experts are split over mesh "

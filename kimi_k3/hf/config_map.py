@@ -256,6 +256,8 @@ def hf_config_from_model(model_config, extra: dict | None = None) -> dict:
              "must be 0 or expert_dim * num_shared")
         need("moe.capacity_factor", e.capacity_factor, e.capacity_factor == 0,
              "must be 0 (dropless)")
+        need("moe.latent_dim", e.latent_dim, e.latent_dim == 0,
+             "must be 0 (Kimi Linear's experts run at the model width)")
         need("moe.router_float32", e.router_float32, e.router_float32,
              "must be True (transformers routes in float32)")
     bad = sorted(set(extra or {}) - NO_EFFECT)

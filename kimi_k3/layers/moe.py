@@ -18,6 +18,16 @@ weights are float32 either way. Routed expert e is a SwiGLU of width F = expert_
 (W_i [E, D, 2, F] fusing gate and up, W_o [E, F, D]); the shared expert, a SwiGLU of width
 shared_dim (expert_dim x num_shared), sees every token.
 
+LatentMoE (``latent_dim`` = l > 0; Elango et al. 2026, "LatentMoE: Toward Optimal Accuracy per
+FLOP and Parameter in Mixture of Experts", arXiv:2601.18089, the form of Nemotron 3 Super): the
+routed path is wrapped in two linear maps shared by every expert, W_down [D, l] and W_up [l, D];
+the router still reads x, the experts run on the latent, their weighted sum is taken there:
+
+    y = (sum_j w_j SwiGLU_{chosen_j}(x W_down)) W_up + SwiGLU_shared(x)
+
+so routed expert e has W_i [E, l, 2, F], W_o [E, F, l]: l / D of the routed weights and of the
+rows an expert-parallel exchange moves.
+
 Balance without an auxiliary loss (DeepSeek-V3): b gets no gradient. Each forward pass records
 load_e, the tokens sent to expert e; after every optimizer step the trainer moves
 b_e += rate * sign(mean_e' load_e' - load_e) (:func:`update_bias`): the underloaded rise, the
@@ -331,7 +341,13 @@ class MoE(nnx.Module):
         self.router = Dense(d_model, E, names=("embed", None), rngs=rngs, dtype=jnp.float32,
                             param_dtype=param_dtype)
         self.bias = sharding.param(jnp.zeros((E,), jnp.float32), (None,), kind=ExpertBias)
-        self.experts = Experts(d_model, E, spec.expert_dim, rngs=rngs, param_dtype=param_dtype)
+        # LatentMoE's projections around the routed path (None: the experts read x itself).
+        L = spec.latent_dim or d_model
+        self.latent_down = (Dense(d_model, L, names=("embed", None), rngs=rngs, dtype=dtype,
+                                  param_dtype=param_dtype, fp8=fp8) if spec.latent_dim else None)
+        self.latent_up = (Dense(L, d_model, names=(None, "embed"), rngs=rngs, dtype=dtype,
+                                param_dtype=param_dtype, fp8=fp8) if spec.latent_dim else None)
+        self.experts = Experts(L, E, spec.expert_dim, rngs=rngs, param_dtype=param_dtype)
         self.shared = (SwiGLU(d_model, spec.shared_dim, rngs=rngs, dtype=dtype,
                               param_dtype=param_dtype, fp8=fp8) if spec.num_shared else None)
         self.load = sharding.param(jnp.zeros((E,), jnp.float32), (None,), kind=MoeStat)
@@ -347,21 +363,26 @@ class MoE(nnx.Module):
             s_BxTxE, idx_BxTxK, w_BxTxK = route(x_BxTxD, self.router.kernel[...],
                                                 self.bias[...], spec, self.dtype)
         wi, wo = self.experts.wi[...], self.experts.wo[...]
+        # The routed experts' input in their width De: D, or LatentMoE's l.
+        xe_BxTxDe = x_BxTxD
+        if self.latent_down is not None:
+            with jax.named_scope("moe_latent"):
+                xe_BxTxDe = self.latent_down(x_BxTxD)
         layout = sharding.expert_layout(WI_NAMES)
-        D, F = wi.shape[1], wi.shape[-1]
+        De, F = wi.shape[1], wi.shape[-1]
         if layout is None:  # no mesh in context: one device holds every expert
             matmul = "capacity" if spec.capacity_factor > 0 else choose_expert_matmul(
-                spec.expert_matmul, tokens_move=False, dims=(D, F), dtype=x_BxTxD.dtype)
-            y_BxTxD, dropped_BxT = _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, spec=spec, P=1,
-                                           axes=(), dispatch="local", ffn_axes=(),
-                                           matmul=matmul, fp8=self.fp8)
+                spec.expert_matmul, tokens_move=False, dims=(De, F), dtype=xe_BxTxDe.dtype)
+            ye_BxTxDe, dropped_BxT = _routed(xe_BxTxDe, idx_BxTxK, w_BxTxK, wi, wo, spec=spec,
+                                             P=1, axes=(), dispatch="local", ffn_axes=(),
+                                             matmul=matmul, fp8=self.fp8)
         else:
             tok, ex = layout.tokens, (layout.experts or None)
             ffn = layout.ffn or None
             P = layout.num_shards if layout.dispatch == "all_to_all" else 1
             F_l = F // math.prod(layout.mesh.shape[a] for a in layout.ffn)
             matmul = "capacity" if spec.capacity_factor > 0 else choose_expert_matmul(
-                spec.expert_matmul, tokens_move=P > 1, dims=(D, F_l), dtype=x_BxTxD.dtype)
+                spec.expert_matmul, tokens_move=P > 1, dims=(De, F_l), dtype=xe_BxTxDe.dtype)
             # Pallas-Triton outputs carry no per-device types: the blocked kernels run without
             # shard_map's check of them (as sharding.per_device's kernels do).
             typed = matmul != "blocked"
@@ -369,11 +390,15 @@ class MoE(nnx.Module):
                                    dispatch=layout.dispatch, ffn_axes=layout.ffn, matmul=matmul,
                                    typed=typed, fp8=self.fp8)
             tokens_3d = PartitionSpec(*tok, None)
-            y_BxTxD, dropped_BxT = jax.shard_map(
+            ye_BxTxDe, dropped_BxT = jax.shard_map(
                 fn, mesh=layout.mesh, check_vma=typed,
                 in_specs=(tokens_3d, tokens_3d, tokens_3d, PartitionSpec(ex, None, None, ffn),
                           PartitionSpec(ex, ffn, None)),
-                out_specs=(tokens_3d, tok))(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo)
+                out_specs=(tokens_3d, tok))(xe_BxTxDe, idx_BxTxK, w_BxTxK, wi, wo)
+        y_BxTxD = ye_BxTxDe
+        if self.latent_up is not None:
+            with jax.named_scope("moe_latent"):
+                y_BxTxD = self.latent_up(ye_BxTxDe)
         if self.shared is not None:
             with jax.named_scope("moe_shared"):
                 y_BxTxD = y_BxTxD + self.shared(x_BxTxD)
