@@ -192,6 +192,11 @@ def format_table(r: dict, title: str) -> str:
     gap = step_ms - kernel_total
     lines.append(f"| (all kernels) |  |  |  | {kernel_total:.1f} | {100 * kernel_total / step_ms:.1f}% |")
     lines.append(f"| (gaps: host, launches, idle) |  |  |  | {gap:.1f} | {100 * gap / step_ms:.1f}% |")
+    if any(part in MOE_PARTS for part, _ in r["parts"]):
+        lines += ["", "By stage (a mixture of experts' step; the experts' products by kernel):",
+                  "", "| stage | ms | share of step |", "|---|---|---|"]
+        lines += [f"| {row} | {ms:.1f} | {100 * ms / step_ms:.1f}% |"
+                  for row, ms in trace_parts.stages(r["ops"])]
     if r.get("idle"):
         lines += ["", "Idle device time by the part whose kernel came next (ms and gaps per step; "
                   "with XLA's command buffers off, every kernel is a launch of its own):", "",

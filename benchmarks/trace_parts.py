@@ -22,7 +22,8 @@ PHASES = ("forward", "recompute", "backward")
 _PART = re.compile(r"(?<![\w])(" + "|".join(PARTS) + r")(?![\w])")
 # A mixture of experts' own stages, labelled inside its "moe" scope (the custom gradient's
 # kernels carry them without the outer label).
-MOE_PARTS = ("moe_router", "moe_dispatch", "moe_experts", "moe_combine", "moe_shared")
+MOE_PARTS = ("moe_router", "moe_dispatch", "moe_experts", "moe_combine", "moe_shared",
+             "moe_latent")
 _MOE_PART = re.compile(r"(?<![\w])(" + "|".join(MOE_PARTS) + r")(?![\w])")
 
 
@@ -144,6 +145,64 @@ def attribute(events: list[tuple[str, float, float]], op_names: dict[str, str],
     ops = sorted(per_op.items(), key=lambda kv: -kv[1])
     return {"parts": dict(per), "ops": ops, "top": ops[:25], "kernels": len(events) / steps,
             "idle": {part: (ms, n / steps) for part, (ms, n) in idle.items()}}
+
+
+# The step by stage, as a mixture-of-experts step is read: (row, the parts it sums). The
+# experts' own kernels are split further by ``expert_stage``.
+STAGES = (
+    ("router (forward + backward)", ("moe_router",)),
+    ("sort / permute", ("moe_dispatch",)),
+    ("expert products: forward", ()),
+    ("expert products: forward again in the backward pass (remat)", ()),
+    ("expert products: data gradients", ()),
+    ("expert products: weight gradients", ()),
+    ("experts' other kernels", ()),
+    ("unpermute / combine", ("moe_combine",)),
+    ("shared experts", ("moe_shared",)),
+    ("latent projections (LatentMoE)", ("moe_latent",)),
+    ("the mixture's other kernels", ("moe",)),
+    ("attention (MLA)", ("mla_proj", "mla_attention", "mla_out")),
+    ("KDA", ("kda_proj", "kda_conv", "kda_gate", "kda_core", "kda_out")),
+    ("Attention Residuals", ("attn_res",)),
+    ("dense FFN (SwiGLU)", ("mlp",)),
+    ("head / loss / embed", ("head", "loss", "embed")),
+    ("optimizer", ("optimizer", "expert_bias")),
+    ("norms", ("norm",)),
+    ("other (gradient sums over micro-batches, copies, ...)", ("other",)),
+)
+_WGRAD = re.compile(r"(?<![\w])(gmm_wgrad|wgrad)(?![\w])")
+_DATA_GRAD = re.compile(r"(?<![\w])gmm_t(?![\w])")
+_PRODUCT = re.compile(r"(?<![\w])(gmm|ragged_dot|dot_general|grouped_matmul)(?![\w])")
+
+
+def expert_stage(op_name: str, phase: str) -> str:
+    """The STAGES row of one of the experts' kernels (part ``moe_experts``): its product by the
+    kernel's name (``gmm`` forward, ``gmm_t`` data gradients, ``gmm_wgrad`` weight gradients, an
+    XLA product by its phase), or the experts' other kernels."""
+    if _WGRAD.search(op_name):
+        return "expert products: weight gradients"
+    if _DATA_GRAD.search(op_name):
+        return "expert products: data gradients"
+    if _PRODUCT.search(op_name):
+        if phase == "forward":
+            return "expert products: forward"
+        if "gmm" in op_name:  # the forward's kernel inside the backward: recomputed
+            return "expert products: forward again in the backward pass (remat)"
+        return "expert products: data gradients"  # an XLA product's transpose (dx or dW)
+    return "experts' other kernels"
+
+
+def stages(ops: list[tuple[tuple[str, str], float]], min_ms: float = 0.05
+           ) -> list[tuple[str, float]]:
+    """Milliseconds per step by STAGES row (in its order; rows under ``min_ms`` left out), from
+    ``attribute``'s ``ops`` ((hlo_op, op_name), ms)."""
+    of_part = {part: row for row, parts in STAGES for part in parts}
+    per = collections.defaultdict(float)
+    for (_, op_name), ms in ops:
+        part, phase = part_and_phase(op_name if op_name != "?" else "")
+        row = expert_stage(op_name, phase) if part == "moe_experts" else of_part[part]
+        per[row] += ms
+    return [(row, per[row]) for row, _ in STAGES if per.get(row, 0.0) >= min_ms and row in per]
 
 
 def commands_apart() -> None:

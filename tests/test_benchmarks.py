@@ -4,6 +4,7 @@ compile-only run puts exactly the measured run's programs in the compilation cac
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import io
 import os
@@ -63,6 +64,39 @@ def test_op_names_come_from_the_hlo_and_name_the_part_and_phase(trace_parts):
     assert trace_parts.part_and_phase("jit(s)/moe/sort") == ("moe", "forward")
 
 
+def test_a_mixture_step_is_summed_by_stage_and_its_expert_kernels_by_product(trace_parts):
+    """Every kernel lands in one stage row (the rows sum to the kernels' total); the experts'
+    kernels by name and phase: gmm forward, gmm again in the backward (remat), gmm_t data and
+    gmm_wgrad weight gradients, an XLA product's transpose a data gradient, the rest apart."""
+    rng = np.random.default_rng()
+    named = {
+        "jit(s)/jvp(moe)/moe_router/dot_general": "router (forward + backward)",
+        "jit(s)/jvp(moe)/moe_experts/gmm/pallas_call": "expert products: forward",
+        "jit(s)/transpose(jvp(moe))/moe_experts/gmm/pallas_call":
+            "expert products: forward again in the backward pass (remat)",
+        "jit(s)/transpose(jvp(moe))/moe_experts/gmm_t/pallas_call":
+            "expert products: data gradients",
+        "jit(s)/transpose(jvp(moe))/moe_experts/ragged_dot": "expert products: data gradients",
+        "jit(s)/transpose(jvp(moe))/moe_experts/gmm_wgrad/pallas_call":
+            "expert products: weight gradients",
+        "jit(s)/jvp(moe)/moe_experts/convert_element_type": "experts' other kernels",
+        "jit(s)/jvp(moe)/moe_latent/dot_general": "latent projections (LatentMoE)",
+        "jit(s)/jvp(kda_core)/pallas_call": "KDA",
+        "jit(s)/transpose(jvp(mla_attention))/custom-call": "attention (MLA)",
+        "jit(s)/while/body/add": "other (gradient sums over micro-batches, copies, ...)",
+    }
+    ops = [((f"op{i}", name), float(rng.uniform(1, 10))) for i, name in enumerate(named)]
+    ops.append((("op_unknown", "?"), 2.5))  # an instruction without metadata: "other"
+    got = dict(trace_parts.stages(ops, min_ms=0.0))
+    want = collections.defaultdict(float)
+    for (_, name), ms in ops:
+        want[named.get(name, "other (gradient sums over micro-batches, copies, ...)")] += ms
+    assert got == pytest.approx(dict(want))
+    assert sum(got.values()) == pytest.approx(sum(ms for _, ms in ops))
+    order = [row for row, _ in trace_parts.STAGES]
+    assert [row for row, _ in trace_parts.stages(ops, min_ms=0.0)] == [r for r in order if r in want]
+
+
 def test_idle_time_is_counted_before_the_kernel_that_waited(trace_parts):
     """Gaps on the device timeline go to the kernel after them; kernels overlapping on two
     streams leave none (a running end, not the previous kernel's); the order given does not
@@ -78,10 +112,14 @@ def test_idle_time_is_counted_before_the_kernel_that_waited(trace_parts):
 
 
 def test_the_profile_of_the_real_step_adds_up(step_profile, tmp_path):
+    """A KDA layer with the dense SwiGLU, then an MLA layer with a LatentMoE FFN: every part
+    and every stage of the mixture has kernels."""
     config = load_config("tiny.py")
     config.model.num_layers, config.model.kda_per_mla = 2, 1
     config.data.seq_len, config.data.global_batch_size = 32, 2
     config.checkpoint.enabled = False
+    config.model.moe.update(num_experts=4, top_k=2, expert_dim=16, first_k_dense=1,
+                            latent_dim=16)
     r = step_profile.profile(config, steps=1, trace_steps=1, trace_dir=str(tmp_path))
     parts = {part for part, _ in r["parts"]}
     assert {"kda_core", "mla_attention", "mlp", "optimizer"} <= parts
@@ -89,6 +127,14 @@ def test_the_profile_of_the_real_step_adds_up(step_profile, tmp_path):
     table = step_profile.format_table(r, "title")
     assert "| kda_core |" in table and "(gaps: host, launches, idle)" in table
     assert r["idle"] and "Idle device time by the part" in table
+    assert "By stage" in table
+    # Every stage of the mixture has kernels (the table leaves out rows under 0.05 ms).
+    assert {"moe_router", "moe_dispatch", "moe_experts", "moe_combine", "moe_latent"} <= parts
+    rows = dict(step_profile.trace_parts.stages(r["ops"], min_ms=0.0))
+    for row in ("router (forward + backward)", "sort / permute", "expert products: forward",
+                "expert products: data gradients", "unpermute / combine",
+                "latent projections (LatentMoE)", "shared experts", "KDA"):
+        assert rows.get(row, 0) > 0, row
 
 
 def test_attention_bench_checks_and_times_on_cpu(capsys):
