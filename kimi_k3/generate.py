@@ -57,6 +57,11 @@ The rows therefore advance together:
 3. until every row has N new tokens or has met a stop id (a finished row keeps stepping with
    the others; what it produces is dropped).
 
+The tokens are chosen on the device (``sample_tokens``) and fed to the next step there; the
+host reads them back only after that step is queued, so its bookkeeping per token overlaps the
+device's step instead of adding to it. A stop is therefore seen one step late: that step's
+logits are dropped.
+
 Row i's sequence is its prompt followed by its own samples, nothing in between, so it decodes
 exactly as it would alone (tests/test_generate.py checks this against one prompt at a time).
 The cost is max_i L_i - L_min single-token steps for the longer prompts' tails: give prompts
@@ -345,7 +350,7 @@ class Generation:
     prompt_lengths: list[int]  # per prompt
     prefill_seconds: float  # the common prefix, compilation included
     decode_seconds: float  # the steps, compilation included
-    steps: int  # step calls (one position of every row each)
+    steps: int  # step calls (one position of every row each; after a stop, one unused)
     num_samples: int = 1  # continuations per prompt
 
     def prompt_index(self, j: int) -> int:
@@ -507,9 +512,19 @@ def generate(
         bar.set_postfix(phase="decode")
         steps = 0
         for s in range(L_min, L_max + N):  # s: the position of the token chosen now
-            sampled_B = np.asarray(sample_tokens(logits_BxV, key, s, sampling))
+            sampled_B = sample_tokens(logits_BxV, key, s, sampling)
             in_prompt_B = s < lengths
-            token_B = np.where(in_prompt_B, prompt_BxL[:, min(s, L_max - 1)], sampled_B)
+            token_B = sampled_B if not in_prompt_B.any() else jnp.where(
+                jnp.asarray(in_prompt_B), jnp.asarray(prompt_BxL[:, min(s, L_max - 1)]),
+                sampled_B)
+            # The step that reads these tokens is queued before the host reads them back, so
+            # the device works on it while the host records them: the host's work per token
+            # hides behind the device's. A stop seen below then costs one step whose logits go
+            # unused; the last position needs no step.
+            if s < L_max + N - 1:
+                logits_BxV, cache = dec.step(token_B, cache)
+                steps += 1
+            token_B = np.asarray(token_B)
             for i in np.nonzero(~in_prompt_B)[0]:
                 if finish[i] is not None:
                     continue
@@ -521,8 +536,6 @@ def generate(
                     finish[i] = "length"
             if all(f is not None for f in finish):
                 break
-            logits_BxV, cache = dec.step(token_B, cache)
-            steps += 1
             bar.update(1)
         jax.block_until_ready(logits_BxV)
         t2 = time.perf_counter()
