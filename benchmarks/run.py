@@ -57,7 +57,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -68,7 +67,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import timing  # noqa: E402  (no JAX: the runner never touches the device)
+from benchmarks import processes  # noqa: E402  (no JAX: the runner never touches the device)
 
 FLA_TUNING = "benchmarks/results/fla_autotune_h200.tgz"
 # Import names of the distributions the entries ask for.
@@ -501,70 +500,50 @@ def missing_modules(wheels, env: dict[str, str]) -> list[str]:
 def run_command(cmd: Command, values: dict[str, str], env: dict[str, str], log, timeout: float):
     """Runs one command in its own process group, output to ``log`` (stdout to its file when it
     names one); kills the group past ``timeout``. Returns (exit code or "timed out", seconds)."""
-    argv = [fill(a, values) for a in cmd.argv]
-    env = {**env, **{k: fill(v, values) for k, v in cmd.env}}
     log.write(f"$ {command_line(cmd, values)}\n")
     log.flush()
-    out = open(os.path.join(values["out"], cmd.stdout), "w") if cmd.stdout else log
-    with timing.stopwatch() as sw, contextlib.ExitStack() as stack:
-        if out is not log:
-            stack.enter_context(out)
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=log,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc = f"timed out after {timeout:.0f} s"
-    log.write(f"[run] exit {rc} after {sw.seconds:.1f} s\n\n")
+    with contextlib.ExitStack() as stack:
+        out = (stack.enter_context(open(os.path.join(values["out"], cmd.stdout), "w"))
+               if cmd.stdout else log)
+        ((rc, seconds),) = processes.run_at_once(
+            [_popen_args(cmd, values, env, out, log)], [timeout])
+    rc = f"timed out after {timeout:.0f} s" if rc is None else rc
+    log.write(f"[run] exit {rc} after {seconds:.1f} s\n\n")
     log.flush()
-    return rc, sw.seconds
+    return rc, seconds
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _popen_args(cmd: Command, values: dict[str, str], env: dict[str, str], out, err) -> dict:
+    """``subprocess.Popen``'s arguments for ``cmd`` with its placeholders filled."""
+    return dict(args=[fill(a, values) for a in cmd.argv], cwd=REPO,
+                env={**env, **{k: fill(v, values) for k, v in cmd.env}}, stdout=out, stderr=err)
 
 
-def run_together(cmds, values: dict[str, str], env: dict[str, str], log, limits,
-                 poll_s: float = 0.2) -> list[tuple[int | str, float]]:
+def run_together(cmds, values: dict[str, str], env: dict[str, str], log,
+                 limits) -> list[tuple[int | str, float]]:
     """Starts every command of ``cmds`` at once, each in its own process group with its output
     in a file of its own in ``{work}`` (stdout in its ``{out}`` file when it names one), and
     kills each group past its own limit (``limits``); once all have ended, their outputs go to
     ``log`` in turn, each after its command line. Returns (exit code or "timed out", seconds)
     for each command."""
-    procs, logs = [], []
+    parts = [os.path.join(values["work"], f"together_{i}.log") for i in range(len(cmds))]
     with contextlib.ExitStack() as stack:
-        for i, cmd in enumerate(cmds):
-            logs.append(os.path.join(values["work"], f"together_{i}.log"))
-            err = stack.enter_context(open(logs[-1], "w"))
+        popen_args = []
+        for cmd, part in zip(cmds, parts, strict=True):
+            err = stack.enter_context(open(part, "w"))
             out = (stack.enter_context(open(os.path.join(values["out"], cmd.stdout), "w"))
                    if cmd.stdout else err)
-            procs.append(subprocess.Popen(
-                [fill(a, values) for a in cmd.argv], cwd=REPO,
-                env={**env, **{k: fill(v, values) for k, v in cmd.env}}, stdout=out, stderr=err,
-                start_new_session=True))
-        t0, ended = time.monotonic(), {}
-        while len(ended) < len(procs):
-            for i, proc in enumerate(procs):
-                if i in ended:
-                    continue
-                rc = proc.poll()
-                if rc is None and time.monotonic() - t0 > limits[i]:
-                    _kill_group(proc)
-                    rc = f"timed out after {limits[i]:.0f} s"
-                if rc is not None:
-                    ended[i] = (rc, time.monotonic() - t0)
-            time.sleep(poll_s if len(ended) < len(procs) else 0)
-    for cmd, part, (rc, seconds) in zip(cmds, logs, (ended[i] for i in range(len(procs))),
-                                        strict=True):
+            popen_args.append(_popen_args(cmd, values, env, out, err))
+        ended = processes.run_at_once(popen_args, limits)
+    done = [(f"timed out after {limit:.0f} s" if rc is None else rc, seconds)
+            for (rc, seconds), limit in zip(ended, limits, strict=True)]
+    for cmd, part, (rc, seconds) in zip(cmds, parts, done, strict=True):
         log.write(f"$ {command_line(cmd, values)} &\n")
         with open(part, errors="replace") as f:
             shutil.copyfileobj(f, log)
         log.write(f"[run] exit {rc} after {seconds:.1f} s (started with the others)\n\n")
     log.flush()
-    return [ended[i] for i in range(len(procs))]
+    return done
 
 
 def clear_scratch(work: Path) -> None:

@@ -100,9 +100,7 @@ def build(config) -> train_lib.Setup:
 def compile_only(config) -> list[str]:
     """--compile_only: the profile's programs compiled ahead (``train_lib.compile_ahead``);
     a line each."""
-    setup = build(config)
-    return [f"{COMPILED_PREFIX} {program} (micro-batch {setup.microbatch_size} rows)"
-            for program in train_lib.compile_ahead(setup)]
+    return [f"{COMPILED_PREFIX} {program}" for program in train_lib.compile_ahead(build(config))]
 
 
 def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
@@ -159,11 +157,8 @@ def _cache_text(r: dict) -> str:
     step = r.get("step_cache")
     if step is None:
         return ""
-    where = ("read from the persistent cache" if step.hits else
-             "compiled and written to the persistent cache" if step.misses else
-             "compiled, not cached")
     total = f"; the process's persistent cache: {r['cache']}" if r.get("cache") else ""
-    return f" (the train step {where}){total}"
+    return f" (the train step {step.source()}){total}"
 
 
 def format_table(r: dict, title: str) -> str:

@@ -59,13 +59,15 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+
+from benchmarks import processes
 from kimi_k3 import compile_cache, train_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
@@ -198,23 +200,13 @@ def _run_together(cmds: list[list[str]], logs: list[Path], timeout_s: float,
                   env: dict) -> list[str]:
     """Starts every command at once (each one's output to its log), waits for them all, each
     stopped ``timeout_s`` after the start; for each, "ok" or how it ended."""
-    procs = []
     with contextlib.ExitStack() as stack:
-        for cmd, log in zip(cmds, logs, strict=True):
-            out = stack.enter_context(open(log, "w"))
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
-                                          stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout_s
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0)))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                codes.append(None)
+        ended = processes.run_at_once(
+            [dict(args=cmd, cwd=REPO, env=env, stdout=stack.enter_context(open(log, "w")),
+                  stderr=subprocess.STDOUT) for cmd, log in zip(cmds, logs, strict=True)],
+            [timeout_s] * len(cmds))
     status = []
-    for code, log in zip(codes, logs, strict=True):
+    for (code, _), log in zip(ended, logs, strict=True):
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         status.append("ok" if code == 0 else f"stopped at its limit of {timeout_s:.0f} s"
                       if code is None else
@@ -363,8 +355,7 @@ def compile_only(config) -> None:
     ``train_lib.build`` of the config), its programs compiled ahead; a line each."""
     setup = train_lib.build(config, mesh_lib.make_mesh(run_spec(config).mesh))
     for program in train_lib.compile_ahead(setup):
-        print(f"{COMPILED_PREFIX} {program} (micro-batch {setup.microbatch_size} rows)",
-              flush=True)
+        print(f"{COMPILED_PREFIX} {program}", flush=True)
 
 
 def main(argv):

@@ -64,6 +64,12 @@ class Count:
     def __str__(self) -> str:
         return f"{self.hits} read, {self.misses} compiled and written"
 
+    def source(self) -> str:
+        """Where a program counted alone came from, in words."""
+        return ("read from the persistent cache" if self.hits else
+                "compiled and written to the persistent cache" if self.misses else
+                "compiled, not cached")
+
 
 @contextlib.contextmanager
 def counting() -> Iterator[Count]:

@@ -490,21 +490,20 @@ def build(config, mesh, model_fn=None) -> Setup:
 @dataclasses.dataclass(frozen=True)
 class Precompiled:
     """A program ``compile_ahead`` compiled: its name, the seconds to trace, lower and compile
-    it (or read it from the cache), and what JAX's persistent cache did meanwhile."""
+    it (or read it from the cache), what JAX's persistent cache did meanwhile, and the
+    micro-batch (rows) of the setup it was compiled for."""
 
     name: str
     seconds: float
     cache: compile_cache.Count
+    microbatch: int
 
     def __str__(self) -> str:
-        if self.cache.hits:
-            how = "read from the persistent cache"
-        elif self.cache.misses:
-            how = "compiled and written to the persistent cache"
-        else:
-            how = ("compiled, not cached (the cache is off, or it took less than "
-                   "jax_persistent_cache_min_compile_time_secs)")
-        return f"{self.name} {self.seconds:.1f} s, {how}"
+        how = self.cache.source()
+        if not (self.cache.hits or self.cache.misses):
+            how += (" (the cache is off, or it took less than "
+                    "jax_persistent_cache_min_compile_time_secs)")
+        return f"{self.name} {self.seconds:.1f} s, {how} (micro-batch {self.microbatch} rows)"
 
 
 def abstract_batch(setup: Setup) -> dict:
@@ -530,7 +529,7 @@ def compile_ahead(setup: Setup) -> list[Precompiled]:
         t0 = time.perf_counter()
         with compile_cache.counting() as count, setup.context():
             fn.lower(*args).compile()
-        done.append(Precompiled(name, time.perf_counter() - t0, count))
+        done.append(Precompiled(name, time.perf_counter() - t0, count, setup.microbatch_size))
     return done
 
 
