@@ -557,6 +557,12 @@ class Scorer:
         self.compile_seconds = 0.0  # spent compiling the piece function, so far
         self.trace_seconds = 0.0  # of it, tracing and lowering it (before XLA or its cache)
 
+    @property
+    def weights(self):
+        """The model's state as the piece function takes it (None for a model that is not an
+        ``nnx.Module``)."""
+        return self._state
+
     def _context(self):
         """The mesh and rules in force while tracing and running (nothing without a mesh)."""
         stack = contextlib.ExitStack()

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -54,7 +55,42 @@ from kimi_k3.eval_scoring import (
     token_byte_lengths,
 )
 from kimi_k3.run_dir import check_workdir, find_run_folder
-from kimi_k3.runtime import quiet_library_logs
+from kimi_k3.runtime import process_seconds, quiet_library_logs
+
+
+class Timeline:
+    """Where an evaluation's wall time goes, by stage, in seconds: "startup" (from the process's
+    start to ``run``: imports, the backend, flags; None where the start cannot be read),
+    "data" (held-out documents, windows, byte table), "model" (building or restoring each
+    model, its weights on the device), "compiling" (the scoring programs: tracing, then XLA
+    or its cache), "scoring" (the pieces and the statistics), "writing" (files and table).
+    """
+
+    STAGES = ("startup", "data", "model", "compiling", "scoring", "writing")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.seconds["startup"] = process_seconds()
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        """Adds the time since the last lap to ``stage``."""
+        now = time.perf_counter()
+        self.seconds[stage] += now - self._last
+        self._last = now
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Moves ``seconds`` of ``source``'s time to ``target`` (compiling, timed inside scoring)."""
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
+
+    def summary(self) -> str:
+        """One line: the total and each stage."""
+        known = {k: v for k, v in self.seconds.items() if v is not None}
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in known.items())
+        since = "since the process started" if self.seconds["startup"] is not None else "in run"
+        return f"time: {sum(known.values()):.1f} s {since}: {parts}"
+
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoint specs and the models they name
@@ -158,6 +194,7 @@ def run(
     ``docs`` overrides the held-out documents of ``config.data``; ``models`` ({label: model})
     supplies ready models instead of building them (tests). Returns the JSON-able report.
     """
+    timeline = Timeline()
     opts.validate()
     check_labels(checkpoints)
     configs = {spec.label: spec_config(spec, config, overrides) for spec in checkpoints}
@@ -194,6 +231,7 @@ def run(
                     f"L={L}, position {position}) is outside [0, {vocab}) = its "
                     f"model.vocab_size")
     mesh, rules = context_mesh(config, opts, list(configs.values()))
+    timeline.lap("data")
     for spec in checkpoints:
         cfg = configs[spec.label]
         if models is not None and spec.label in models:
@@ -205,6 +243,8 @@ def run(
             if step is not None:
                 print(f"{spec.label}: restored step {step} from {spec.path}")
         scorer = Scorer(model, mesh=mesh, rules=rules)
+        jax.block_until_ready(scorer.weights)  # so a model's initialiser counts as "model"
+        timeline.lap("model")
         entry = {
             "label": spec.label,
             "checkpoint": spec.path,
@@ -220,15 +260,22 @@ def run(
                 if w.num_windows == 0:
                     continue
                 bar.set_postfix(L=L)
-                entry["results"][str(L)] = evaluate_windows(
+                result = evaluate_windows(
                     scorer, w, opts, on_piece=lambda: bar.update(1), byte_lengths=byte_lengths)
+                entry["results"][str(L)] = result
+                timeline.lap("scoring")
+                timeline.move(result["compile_seconds"], "scoring", "compiling")
         add_loss_changes(entry["results"])  # short_docs=same: each length against the shortest
         report["models"].append(entry)
         del scorer, model
 
     os.makedirs(workdir, exist_ok=True)  # only now: a run stopped on any error leaves none
+    # the files carry every stage up to writing them; the closing line has that too
+    report["timeline"] = {k: v for k, v in timeline.seconds.items() if k != "writing"}
     write_outputs(report, workdir)
     print(format_table(report))
+    timeline.lap("writing")
+    print(timeline.summary())
     return report
 
 

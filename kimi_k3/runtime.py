@@ -42,6 +42,20 @@ class _QuietCheckpointLogs(logging.Filter):
             ("Metadata file does not exist", "Failed to get item metadata"))
 
 
+def process_seconds() -> float | None:
+    """Seconds since this process started (from Linux's /proc: imports, the backend's start and
+    flag parsing included), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            # the fields after the command's closing parenthesis start at field 3; 22 is the start
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def quiet_library_logs() -> None:
     """Orbax's INFO lines off (its warnings stay), once per process however often called."""
     for name in ("absl", "orbax"):

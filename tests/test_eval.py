@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_k3 import eval_scoring, evaluation, plots
+from kimi_k3 import eval_scoring, evaluation, plots, runtime
 from kimi_k3.checkpoint import Checkpointer, restore_model_for_eval
 from kimi_k3.model import HybridLM
 from kimi_k3.model_state import split_model
@@ -126,6 +126,33 @@ def test_piecewise_matches_whole_sequence(tiny_model):
     assert res["whole_vs_piecewise_max_abs_nll_diff"] < 1e-4
     assert res["loss"] == pytest.approx(float(whole.mean()), rel=1e-5)
     assert res["perplexity"] == pytest.approx(math.exp(float(whole.mean())), rel=1e-5)
+
+
+def test_the_timeline_splits_the_whole_run_into_its_stages(tiny_model, tmp_path, capsys):
+    """The report's stages cover the process's time without overlap or gap: with the closing
+    line's writing they add up to the seconds since the process started (read again after the
+    run), compiling is the scorer's compile time (moved out of scoring), and the line says each."""
+    cfg, model, tokens = tiny_model
+    opts = eval_scoring.EvalOptions((48,), piece_len=16, batch_size=2, short_docs="skip")
+    before = runtime.process_seconds()
+    report = evaluation.run(cfg, [evaluation.CheckpointSpec.parse("m=init")], opts,
+                            str(tmp_path), docs=list(tokens), models={"m": model}, progress=False)
+    after = runtime.process_seconds()
+    stages = report["timeline"]
+    assert list(stages) == [s for s in evaluation.Timeline.STAGES if s != "writing"]
+    result = report["models"][0]["results"]["48"]
+    assert stages["compiling"] == pytest.approx(result["compile_seconds"]) and stages["compiling"] > 0
+    assert stages["scoring"] + stages["compiling"] >= result["seconds"]
+    assert all(v >= 0 for v in stages.values())
+    tick = 0.02  # /proc counts in hundredths of a second
+    assert before - tick <= stages["startup"] <= after + tick
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("time: ")][-1]
+    said = dict((name, float(v)) for v, name in
+                ((m.split()[1], m.split()[0]) for m in line.split(": ", 2)[2].split(", ")))
+    assert list(said) == list(evaluation.Timeline.STAGES)
+    total = float(line.split()[1])
+    assert total == pytest.approx(sum(said.values()), abs=0.35)  # each rounded to 0.1 s
+    assert abs(total - after) <= 0.1 + tick
 
 
 # ---------------------------------------------------------------------------------------------
