@@ -38,6 +38,8 @@ from pallas_kernels.tuning import KernelTuning
 # Named choices of the model section.
 GATES = ("bounded", "softplus")
 ATTN_RES_MODES = ("none", "full", "block")
+# How dropless expert parallelism sends tokens to their experts' devices (layers/moe.py).
+EP_EXCHANGES = ("all_tokens", "ragged")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Values the layers name with ``jax.ad_checkpoint.checkpoint_name`` for "dots_kernels" to keep:
 # KDA's q, k, v after their short convolutions (recomputing the convolutions and norms inside
@@ -189,6 +191,11 @@ def default_model_config() -> ml_collections.ConfigDict:
     cfg.moe.latent_dim = 0  # 0 = off; l > 0: LatentMoE (Elango et al. 2026): the routed
     # experts run in a width l < d_model between a shared down- and up-projection (the router
     # and the shared expert stay at d_model)
+    cfg.moe.ep_exchange = "all_tokens"  # how dropless expert parallelism moves tokens to the
+    # devices of their experts: "all_tokens" (fixed shapes: each device sends every peer all its
+    # tokens, the traffic of an all-gather) | "ragged" (jax.lax.ragged_all_to_all: each token
+    # once to each device holding one of its experts, traffic as routed; receive buffers still
+    # sized for the worst case)
     cfg.attn_res = "block"  # "none" | "full" | "block"
     cfg.attn_res_block_size = 4  # sublayers per block (a layer is 2 sublayers)
     # How each read and the RMSNorm after it run in an unrolled stack (scan_layers=False):
@@ -394,6 +401,8 @@ class MoeSpec:
     # dropless experts multiply
     remat_experts: bool = False  # "blocked": the hidden activations computed again backward
     latent_dim: int = 0  # 0 = off; else the routed experts' width l in [1, d_model)
+    ep_exchange: str = "all_tokens"  # "all_tokens" | "ragged": dropless expert parallelism's
+    # exchange of tokens (EP_EXCHANGES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -741,6 +750,14 @@ def _moe_spec(cfg, num_layers: int, d_model: int) -> MoeSpec | None:
     scale = f.number("routed_scaling_factor", allowed="must be a finite number > 0")
     if scale <= 0:
         f.fail("routed_scaling_factor", scale, "must be a finite number > 0")
+    capacity = f.number("capacity_factor", 0.0, allowed="must be >= 0 (0 = dropless)")
+    # A run folder's config written before the ragged exchange existed has no field.
+    exchange = (f.choice("ep_exchange", EP_EXCHANGES) if "ep_exchange" in cfg.moe
+                else "all_tokens")
+    if exchange == "ragged" and capacity > 0:
+        f.fail("ep_exchange", exchange, f"is for dropless experts only; capacity_factor="
+                                        f"{capacity:g} sends fixed buffers of c n k rows per "
+                                        f"device; allowed: 'all_tokens', or capacity_factor=0")
     return MoeSpec(
         num_experts=E, top_k=top_k, expert_dim=expert_dim, num_shared=num_shared,
         shared_dim=(shared_dim or expert_dim * num_shared) if num_shared else 0,
@@ -749,10 +766,9 @@ def _moe_spec(cfg, num_layers: int, d_model: int) -> MoeSpec | None:
         router_float32=f.bool("router_float32"),
         bias_update_rate=f.number("bias_update_rate", 0.0),
         balance_loss_coef=f.number("balance_loss_coef", 0.0),
-        capacity_factor=f.number("capacity_factor", 0.0,
-                                 allowed="must be >= 0 (0 = dropless)"),
+        capacity_factor=capacity,
         expert_matmul=f.choice("expert_matmul", dispatch.EXPERT_MATMULS),
-        remat_experts=f.bool("remat_experts"), latent_dim=latent_dim)
+        remat_experts=f.bool("remat_experts"), latent_dim=latent_dim, ep_exchange=exchange)
 
 
 def model_spec(cfg, backend: str | None = None) -> ModelSpec:

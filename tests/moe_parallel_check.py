@@ -5,7 +5,8 @@
    weight, dropless and with capacity buffers (a factor at which nothing can drop); and on
    (2, 1, 4, 1) with rules under which the expert axis does not split the tokens ("psum"
    dispatch); LatentMoE's layer on (1, 2, 2, 2). Rules that split the tokens over some expert
-   axes only are refused.
+   axes only are refused. The "ragged" exchange (``ragged_errors``) on fresh random inputs of
+   the seed in argv[2] (else a random one, printed in the result).
 2. A small HybridLM with MoE FFNs ("MMM": a dense first layer, then two scanned MoE layers)
    through train_lib: 8 steps on one device in 2 micro-batches (the loss falls), then 3 steps
    from the same initial state on the (1, 2, 2, 2) mesh in one pass; their losses, parameters
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import jax
@@ -113,6 +115,64 @@ def layer_errors() -> dict:
     return out
 
 
+def ragged_errors(seed: int) -> dict:
+    """ep_exchange="ragged" (ragged_all_to_all, here through its CPU reference): largest
+    relative difference of outputs and gradients (input and weights) to the one-device layer
+    and, on two meshes, to the "all_tokens" exchange on the same mesh; fresh random inputs and
+    weights of odd sizes. "skewed": every token's choices on the first device's experts (its
+    receive buffer full); "blocked": the experts' Pallas kernels on the received rows."""
+    rng = np.random.default_rng(seed)
+    base = MoeSpec(num_experts=8, top_k=3, expert_dim=7, num_shared=1, shared_dim=5,
+                   renormalize=True, routed_scaling_factor=2.446, n_group=2, topk_group=2,
+                   first_k_dense=0, router_float32=True, bias_update_rate=0.0,
+                   balance_loss_coef=0.0, capacity_factor=0.0, ep_exchange="ragged")
+    # (name, spec, mesh sizes, B, T, D, bias added to device 0's experts, against all_tokens)
+    cases = [("expert8", base, (1, 1, 8, 1), 8, 5, 13, 0.0, True),
+             ("fsdp2_expert2_tensor2", dataclasses.replace(base, expert_dim=6), (1, 2, 2, 2),
+              4, 7, 10, 0.0, False),
+             ("skewed_expert4", dataclasses.replace(base, top_k=2, n_group=1, topk_group=1),
+              (2, 1, 4, 1), 8, 3, 11, 10.0, True),
+             # the blocked kernels (interpret mode) on the received rows: widths of 16
+             ("blocked_expert8", dataclasses.replace(base, expert_dim=16, shared_dim=16,
+                                                     expert_matmul="blocked"),
+              (1, 1, 8, 1), 8, 3, 16, 0.0, False)]
+    out = {}
+    for name, spec, sizes, B, T, D, skew, against_all_tokens in cases:
+        layer = nnx.jit(lambda spec=spec, D=D: MoE(
+            D, spec, rngs=nnx.Rngs(jax.random.key(int(rng.integers(2**31)), impl="rbg"))))()
+        E_l = spec.num_experts // sizes[2]
+        bias = rng.normal(size=spec.num_experts) * 0.1 + skew * (np.arange(8) < E_l)
+        layer.bias[...] = jnp.asarray(bias, jnp.float32)
+        _, params, rest = nnx.split(layer, nnx.Param, ...)
+        x = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+        R = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+
+        def run(s, D=D, params=params, rest=rest, x=x, R=R):
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: MoE(D, s, rngs=nnx.Rngs(0))))
+
+            @jax.jit
+            def grads(params, x):
+                def loss(params, x):
+                    y = nnx.merge(graphdef, params, rest, copy=True)(x)
+                    return jnp.sum(y * R), y
+                (_, y), g = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+                return y, g
+
+            return jax.device_get(grads(params, x))
+
+        rel = lambda a, b: max(float(np.abs(u - v).max() / max(np.abs(v).max(), 1e-6))
+                               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+        one = run(dataclasses.replace(spec, expert_matmul="ragged"))
+        mesh = mesh_of(sizes)
+        with jax.set_mesh(mesh), sharding.axis_rules(sharding.make_rules(mesh, DEFAULT_RULES)):
+            ragged = run(spec)
+            out[f"{name}/one_device"] = rel(ragged, one)
+            if against_all_tokens:
+                out[f"{name}/all_tokens"] = rel(
+                    ragged, run(dataclasses.replace(spec, ep_exchange="all_tokens")))
+    return out
+
+
 def mixed_rules_error() -> str:
     """The error for experts split over "expert" (a token axis) and "tensor" (not one)."""
     mesh = mesh_of((1, 1, 2, 4))
@@ -184,6 +244,8 @@ def max_diff(a, b) -> float:
 def main():
     assert jax.device_count() == 8, jax.devices()
     out = {"layer": layer_errors(), "mixed_rules_error": mixed_rules_error()}
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else int.from_bytes(os.urandom(4), "little")
+    out["ragged"], out["ragged_seed"] = ragged_errors(seed), seed
     config, data = model_config(), batches(8)
     _, init, losses, states, _ = train(config, mesh_of((1, 1, 1, 1), jax.devices()[:1]), None,
                                        data, microbatch=4)

@@ -279,6 +279,11 @@ def moe_config(**moe):
                            r"d_model=\d+\)"),
     ("latent_dim", 1 << 20, {}, r"moe\.latent_dim: 1048576 must be 0 \(off\) or an integer in "
                                 r"\[1, d_model=\d+\)"),
+    ("ep_exchange", "gather", {}, r"moe\.ep_exchange: 'gather' is not one of \('all_tokens', "
+                                  r"'ragged'\)"),
+    ("ep_exchange", "ragged", {"capacity_factor": 1.5}, r"moe\.ep_exchange: 'ragged' is for "
+                                                        r"dropless experts only; capacity_factor="
+                                                        r"1.5 .*allowed: 'all_tokens'"),
 ])
 def test_a_bad_moe_config_names_the_field(field, value, others, match):
     c = moe_config(**others)
@@ -364,10 +369,11 @@ def test_moe_metrics_reach_metrics_jsonl_per_layer(tmp_path):
     assert "layer2" not in shown[0] and "moe_load_max_mean=2.0000" in shown[0]
 
 
-def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tmp_path):
+def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tmp_path, rng):
     """tests/moe_parallel_check.py: the layer on meshes with expert 8, (fsdp 2, expert 2,
     tensor 2) and an expert axis that does not split the tokens, against one device (outputs,
     gradients, dropless, capacity, the dense expert form, the blocked kernels and LatentMoE);
+    the "ragged" exchange against one device and the "all_tokens" exchange (fresh inputs);
     the whole model through train_lib: loss falling on one device (2 micro-batches), the same
     steps on 8 devices; the routing biases move and round-trip through a checkpoint."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
@@ -375,13 +381,17 @@ def test_expert_parallel_on_8_devices_equals_one_device_and_trains(jax_cache, tm
                JAX_COMPILATION_CACHE_DIR=jax_cache,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    p = subprocess.run([sys.executable, "-m", "tests.moe_parallel_check", str(tmp_path)],
+    p = subprocess.run([sys.executable, "-m", "tests.moe_parallel_check", str(tmp_path),
+                        str(int(rng.integers(2**31)))],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.split("RESULT ", 1)[1])
     assert len(r["layer"]) == 8
     for mesh, err in r["layer"].items():
         assert err < 2e-5, (mesh, err)
+    assert len(r["ragged"]) == 6, r["ragged"]
+    for case, err in r["ragged"].items():
+        assert err < 2e-5, (case, err, r["ragged_seed"])
     assert r["mixed_rules_error"].startswith("mesh.axis_rules: the experts are split over mesh "
                                              "axes ('expert', 'tensor')"), r["mixed_rules_error"]
     losses = r["single_losses"]

@@ -56,12 +56,16 @@ each holds E / P experts. With the default rules that axis also splits the token
 ``all_to_all`` takes each device's tokens to the devices holding their experts, the experts
 run there, and a second ``all_to_all`` brings the outputs home. With capacity buffers each
 device sends c n k rows, the expected traffic. Dropless, fixed shapes must cover the worst case
-(every token choosing experts on one device): each device sends every peer all n of its tokens,
-each once with its choices on that peer; the bytes of an all-gather, however many experts a
-token chose there. Under rules where the expert axis does not split the tokens, its devices
-share them: each runs its own experts on them and the outputs are summed by psum. Data and FSDP
-axes gather the expert weights at the ``shard_map``'s edge (their gradients are reduce-scattered
-back); a tensor axis splits the experts' hidden width, whose partial outputs are summed by psum.
+(every token choosing experts on one device). With ``ep_exchange="all_tokens"`` each device
+sends every peer all n of its tokens, each once with its choices on that peer; the bytes of an
+all-gather, however many experts a token chose there. With ``"ragged"``
+(:func:`_dropless_ragged`) a token goes only to the devices holding its experts, once each, by
+``ragged_all_to_all`` (``kimi_k3.ops.ragged_exchange``): the traffic as routed, into receive
+buffers still of the worst case's P n rows. Under rules where the expert axis does not split
+the tokens, its devices share them: each runs its own experts on them and the outputs are summed
+by psum. Data and FSDP axes gather the expert weights at the ``shard_map``'s edge (their
+gradients are reduce-scattered back); a tensor axis splits the experts' hidden width, whose
+partial outputs are summed by psum.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ from kimi_k3.dispatch import choose_expert_matmul
 from kimi_k3.layers.dense import Dense, fp8_einsum
 from kimi_k3.layers.mlp import SwiGLU
 from kimi_k3.ops import routed_experts as routed_lib
+from kimi_k3.ops.ragged_exchange import ragged_all_to_all
 from kimi_k3.ops.routed_experts import routed_experts
 
 # Logical axes of the routed experts' weights (kimi_k3/sharding.py maps them to mesh axes).
@@ -196,14 +201,37 @@ def _dense_experts(x_NxD, idx_NxK, w_NxK, wi, wo, fp8: bool = False):
     return _product("nef,efd->nd", a_NxExF, wo, fp8, jnp.float32)
 
 
+def _first_choices(ids_RxK, w_RxK, Kl: int):
+    """Each row's first ``Kl`` ids in ascending order (ids >= E_l, served elsewhere, sort last),
+    with their weights: a token has at most E_l = Kl choices on one device."""
+    if Kl == ids_RxK.shape[-1]:
+        return ids_RxK, w_RxK
+    first_RxKl = jnp.argsort(ids_RxK, axis=-1)[..., :Kl]
+    return (jnp.take_along_axis(ids_RxK, first_RxKl, -1),
+            jnp.take_along_axis(w_RxK, first_RxKl, -1))
+
+
+def _local_experts(x_RxD, ids_RxK, w_RxK, wi, wo, matmul: str, remat: bool):
+    """This device's experts on rows ``x`` with local ids (E_l: none here) and weights:
+    y [R, D] float32 (``kimi_k3.ops.routed_experts``)."""
+    if matmul == "blocked":
+        return routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "blocked", remat=remat)
+    return routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "sorted",
+                          "xla" if matmul == "ragged" else matmul)
+
+
 def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str = "ragged",
-              remat: bool = False):
+              remat: bool = False, exchange: str = "all_tokens"):
     """Every assignment kept. wi, wo hold this device's E_l experts; with P > 1 devices on the
-    expert ``axes``, tokens travel by all-to-all; with P = 1, ``idx`` holds local expert ids,
-    or E_l for a choice this device does not serve. ``matmul``: "ragged" | "mosaic_gpu" |
-    "blocked" (``kimi_k3.ops.routed_experts``). Returns the routed output [N, D] float32."""
+    expert ``axes``, tokens travel by all-to-all (``exchange``: "all_tokens", or "ragged":
+    :func:`_dropless_ragged`); with P = 1, ``idx`` holds local expert ids, or E_l for a choice
+    this device does not serve. ``matmul``: "ragged" | "mosaic_gpu" | "blocked"
+    (``kimi_k3.ops.routed_experts``). Returns the routed output [N, D] float32."""
     N, K = idx_NxK.shape
     E_l = wi.shape[0]
+    if P > 1 and exchange == "ragged":
+        return _dropless_ragged(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes, matmul=matmul,
+                                remat=remat)
     if P > 1:
         # To each peer j: all N tokens, each with its choices on j as local expert ids; a choice
         # elsewhere becomes E_l, an id past the last expert, which sorts last and is skipped.
@@ -215,21 +243,68 @@ def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str = "rag
         w_RxK = send(w_NxK).reshape(P * N, K)
     else:
         x_RxD, ids_RxK, w_RxK = x_NxD, idx_NxK, w_NxK
-    # A token has at most E_l choices on one device: keep those columns only.
-    Kl = min(K, E_l)
-    if Kl < K:
-        first_RxKl = jnp.argsort(ids_RxK, axis=-1)[:, :Kl]
-        ids_RxK = jnp.take_along_axis(ids_RxK, first_RxKl, -1)
-        w_RxK = jnp.take_along_axis(w_RxK, first_RxKl, -1)
-    if matmul == "blocked":
-        out_RxD = routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "blocked", remat=remat)
-    else:
-        out_RxD = routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "sorted",
-                                 "xla" if matmul == "ragged" else matmul)
+    ids_RxK, w_RxK = _first_choices(ids_RxK, w_RxK, min(K, E_l))
+    out_RxD = _local_experts(x_RxD, ids_RxK, w_RxK, wi, wo, matmul, remat)
     if P > 1:
         back_PxNxD = jax.lax.all_to_all(out_RxD.astype(x_NxD.dtype).reshape(P, N, -1), axes, 0, 0)
         return back_PxNxD.astype(jnp.float32).sum(0)
     return out_RxD
+
+
+def _dropless_ragged(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str,
+                     remat: bool):
+    """``_dropless`` over P > 1 devices by ``ragged_all_to_all``: token n goes to peer j once
+    if it chose any expert there, as a row with its choices on j (local ids, E_l for none, and
+    their weights); j's experts return the row's weighted sum, and the token adds up its rows.
+
+    This device's rows to j: S_j = #{n: some choice of n on j} (C[me, j] below); it sends
+    sum_j S_j <= N min(K, P) rows, the traffic as routed. Its receive buffer must hold the
+    worst case, every token of every peer: R = P N rows, as many as the "all_tokens" exchange
+    receives, so memory and the experts' work are the same as there."""
+    N, K = idx_NxK.shape
+    E_l = wi.shape[0]
+    Kl, S, R = min(K, E_l), N * min(K, P), P * N
+    me = jax.lax.axis_index(axes)
+    with jax.named_scope("moe_dispatch"):
+        on_peer_PxNxK = (idx_NxK // E_l)[None] == jnp.arange(P)[:, None, None]
+        ids_PxNxK = jnp.where(on_peer_PxNxK, (idx_NxK % E_l)[None], E_l)
+        ids_PxNxKl, w_PxNxKl = _first_choices(
+            ids_PxNxK, jnp.broadcast_to(w_NxK, (P, N, K)).astype(jnp.float32), Kl)
+        sent_PN = jnp.any(on_peer_PxNxK, -1).reshape(P * N)
+        # The send buffer: pairs (peer j, token n) in peer-major order, the pairs not sent left
+        # out; pair_S: each row's pair, P N for the unused rows past the last.
+        slot_PN = jnp.where(sent_PN, jnp.cumsum(sent_PN) - 1, S)
+        pair_S = jnp.full((S,), P * N, jnp.int32).at[slot_PN].set(
+            jnp.arange(P * N, dtype=jnp.int32), mode="drop")
+        tok_S = jnp.where(pair_S < P * N, pair_S % N, N)
+        x_SxD = jnp.take(x_NxD, tok_S, axis=0, mode="fill", fill_value=0)
+        # Ids ride with the weights as float32 (exact below 2**24): one exchange for both.
+        meta_PNx2Kl = jnp.concatenate([ids_PxNxKl.astype(jnp.float32), w_PxNxKl],
+                                      -1).reshape(P * N, 2 * Kl)
+        meta_Sx2Kl = jnp.take(meta_PNx2Kl, pair_S, axis=0, mode="fill", fill_value=0)
+        # C[i, j]: the rows device i sends device j; every device needs every row of it.
+        C_PxP = jax.lax.all_gather(jnp.sum(sent_PN.reshape(P, N), -1, dtype=jnp.int32), axes)
+        excl = lambda a, axis: jnp.cumsum(a, axis) - a
+        send_sizes, recv_sizes = C_PxP[me], C_PxP[:, me]
+        send_off = excl(C_PxP[me], 0)  # where my rows to each j start in my send buffer
+        recv_off = excl(C_PxP[:, me], 0)  # where each i's rows start in my receive buffer
+        land_off = excl(C_PxP, 0)[me]  # where my rows start in each j's receive buffer
+        home_off = excl(C_PxP, 1)[:, me]  # where each i's rows to me started in its buffer
+        x_RxD = ragged_all_to_all(x_SxD, jnp.zeros((R, x_NxD.shape[1]), x_NxD.dtype), send_off,
+                                  send_sizes, land_off, recv_sizes, axis_name=axes)
+        # Rows past the received ones keep the buffer's id E_l: no expert, skipped.
+        empty_Rx2Kl = jnp.concatenate([jnp.full((R, Kl), E_l, jnp.float32),
+                                       jnp.zeros((R, Kl), jnp.float32)], -1)
+        meta_Rx2Kl = ragged_all_to_all(meta_Sx2Kl, empty_Rx2Kl, send_off, send_sizes, land_off,
+                                       recv_sizes, axis_name=axes)
+        ids_RxKl = jax.lax.stop_gradient(meta_Rx2Kl[:, :Kl]).astype(jnp.int32)
+    y_RxD = _local_experts(x_RxD, ids_RxKl, meta_Rx2Kl[:, Kl:], wi, wo, matmul, remat)
+    with jax.named_scope("moe_combine"):
+        y_SxD = ragged_all_to_all(y_RxD.astype(x_NxD.dtype),
+                                  jnp.zeros((S, x_NxD.shape[1]), x_NxD.dtype), recv_off,
+                                  recv_sizes, home_off, send_sizes, axis_name=axes)
+        return jnp.zeros((N, x_NxD.shape[1]), jnp.float32).at[tok_S].add(
+            y_SxD.astype(jnp.float32), mode="drop")
 
 
 def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int,
@@ -300,7 +375,7 @@ def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes,
                                      wo.astype(x_BxTxD.dtype), fp8)
         else:
             out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes, matmul=matmul,
-                                remat=spec.remat_experts)
+                                remat=spec.remat_experts, exchange=spec.ep_exchange)
         dropped_N = jnp.zeros((B * T,), jnp.float32)
     if sums:
         out_NxD = jax.lax.psum(out_NxD, sums)
