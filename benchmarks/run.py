@@ -211,6 +211,11 @@ REGISTRY: dict[str, Benchmark] = {
             "--noise=bf16_seed1", "--timeout_s=420", "--out={out}/fp8_loss.png",
             "--table={out}/fp8_loss.md", timeout_s=450),),
         card=FP8_CARD, writes=("fp8_loss.md", "fp8_loss.png"), wheels=FP8),
+    "fp8_matmul": Benchmark(
+        "FP8 training: the products alone at configs/1b.py's projection shapes, FP8 against bf16, "
+        "the quantisation and the FP8 GEMM apart, and whether XLA made them cuBLASLt FP8 GEMMs",
+        (py("benchmarks/fp8_matmul_bench.py", timeout_s=240, stdout="fp8_matmul.md"),),
+        card=FP8_CARD, writes=("fp8_matmul.md",), wheels=FP8),
     "internals_cost": Benchmark(
         "The internals report's cost: configs/small.py's training step against one report",
         (py("benchmarks/internals_cost.py", "--config=configs/small.py",
@@ -387,7 +392,7 @@ GROUPS = {
     "long_context": ("long_context_3to1", "long_context_mla", "long_context_kda"),
     "moe": ("routed_experts", "moe_train", "moe_state_loss"),
     "kernels": ("attention", "cache_attention", "short_conv", "swiglu", "attn_res"),
-    "fp8": ("fp8_train", "fp8_loss"),
+    "fp8": ("fp8_train", "fp8_matmul", "fp8_loss"),
 }
 
 

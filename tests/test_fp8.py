@@ -10,7 +10,7 @@ them by converting the FP8 operands: the numbers are those of the card, not its 
 - a checkpoint of an FP8 run resumes in bf16 and back (train.py);
 - FP8 is refused, naming the field, where it cannot run;
 - the benchmarks' CPU modes: train_throughput.py's runs side by side, loss_curves.py's runs
-  trained and held against the noise.
+  trained and held against the noise; fp8_matmul_bench.py's rows and its reading of the program.
 """
 
 from __future__ import annotations
@@ -277,3 +277,27 @@ def test_the_benchmarks_cpu_modes_compare_fp8_with_bf16(tmp_path, jax_cache):
     for run in ("bf16", "bf16_seed1", "fp8"):
         assert f"{run}: ok, last step 8, 0 non-finite steps" in table, table
     assert (work / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_product_benchmark_times_each_part_and_reads_the_program():
+    """benchmarks/fp8_matmul_bench.py --smoke: a forward and a forward+backward row per shape,
+    each ratio the bf16 time over fp8's, TFLOP/s from the times, and the program's products
+    counted (on the CPU no cuBLASLt call: the FP8 product stays a dot, forward one, forward and
+    backward three)."""
+    spec = importlib.util.spec_from_file_location("fp8_matmul_bench",
+                                                  REPO / "benchmarks" / "fp8_matmul_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [r.split("|")[1:-1] for r in bench.main(["--smoke", "--budget_s=0.05"]).splitlines()
+            if r.startswith("| ") and "pass" not in r]
+    assert [r[1].strip() for r in rows] == ["forward", "forward + backward"]
+    M, K, N = bench.SMOKE_SHAPES[0]
+    for (shape, _, bf16, fp8, quant, gemm, tflops, program), dots in zip(rows, (1, 3),
+                                                                       strict=True):
+        assert shape.strip() == f"{M} x {K} x {N}"
+        bf16_tflops = 2 * M * K * N * dots / float(bf16) / 1e9
+        assert abs(int(tflops.split("/")[0]) - bf16_tflops) <= 0.5 + 1e-3 * bf16_tflops
+        fp8_ms, ratio = re.fullmatch(r" ([\d.]+) \(([\d.]+)x\) ", fp8).groups()
+        assert float(ratio) == pytest.approx(float(bf16) / float(fp8_ms), abs=0.01 + 0.02 * float(ratio))
+        assert float(quant) > 0 and (gemm.strip() == "") == (dots == 3)
+        assert program.strip() == f"0 FP8 of 0 GEMMs, {dots} other dots, 0 f8 copies"
