@@ -82,7 +82,7 @@ def hlo_notes(compiled) -> str:
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, toy sizes")
-    p.add_argument("--budget_s", type=float, default=5.0, help="seconds per timing")
+    p.add_argument("--budget_s", type=float, default=2.0, help="seconds per timing")
     args = p.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     fns = functions()
