@@ -4,6 +4,7 @@ device probe. Test modules import from here, never from each other."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -48,10 +49,27 @@ FAST_COMPILE = RUN_ONCE_COMPILER_OPTIONS
 # jax.jit with FAST_COMPILE (static arguments etc. as keywords, like jax.jit).
 fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 
+
+@contextlib.contextmanager
+def run_once_compiles():
+    """Inside, every program compiles with FAST_COMPILE's optimisations off, however it is
+    jitted (the library's own jits too: ``train_lib.build``'s step, which takes no compiler
+    options): for a test that runs a library program once or twice. Not around training loops."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
 # Subprocesses compile tiny programs: XLA's CPU backend optimisations cost more time than they
-# save there (the sharded checks take about half as long without them; their tolerances hold).
+# save there (the sharded checks take about half as long without them; their tolerances hold),
+# and so do its MLIR fusion emitters (the older elemental ones compile far faster;
+# tests/conftest.py chooses them for the test processes too).
 SUBPROCESS_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true")
+                        "--xla_llvm_disable_expensive_passes=true "
+                        "--xla_cpu_use_fusion_emitters=false")
 
 
 def env(cache: str, devices: int = 1) -> dict:

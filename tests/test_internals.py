@@ -23,7 +23,7 @@ from kimi_k3 import model as model_lib
 from kimi_k3.config import run_spec
 from kimi_k3.layers import kda_layer, mla
 from kimi_k3.model import HybridLM
-from tests.helpers import build, load_config, tiny_config
+from tests.helpers import build, load_config, run_once_compiles, tiny_config
 from tests.kda_numpy import kda_numpy
 
 
@@ -300,7 +300,8 @@ def test_the_trainer_writes_the_report_and_eval_compares_checkpoints(tmp_path, r
     config.train.eval_batches, config.train.progress_bar = 1, False
     config.checkpoint.every_steps = 2
     run = tmp_path / "run"
-    train_lib.train(config, str(run))
+    with run_once_compiles():  # 3 steps, 2 evaluations
+        train_lib.train(config, str(run))
 
     rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
     reports = [r for r in rows if r["split"] == "internals"]
@@ -320,8 +321,9 @@ def test_the_trainer_writes_the_report_and_eval_compares_checkpoints(tmp_path, r
         assert plots.is_png(run / name), name
 
     out = tmp_path / "ev"
-    report = evaluation.main(config, str(out), [f"last={run}", f"early={run}/checkpoints/2"],
-                             [32], progress=False, internals=True, perplexity=False)
+    with run_once_compiles():
+        report = evaluation.main(config, str(out), [f"last={run}", f"early={run}/checkpoints/2"],
+                                 [32], progress=False, internals=True, perplexity=False)
     saved = json.loads((out / "internals.json").read_text())
     assert [m["label"] for m in saved["models"]] == ["last", "early"] == [
         m["label"] for m in report["internals"]["models"]]

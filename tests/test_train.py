@@ -41,7 +41,7 @@ from kimi_k3.config import add_training_defaults, normalize_rules
 from kimi_k3.layers.dense import Dense
 from kimi_k3.layers.embed import Embed
 from kimi_k3.layers.norms import RMSNorm
-from tests.helpers import REPO, TINY, ckpt_steps, env, losses
+from tests.helpers import REPO, TINY, ckpt_steps, env, losses, run_once_compiles
 
 
 def train_cmd(workdir, *extra) -> list[str]:
@@ -629,7 +629,7 @@ def test_weights_are_rounded_to_bf16_once_per_step_not_per_micro_batch(monkeypat
             setup = train_lib.build(config, mesh)
             state = setup.init_state()
             b = train_lib.global_batch(batch, setup.batch_sharding, 4)
-            with setup.context():
+            with setup.context(), run_once_compiles():  # one step
                 jaxpr = jax.make_jaxpr(setup.train_step)(state, b).jaxpr
                 new, metrics = setup.train_step(state, b)
         kernels = {tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(state["params"])
