@@ -380,7 +380,7 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
     deadline = (time.perf_counter() if started is None else started) + args.max_seconds
     cfg = bench_config(args, variant)
     model = build_model(cfg, args.seed)
-    decoder = Decoder(model)
+    decoder = Decoder(model, fuse=args.fuse)
     gate = ""
     if "M" in cfg.pattern:
         try:
@@ -392,7 +392,7 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
             gate = f"latent cache read: xla (the Pallas kernel failed its check: {first})"
             cfg.mla.decode_impl = "xla"
             model = build_model(cfg, args.seed)
-            decoder = Decoder(model)
+            decoder = Decoder(model, fuse=args.fuse)
     hbm_gbps, _ = card_bandwidth(args.hbm_gbps)
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     fixed_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
@@ -534,6 +534,8 @@ def format_tables(rows: list[dict], device: str, args) -> str:
         f"(--search={args.search}, --max_batch={args.max_batch})",
         "",
         "Time per output token = ms per step (every row of the batch gets one token per step).",
+        "projections: " + ("each layer's products of one input as one (the Decoder's default)"
+                           if args.fuse else "each its own product (--no-fuse)"),
         floor,
         "how each step read the MLA caches: " + ("; ".join(
             f"{v}: {', '.join(r)}" for v, r in reads.items() if r) or "no MLA layer"),
@@ -688,6 +690,9 @@ def parse_args(argv=None):
                    help="also profile batch 1's step at each point (traces in this folder; XLA's "
                         "command buffers are then off, for the timings too): ms by model part, "
                         "kernels per step, idle time")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="the Decoder's fused projections (kimi_k3/layers/fused.py; --no-fuse: "
+                        "each product on its own, for comparison)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in_process", action=argparse.BooleanOptionalAction, default=False,
                    help="run every point in this process (peak memory then accumulates)")

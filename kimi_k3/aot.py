@@ -188,9 +188,13 @@ def lower_train(spec: RunSpec, mesh: Mesh) -> tuple[jax.stages.Lowered, Mesh, st
     return lowered, mesh, f"{_mesh_text(mesh)}; batch {B} x {T} tokens in {passes}"
 
 
-def _model_shapes(spec: RunSpec):
-    """(graphdef, the model's state as ShapeDtypeStructs, the abstract model)."""
-    abstract = nnx.eval_shape(lambda: make_model(spec.model, spec.seed))
+def _model_shapes(spec: RunSpec, decoding: bool = False):
+    """(graphdef, the model's state as ShapeDtypeStructs, the abstract model); ``decoding``: the
+    model as a ``Decoder`` holds it (``generate.decoding_model``)."""
+    make = lambda: make_model(spec.model, spec.seed)
+    if decoding:
+        make = lambda: generate.decoding_model(make_model(spec.model, spec.seed))
+    abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     return graphdef, state, abstract
 
@@ -231,7 +235,7 @@ def lower_decode(spec: RunSpec, devices: Sequence, *, batch_size: int, max_len: 
     of ``max_len`` tokens, on one device (as ``Decoder`` runs it): (the lowered step, its mesh
     of one device, a line saying what it holds)."""
     mesh = mesh_over(_one_axis("context", 1), devices[:1])
-    graphdef, state, abstract = _model_shapes(spec)
+    graphdef, state, abstract = _model_shapes(spec, decoding=True)
     whole = NamedSharding(mesh, PartitionSpec())
     cache = _abstract(jax.eval_shape(lambda: abstract.init_cache(batch_size, max_len)), whole)
     state = _abstract(state, whole)

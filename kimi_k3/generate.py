@@ -100,6 +100,7 @@ from tqdm.auto import tqdm
 from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
 from kimi_k3.data import TextTokenizer, first_bad_id
 from kimi_k3.eval_scoring import align_cache
+from kimi_k3.layers.fused import fuse_for_decoding
 from kimi_k3.model import MAX_POSITIONS, HybridLM
 from kimi_k3.runtime import device_memory_bytes, quiet_library_logs
 
@@ -257,6 +258,21 @@ def matmul_weights_in(state, dtype):
     return state
 
 
+def decoding_model(model: nnx.Module, fuse: bool = True) -> nnx.Module:
+    """The model a ``Decoder`` runs: ``model``'s weights, those its matmuls read rounded to its
+    compute dtype (``matmul_weights_in``) and with ``fuse`` each layer's fusable products as
+    one weight (``kimi_k3.layers.fused``). A second model over the same arrays where nothing
+    changes (``nnx.merge`` copies no weight): ``model`` itself keeps its separate projections."""
+    graphdef, state = nnx.split(model)
+    spec = getattr(model, "spec", None)
+    if spec is not None:
+        state = matmul_weights_in(state, spec.compute_dtype)
+    decoding = nnx.merge(graphdef, state)
+    if fuse:
+        fuse_for_decoding(decoding)
+    return decoding
+
+
 def step_function(graphdef):
     """The jitted decoding step a ``Decoder`` runs for models of ``graphdef``:
     (state, token [B], cache) -> (logits [B, V], cache), the cache donated (``kimi_k3.aot``
@@ -274,19 +290,21 @@ class Decoder:
     with the ``HybridLM`` methods is traced as it is (test doubles). The weights the model
     multiplies in its compute dtype (``matmul_weights_in``) are held in that dtype, rounded
     once here: a step then reads each weight once, in the dtype its matmul takes, and the
-    numbers are those of the model as given.
+    numbers are those of the model as given. With ``fuse`` (the default) each layer's
+    products that read one input are held as one weight, and KDA's two low-rank ups as one
+    batched weight (``kimi_k3.layers.fused``): the same sums in fewer, larger kernels, which
+    is what a batch-1 step's time goes to. The model given is left as it is.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, fuse: bool = True):
         self.model = model
         spec = getattr(model, "spec", None)
         self.vocab_size = None if spec is None else int(spec.vocab_size)
         if isinstance(model, nnx.Module):
-            graphdef, state = nnx.split(model)
-            self._state = state if spec is None else matmul_weights_in(state, spec.compute_dtype)
-            self._prefill, self._step = _nnx_decoder_fns(graphdef)
+            self._graphdef, self._state = nnx.split(decoding_model(model, fuse))
+            self._prefill, self._step = _nnx_decoder_fns(self._graphdef)
         else:
-            self._state = None
+            self._graphdef = self._state = None
             self._prefill, self._step = _decoder_fns(lambda state: model)
 
     def init_cache(self, batch_size: int, max_len: int):

@@ -197,9 +197,66 @@ def test_the_compiled_step_copies_no_cache():
     assert alias == cache_bytes  # every cache array is an output written in place
     # The measure sees a copy: the same step with the cache kept (not donated) must copy each
     # latent array into its output.
-    kept = jax.jit(lambda state, t, c: nnx.merge(nnx.graphdef(model), state).step(t, c))
+    kept = jax.jit(lambda state, t, c: nnx.merge(dec._graphdef, state).step(t, c))
     copies, _, alias = measure(kept)
     assert len(copies) == model.pattern.count("M") and alias == 0, (copies, alias)
+
+
+@pytest.mark.parametrize("pattern,scan,q_lora_rank", [("KKM", True, 0), ("KMK", False, 16)])
+def test_the_fused_decoder_computes_the_separate_products_numbers(pattern, scan, q_lora_rank):
+    """``Decoder(fuse=True)`` (each layer's products of one input as one weight, KDA's low-rank
+    ups as one batched weight; kimi_k3/layers/fused.py) against ``fuse=False``, in bf16: the
+    same logits after a prefill in pieces and after each greedy step, the same caches, the
+    same bytes of weights (none held twice), every group fused, and the model given untouched.
+    A scanned model fuses its stacked weights; an MLA layer with and without a query
+    bottleneck."""
+    cfg = tiny_config(pattern, vocab=256)
+    cfg.model.scan_layers, cfg.model.dtype = scan, "bfloat16"
+    cfg.model.mla.q_lora_rank = q_lora_rank
+    model = build(cfg.model, 7)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    fused, plain = Decoder(model, fuse=True), Decoder(model, fuse=False)
+    paths = ["/".join(map(str, p)) for p, _ in
+             jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(fused._state))[0]]
+    paths = [p.replace("'", "").replace("[", "").replace("]", "") for p in paths]
+    kda_layers, mla_layers = pattern.count("K") - (1 if scan else 0), pattern.count("M")
+    assert sum(p.endswith("x_in/kernel") for p in paths) == kda_layers + mla_layers, paths
+    assert sum(p.endswith("ups/kernel") for p in paths) == kda_layers, paths
+    assert not any(p.endswith(("q_proj/kernel", "kv_down/kernel", "f_up/kernel")) for p in paths)
+    assert fused.weight_bytes == plain.weight_bytes
+
+    rng = np.random.default_rng()
+    prompt_BxL = rng.integers(0, 256, (2, 13))
+    runs = []
+    for dec in (fused, plain):
+        cache = dec.init_cache(2, 20)
+        logits_BxV, cache = dec.prefill(prompt_BxL, cache, 4)  # pieces of 4 and a last of 1
+        seen = [np.asarray(logits_BxV)]
+        for _ in range(4):
+            logits_BxV, cache = dec.step(np.asarray(jnp.argmax(logits_BxV, -1)), cache)
+            seen.append(np.asarray(logits_BxV))
+        runs.append((seen, cache))
+    (got, got_cache), (want, want_cache) = runs
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+        np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-3, atol=1e-3)
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    assert jax.tree.structure(after) == jax.tree.structure(before)
+    assert all(np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True))
+
+
+def test_fp8_products_are_not_fused():
+    """An FP8 product quantises each operand with its own scale, so a group with one is left as
+    separate products; KDA's low-rank ups (never FP8) are fused."""
+    cfg = tiny_config("KM", vocab=256)
+    cfg.model.scan_layers, cfg.model.matmul_format = False, "fp8"
+    dec = Decoder(build(cfg.model, 7))
+    names = str(nnx.to_pure_dict(dec._state).keys()) + str(nnx.to_pure_dict(dec._state))
+    assert "x_in" not in names and "q_proj" in names and "ups" in names
 
 
 def test_the_one_token_kda_step_is_the_recurrence():

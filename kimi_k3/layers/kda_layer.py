@@ -37,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from kimi_k3.config import KdaSpec
 from kimi_k3.layers.capture import keep
 from kimi_k3.layers.dense import Dense
+from kimi_k3.layers.fused import shared_input, stacked
 from kimi_k3.layers.norms import RMSNorm, l2_normalize
 from kimi_k3.layers.short_conv import ShortConv
 from kimi_k3.ops import init_dt_bias, kda, kda_gate
@@ -61,6 +62,12 @@ class KDALayer(nnx.Module):
     # Set by kimi_k3/internals.py on its copy of a model: the forward then keeps what the
     # internals report reads (kimi_k3/layers/capture.py says why a class attribute).
     capture_internals = False
+
+    # The products a decoder holds as one (kimi_k3/layers/fused.py): the six that read x, and
+    # the two low-rank ups (one kernel shape, [K, HV, K], as V = K).
+    FUSED = {"x_in": ("q_proj", "k_proj", "v_proj", "b_proj", "f_down", "g_down"),
+             "ups": ("f_up", "g_up")}
+    FUSED_STACKED = ("ups",)
 
     def __init__(self, d_model: int, spec: KdaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, fp8: bool = False):
@@ -222,10 +229,9 @@ class KDALayer(nnx.Module):
         [B, T, HV, V], the decay gate's pre-activation f [B, T, HV, K] and beta's [B, T, HV]
         (low rank), the output gate's [B, T, HV, V] (low rank)."""
         with jax.named_scope("kda_proj"):
-            q, k, v = self.q_proj(x_BxTxD), self.k_proj(x_BxTxD), self.v_proj(x_BxTxD)
-            f_BxTxHVxK = self.f_up(self.f_down(x_BxTxD))
-            return (q, k, v, f_BxTxHVxK, self.b_proj(x_BxTxD),
-                    self.g_up(self.g_down(x_BxTxD)))
+            y = shared_input(self, "x_in", x_BxTxD)
+            f_BxTxHVxK, o_gate_BxTxHVxV = stacked(self, "ups", y["f_down"], y["g_down"])
+            return y["q_proj"], y["k_proj"], y["v_proj"], f_BxTxHVxK, y["b_proj"], o_gate_BxTxHVxV
 
     def step(self, x_Bx1xD: jax.Array, cache: dict[str, jax.Array], pos: jax.Array,
              layer: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:

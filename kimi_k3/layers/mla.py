@@ -57,6 +57,7 @@ from kimi_k3.layers.attention import (
 )
 from kimi_k3.layers.capture import keep
 from kimi_k3.layers.dense import Dense
+from kimi_k3.layers.fused import shared_input
 from kimi_k3.layers.norms import RMSNorm
 from kimi_k3.sharding import BTHK, ContextLayout, constrain, context_layout
 from pallas_kernels import latent_decode
@@ -75,6 +76,11 @@ class GatedMLA(nnx.Module):
     # Set by kimi_k3/internals.py on its copy of a model: a forward without a cache then keeps
     # the queries and keys (kimi_k3/layers/capture.py).
     capture_internals = False
+
+    # The products that read x, which a decoder holds as one (kimi_k3/layers/fused.py): the
+    # query's (q_down with a query bottleneck, else q_proj), the latent's, the shared key's and
+    # the output gate's (when the layer has one).
+    FUSED = {"x_in": ("q_down", "q_proj", "kv_down", "k_shared", "g_proj")}
 
     def __init__(self, d_model: int, spec: MlaSpec, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, fp8: bool = False):
@@ -216,10 +222,14 @@ class GatedMLA(nnx.Module):
                           out_specs=mine)(q_BxTxHxQ, kv_all, jnp.asarray(pos, jnp.int32))
         return o.astype(self.dtype)
 
-    def _queries(self, x_BxTxD):
-        if self.spec.q_lora_rank > 0:
-            return self.q_up(self.q_norm(self.q_down(x_BxTxD)))
-        return self.q_proj(x_BxTxD)
+    def _from_x(self, x_BxTxD):
+        """The products that read x (one product in a decoder's fused model,
+        kimi_k3/layers/fused.py): (queries [B, T, H, dn + ds], the normed latent c [B, T, R],
+        the shared key k_s [B, T, ds], the output gate's pre-activation [B, T, H, dv] or None
+        without the gate)."""
+        y = shared_input(self, "x_in", x_BxTxD)
+        q_BxTxHxQ = (self.q_up(self.q_norm(y["q_down"])) if "q_down" in y else y["q_proj"])
+        return q_BxTxHxQ, self.kv_norm(y["kv_down"]), y["k_shared"], y.get("g_proj")
 
     def __call__(
         self,
@@ -236,9 +246,8 @@ class GatedMLA(nnx.Module):
         own. pos + T must not exceed the cache's max_len.
         """
         with jax.named_scope("mla_proj"):
-            q_BxTxHxQ = constrain(self._queries(x_BxTxD), BTHK)
-            c_BxTxR = self.kv_norm(self.kv_down(x_BxTxD))
-            ks_BxTxS = self.k_shared(x_BxTxD)
+            q_BxTxHxQ, c_BxTxR, ks_BxTxS, g_BxTxHxV = self._from_x(x_BxTxD)
+            q_BxTxHxQ = constrain(q_BxTxHxQ, BTHK)
         if self.capture_internals and cache is None:
             # What kimi_k3/internals.py reads (its attention probabilities come from these, in
             # plain JAX: the kernels are left alone): q and k [B, T, H, dn + ds].
@@ -277,8 +286,8 @@ class GatedMLA(nnx.Module):
                     o_BxTxHxV = self._attend_absorbed(q_BxTxHxQ, kv_BxSxL, pos)
             new_cache = {"latent_kv": kv_BxSxL}
         with jax.named_scope("mla_out"):
-            if self.spec.output_gate:
-                gate = jax.nn.sigmoid(self.g_proj(x_BxTxD).astype(jnp.float32))
+            if g_BxTxHxV is not None:
+                gate = jax.nn.sigmoid(g_BxTxHxV.astype(jnp.float32))
                 o_BxTxHxV = (o_BxTxHxV.astype(jnp.float32) * gate).astype(self.dtype)
             return self.o_proj(constrain(o_BxTxHxV, BTHK)), new_cache
 
@@ -297,9 +306,8 @@ class GatedMLA(nnx.Module):
         """
         H, R, dn = self.spec.num_heads, self.spec.kv_lora_rank, self.spec.qk_nope_head_dim
         with jax.named_scope("mla_proj"):
-            q_BxHxQ = self._queries(x_Bx1xD)[:, 0]
-            c_Bx1xR = self.kv_norm(self.kv_down(x_Bx1xD))
-            ks_Bx1xS = self.k_shared(x_Bx1xD)
+            q_Bx1xHxQ, c_Bx1xR, ks_Bx1xS, g_Bx1xHxV = self._from_x(x_Bx1xD)
+            q_BxHxQ = q_Bx1xHxQ[:, 0]
             kv = cache["latent_kv"]
             new_Bx1xL = jnp.concatenate([c_Bx1xR, ks_Bx1xS.astype(c_Bx1xR.dtype)], -1)
             new_Bx1xL = new_Bx1xL.astype(kv.dtype)
@@ -326,7 +334,7 @@ class GatedMLA(nnx.Module):
             W_uv = self.v_up.kernel[...].astype(self.dtype)  # [R, H, dv]
             o_Bx1xHxV = jnp.einsum("bhr,rhv->bhv", o_lat_BxHxR, W_uv,
                                    preferred_element_type=jnp.float32).astype(self.dtype)[:, None]
-            if self.spec.output_gate:
-                gate = jax.nn.sigmoid(self.g_proj(x_Bx1xD).astype(jnp.float32))
+            if g_Bx1xHxV is not None:
+                gate = jax.nn.sigmoid(g_Bx1xHxV.astype(jnp.float32))
                 o_Bx1xHxV = (o_Bx1xHxV.astype(jnp.float32) * gate).astype(self.dtype)
             return self.o_proj(o_Bx1xHxV), {"latent_kv": kv}
