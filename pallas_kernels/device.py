@@ -176,6 +176,16 @@ def describe(platform: str, dev) -> Device:
                   reasons=tuple(sorted(reasons.items())))
 
 
+def choices_key() -> tuple:
+    """What a kernel's choices depend on besides its arguments: the target platform and the
+    devices ``probe`` describes for it and for "gpu". A jitted function that makes those
+    choices while it is traced takes this as a static argument, so that a program for another
+    platform (a TPU topology's mesh) or another card is traced afresh, not taken from the cache
+    of one traced before."""
+    platform = target_platform()
+    return platform, probe(platform), probe("gpu")
+
+
 def pallas_triton():
     """``jax.experimental.pallas.triton`` with its ``CompilerParams``, or None where this JAX
     has no Pallas-Triton (it is deprecated from JAX 0.11 and may go)."""

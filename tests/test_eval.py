@@ -637,3 +637,39 @@ def test_the_compiled_scoring_piece_copies_no_cache():
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
     assert mem.temp_size_in_bytes < latent_bytes, (mem.temp_size_in_bytes, latent_bytes)
+
+
+def _lowered_piece_chars(pattern: str) -> int:
+    """Characters of eval's piece function lowered for a tiny unrolled model of ``pattern``
+    with every Pallas kernel (interpret mode here)."""
+    m = tiny_config(pattern, vocab=64).model
+    m.scan_layers, m.kda.impl, m.kda.conv_impl = False, "pallas", "pallas"
+    abstract = nnx.eval_shape(lambda: HybridLM(m, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    cache = jax.eval_shape(lambda: abstract.init_cache(1, 64))
+    tokens = jax.ShapeDtypeStruct((1, 32), jnp.int32)
+    piece = eval_scoring.piece_function(graphdef)
+    cache = eval_scoring.align_cache(cache, jax.eval_shape(piece, state, tokens, cache, tokens)[1])
+    return len(piece.lower(state, tokens, cache, tokens).as_text())
+
+
+def test_the_layers_of_a_program_share_one_lowering_of_each_kernel(monkeypatch):
+    """The undifferentiated KDA, short-convolution and Attention Residual kernels are jitted
+    functions, so a program lowers each once however many layers call it with the same shapes
+    (on a GPU, lowering every layer's Mosaic and Triton kernels again was most of a 1M-token
+    evaluation's tracing): four KDA layers lower to little more than one. Made plain functions
+    again, the same measure sees every layer's copy."""
+    from kimi_k3.layers import attn_res, short_conv
+    from pallas_kernels import kda as kda_kernel
+
+    ratio = _lowered_piece_chars("KKKKM") / _lowered_piece_chars("KM")
+    assert ratio < 1.6, ratio
+    plain = lambda fn: lambda *args, choices=None, **kwargs: fn(*args, **kwargs)
+    monkeypatch.setattr(kda_kernel, "_forward_once",
+                        lambda *args: kda_kernel._forward(*args[:-1], residuals=False))
+    monkeypatch.setattr(short_conv, "_conv_forward_once",
+                        plain(short_conv.short_conv_kernel.conv_forward))
+    monkeypatch.setattr(attn_res, "_fused_fwd_once", lambda *args: attn_res._fused_fwd(*args[:-1]))
+    jax.clear_caches()  # traced afresh, not the programs above
+    apart = _lowered_piece_chars("KKKKM") / _lowered_piece_chars("KM")
+    assert apart > 2.5, apart
