@@ -141,6 +141,7 @@ def bench_config(args, variant: str):
     cfg.param_dtype = args.dtype
     cfg.scan_layers = False
     cfg.mla.decode_impl = args.decode_impl
+    cfg.kda.step_impl = args.kda_step_impl
     return cfg
 
 
@@ -535,7 +536,8 @@ def format_tables(rows: list[dict], device: str, args) -> str:
         "",
         "Time per output token = ms per step (every row of the batch gets one token per step).",
         "projections: " + ("each layer's products of one input as one (the Decoder's default)"
-                           if args.fuse else "each its own product (--no-fuse)"),
+                           if args.fuse else "each its own product (--no-fuse)")
+        + f"; KDA step after them: {args.kda_step_impl} (--kda_step_impl)",
         floor,
         "how each step read the MLA caches: " + ("; ".join(
             f"{v}: {', '.join(r)}" for v, r in reads.items() if r) or "no MLA layer"),
@@ -690,6 +692,9 @@ def parse_args(argv=None):
                    help="also profile batch 1's step at each point (traces in this folder; XLA's "
                         "command buffers are then off, for the timings too): ms by model part, "
                         "kernels per step, idle time")
+    p.add_argument("--kda_step_impl", default="xla", choices=("xla", "pallas"),
+                   help="a KDA layer's step after its projections (model.kda.step_impl): XLA's "
+                        "ops, or one kernel (pallas_kernels/kda_decode.py)")
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="the Decoder's fused projections (kimi_k3/layers/fused.py; --no-fuse: "
                         "each product on its own, for comparison)")

@@ -298,6 +298,15 @@ REGISTRY: dict[str, Benchmark] = {
             env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"}),),
         card="an H100 (the card of BENCHMARKS.md's decoding table)",
         writes=("decode.md", "decode.csv", "decode_ms_per_token.png")),
+    "decode_step_kernel": Benchmark(
+        "Decoding: 3:1's batch-1 step with each KDA layer's work after its projections as one "
+        "kernel (--kda_step_impl=pallas), to set beside the decode entry's XLA step",
+        (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B,
+            "--contexts=131072,1048576", "--variants=3:1", "--max_batch=1", "--warmup=2",
+            "--steps=20", "--max_seconds=85", "--grace_seconds=10", "--kda_step_impl=pallas",
+            env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"}),),
+        card="an H100 (the card of BENCHMARKS.md's decoding table)",
+        writes=("decode.md", "decode.csv", "decode_ms_per_token.png")),
     "decode_profile": Benchmark(
         "Decoding: batch 1's step at 131K by model part (kernels, idle time), 3:1 and all-MLA",
         (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B, "--contexts=131072",

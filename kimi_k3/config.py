@@ -141,6 +141,10 @@ def default_model_config() -> ml_collections.ConfigDict:
     # "pallas" (forward and backward kernels, pallas_kernels/short_conv.py; interpret mode off
     # the GPU).
     cfg.kda.conv_impl = "auto"
+    # A decoding step's work after the projections (convolutions, gates, the state update, the
+    # output norm and gate): "xla" or "pallas" (one kernel per layer,
+    # pallas_kernels/kda_decode.py; interpret mode off the GPU).
+    cfg.kda.step_impl = "xla"
     # The Pallas KDA kernel's launch parameters over its defaults: "key=int,..." of
     # pallas_kernels.tuning.KernelTuning's fields; e.g. "hopper=0" runs the portable Triton
     # kernels on a Hopper card too, to compare a run with the Mosaic GPU path.
@@ -355,6 +359,7 @@ class KdaSpec:
     impl: str  # "recurrent" | "xla" | "pallas": "auto" already resolved for the backend
     gate_in_kernel: bool = False  # the decay gate computed inside the KDA op
     conv_impl: str = "xla"  # the short convolutions: "xla" | "pallas" (resolved)
+    step_impl: str = "xla"  # a decoding step after the projections: "xla" | "pallas"
     # the Pallas kernel's launch parameters: KernelTuning() with model.kda.kernel_tuning's
     # overrides, parsed once here
     kernel_tuning: KernelTuning = dataclasses.field(default_factory=KernelTuning)
@@ -676,6 +681,8 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) ->
                    gate_in_kernel=f.bool("gate_in_kernel"),
                    conv_impl=dispatch.choose_conv_impl(f.choice("conv_impl", dispatch.CONV_IMPLS),
                                                        backend),
+                   step_impl=(f.choice("step_impl", dispatch.KDA_STEP_IMPLS)
+                              if "step_impl" in k else "xla"),
                    kernel_tuning=_kernel_tuning(f),
                    norm_eps=norm_eps)
 

@@ -52,6 +52,7 @@ CONV_IMPLS = ("auto", "xla", "pallas")  # the short convolutions
 ATTN_RES_IMPLS = ("auto", "xla", "pallas")  # an Attention Residual read and its norm
 MLP_IMPLS = ("auto", "xla", "pallas")  # the dense SwiGLU's activation backward
 DECODE_ATTN_IMPLS = ("auto", "xla", "pallas")  # MLA decoding over the latent cache
+KDA_STEP_IMPLS = ("xla", "pallas")  # a KDA layer's decoding step after its projections
 MATMUL_FORMATS = ("bf16", "fp8")  # the projections' products (model.matmul_format)
 
 # Backends on which KDA's "auto" takes the Pallas kernel (when it lowers there with this JAX):

@@ -21,6 +21,7 @@ from flax import nnx
 from kimi_k3 import checkpoint as ckpt_lib
 from kimi_k3 import cli, model_state, run_dir
 from kimi_k3 import generate as gen_lib
+from kimi_k3.config import model_spec
 from kimi_k3.data import TextTokenizer
 from kimi_k3.generate import Decoder, Sampling, generate, sample_tokens
 from tests.helpers import REPO, build, env, tiny_config
@@ -257,6 +258,71 @@ def test_fp8_products_are_not_fused():
     dec = Decoder(build(cfg.model, 7))
     names = str(nnx.to_pure_dict(dec._state).keys()) + str(nnx.to_pure_dict(dec._state))
     assert "x_in" not in names and "q_proj" in names and "ups" in names
+
+
+@pytest.mark.parametrize("gate,num_v_heads,dtype", [("bounded", 0, "float32"),
+                                                    ("softplus", 4, "float32"),
+                                                    ("bounded", 4, "bfloat16")])
+def test_the_step_kernel_is_the_xla_step(gate, num_v_heads, dtype):
+    """``model.kda.step_impl = "pallas"`` (a KDA layer's step after its projections as one kernel,
+    pallas_kernels/kda_decode.py, interpret mode) against "xla", on the same weights: from a
+    prefilled random prompt, four steps (the XLA step's greedy tokens fed to both) give the same
+    logits and caches (both gates; value heads grouped two per query head; bf16 compute within
+    its rounding)."""
+    models = []
+    for impl in ("xla", "pallas"):
+        cfg = tiny_config("KKM", vocab=256)
+        cfg.model.scan_layers, cfg.model.dtype = False, dtype
+        cfg.model.kda.gate, cfg.model.kda.num_v_heads = gate, num_v_heads
+        cfg.model.kda.step_impl = impl
+        models.append(build(cfg.model, 11))
+    rng = np.random.default_rng()
+    prompt_BxL = rng.integers(0, 256, (2, 9))
+    decs = [Decoder(model) for model in models]
+    caches = [dec.init_cache(2, 16) for dec in decs]
+    pairs = [dec.prefill(prompt_BxL, c, 4) for dec, c in zip(decs, caches, strict=True)]
+    logits, caches = [p[0] for p in pairs], [p[1] for p in pairs]
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for _ in range(4):
+        token_B = np.asarray(jnp.argmax(logits[0], -1))  # the XLA step's choice, fed to both
+        pairs = [dec.step(token_B, c) for dec, c in zip(decs, caches, strict=True)]
+        logits, caches = [p[0] for p in pairs], [p[1] for p in pairs]
+        want, got = (np.asarray(x, np.float32) for x in logits)
+        # bf16: a few of its roundings (2^-8 each) of the largest logit, where the two forms
+        # round their intermediates in different places
+        np.testing.assert_allclose(got, want, rtol=tol,
+                                   atol=tol if dtype == "float32" else 2**-6 * np.abs(want).max())
+        if dtype == "float32":
+            np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    for a, b in zip(jax.tree.leaves(caches[1]), jax.tree.leaves(caches[0]), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol if dtype == "float32"
+                                   else 2**-5 * max(np.abs(b).max(), 1.0))
+
+
+def test_the_step_kernel_lowers_for_cuda():
+    """The compiled kernel (not interpret mode) lowers to Triton for CUDA at the 1B shapes, both
+    gates, and refuses head dims that are not powers of two."""
+    from pallas_kernels import kda_decode
+
+    B, H, K, W = 1, 16, 128, 4
+    bf, f32 = jnp.bfloat16, jnp.float32
+    S = jax.ShapeDtypeStruct
+    args = (S((B, H, K), bf), S((B, H, K), bf), S((B, H, K), bf),
+            tuple(S((B, W - 1, H, K), bf) for _ in range(3)),
+            tuple(S((W, H, K), f32) for _ in range(3)), S((B, H, K), bf), S((B, H), bf),
+            S((B, H, K), bf), S((H,), f32), S((H, K), f32), S((B, H, K, K), f32), S((K,), f32))
+    for bound in (-5.0, None):
+        step = jax.jit(lambda *a, bound=bound: kda_decode.kda_decode_step(
+            *a, lower_bound=bound, norm_eps=1e-6, l2_eps=1e-6, out_dtype=bf, interpret=False))
+        text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text and "kda_decode_step" in text
+    assert kda_decode.unsupported(128, 128) is None
+    assert "K = 96" in kda_decode.unsupported(96, 128)
+    cfg = tiny_config("KM")
+    cfg.model.kda.step_impl = "triton"
+    with pytest.raises(ValueError, match=r"model\.kda\.step_impl.*triton.*xla.*pallas"):
+        model_spec(cfg.model)
 
 
 def test_the_one_token_kda_step_is_the_recurrence():

@@ -44,6 +44,7 @@ from kimi_k3.ops import init_dt_bias, kda, kda_gate
 from kimi_k3.ops.kda_context import kda_context_parallel
 from kimi_k3.ops.kda_recurrent import kda_step
 from kimi_k3.sharding import BTHK, ROWS_HEADS, constrain, context_layout, param, per_device
+from pallas_kernels import kda_decode
 from pallas_kernels import short_conv as short_conv_kernel
 
 
@@ -244,8 +245,35 @@ class KDALayer(nnx.Module):
         """
         del pos
         c = cache if layer is None else {name: a[layer] for name, a in cache.items()}
-        K = self.spec.head_dim
         q, k, v, f_Bx1xHVxK, b_Bx1xHV, o_gate_Bx1xHVxV = self._project(x_Bx1xD)
+        if self.spec.step_impl == "pallas":
+            out_Bx1xD, new = self._step_kernel(q, k, v, f_Bx1xHVxK, b_Bx1xHV, o_gate_Bx1xHVxV, c)
+        else:
+            out_Bx1xD, new = self._step_xla(q, k, v, f_Bx1xHVxK, b_Bx1xHV, o_gate_Bx1xHVxV, c)
+        if layer is not None:
+            new = {name: cache[name].at[layer].set(a.astype(cache[name].dtype))
+                   for name, a in new.items()}
+        return out_Bx1xD, new
+
+    def _step_kernel(self, q, k, v, f_Bx1xHVxK, b_Bx1xHV, o_gate_Bx1xHVxV, c):
+        """``step`` after the projections as one kernel (pallas_kernels/kda_decode.py)."""
+        with jax.named_scope("kda_core"):
+            out_BxHVxV, state = kda_decode.kda_decode_step(
+                q[:, 0], k[:, 0], v[:, 0], (c["conv_q"], c["conv_k"], c["conv_v"]),
+                (self.q_conv.weight[...], self.k_conv.weight[...], self.v_conv.weight[...]),
+                f_Bx1xHVxK[:, 0], b_Bx1xHV[:, 0], o_gate_Bx1xHVxV[:, 0], self.A_log[...],
+                self.dt_bias[...], c["state"], self.o_norm.scale[...],
+                lower_bound=self.spec.lower_bound, norm_eps=self.o_norm.eps,
+                l2_eps=short_conv_kernel.L2_EPS, out_dtype=self.dtype)
+        with jax.named_scope("kda_out"):
+            out_Bx1xD = self.o_proj(out_BxHVxV[:, None])
+        tails = {name: jnp.concatenate([c[name].astype(x.dtype), x], axis=1)[:, 1:]
+                 for name, x in (("conv_q", q), ("conv_k", k), ("conv_v", v))}
+        return out_Bx1xD, {"state": state, **tails}
+
+    def _step_xla(self, q, k, v, f_Bx1xHVxK, b_Bx1xHV, o_gate_Bx1xHVxV, c):
+        """``step`` after the projections in XLA's ops."""
+        K = self.spec.head_dim
         with jax.named_scope("kda_conv"):
             q, tail_q = _conv_step(self.q_conv, q, c["conv_q"], l2=True)
             k, tail_k = _conv_step(self.k_conv, k, c["conv_k"], l2=True)
@@ -262,11 +290,7 @@ class KDALayer(nnx.Module):
             gate_Bx1xHVxV = jax.nn.sigmoid(o_gate_Bx1xHVxV.astype(jnp.float32))
             o_Bx1xHVxV = (self.o_norm(o_Bx1xHVxV) * gate_Bx1xHVxV).astype(self.dtype)
             out_Bx1xD = self.o_proj(o_Bx1xHVxV)
-        new = {"state": state, "conv_q": tail_q, "conv_k": tail_k, "conv_v": tail_v}
-        if layer is not None:
-            new = {name: cache[name].at[layer].set(a.astype(cache[name].dtype))
-                   for name, a in new.items()}
-        return out_Bx1xD, new
+        return out_Bx1xD, {"state": state, "conv_q": tail_q, "conv_k": tail_k, "conv_v": tail_v}
 
 
 def _conv_step(conv: ShortConv, x_Bx1xC: jax.Array, tail_BxWm1xC: jax.Array, l2: bool):
