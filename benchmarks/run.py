@@ -150,6 +150,19 @@ JAX_CACHE = "--compilation_cache={work}/jax_cache"
 # the same program) and share the card.
 MOE_TRAIN_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
+DECODE_CARD = "an H100 (the card of BENCHMARKS.md's decoding table)"
+DECODE_FILES = ("decode.md", "decode.csv", "decode_ms_per_token.png")
+
+
+def _decode_bench(*flags: str) -> Command:
+    """decode_bench.py at 131K and 1M, the 1B shapes, 20 timed steps, the variants and batches
+    of ``flags``."""
+    return py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B,
+              "--contexts=131072,1048576", *flags, "--warmup=2", "--steps=20",
+              "--max_seconds=85", "--grace_seconds=10",
+              env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"})
+
+
 REGISTRY: dict[str, Benchmark] = {
     "kda_kernel": Benchmark(
         "KDA kernel against fla and jla: configs/small.py's and configs/1b.py's shapes",
@@ -282,31 +295,18 @@ REGISTRY: dict[str, Benchmark] = {
         card=H200, writes=("cold/ and warm/: eval.py's JSON, CSV and plots",)),
     "decode": Benchmark(
         "Decoding: time per output token, all-MLA against 3:1 at the 1B shapes, 8K to 1M",
-        (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B,
-            "--contexts=131072,1048576", "--variants=3:1,all-MLA", "--search=jump",
-            "--max_batch=64", "--warmup=2", "--steps=20", "--max_seconds=85",
-            "--grace_seconds=10",
-            env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"}),),
-        card="an H100 (the card of BENCHMARKS.md's decoding table)",
-        writes=("decode.md", "decode.csv", "decode_ms_per_token.png")),
+        (_decode_bench("--variants=3:1,all-MLA", "--search=jump", "--max_batch=64"),),
+        card=DECODE_CARD, writes=DECODE_FILES),
     "decode_unfused": Benchmark(
         "Decoding: 3:1's batch-1 step with each projection its own product (--no-fuse), to set "
         "beside the decode entry's fused step from the same card",
-        (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B,
-            "--contexts=131072,1048576", "--variants=3:1", "--max_batch=1", "--warmup=2",
-            "--steps=20", "--max_seconds=85", "--grace_seconds=10", "--no-fuse",
-            env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"}),),
-        card="an H100 (the card of BENCHMARKS.md's decoding table)",
-        writes=("decode.md", "decode.csv", "decode_ms_per_token.png")),
+        (_decode_bench("--variants=3:1", "--max_batch=1", "--no-fuse"),),
+        card=DECODE_CARD, writes=DECODE_FILES),
     "decode_step_kernel": Benchmark(
         "Decoding: 3:1's batch-1 step with each KDA layer's work after its projections as one "
         "kernel (--kda_step_impl=pallas), to set beside the decode entry's XLA step",
-        (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B,
-            "--contexts=131072,1048576", "--variants=3:1", "--max_batch=1", "--warmup=2",
-            "--steps=20", "--max_seconds=85", "--grace_seconds=10", "--kda_step_impl=pallas",
-            env={"JAX_COMPILATION_CACHE_DIR": "{work}/jax_cache"}),),
-        card="an H100 (the card of BENCHMARKS.md's decoding table)",
-        writes=("decode.md", "decode.csv", "decode_ms_per_token.png")),
+        (_decode_bench("--variants=3:1", "--max_batch=1", "--kda_step_impl=pallas"),),
+        card=DECODE_CARD, writes=DECODE_FILES),
     "decode_profile": Benchmark(
         "Decoding: batch 1's step at 131K by model part (kernels, idle time), 3:1 and all-MLA",
         (py("benchmarks/decode_bench.py", "--out_dir={out}", *ONE_B, "--contexts=131072",
