@@ -260,19 +260,19 @@ def test_fp8_products_are_not_fused():
     assert "x_in" not in names and "q_proj" in names and "ups" in names
 
 
-@pytest.mark.parametrize("gate,num_v_heads,dtype", [("bounded", 0, "float32"),
-                                                    ("softplus", 4, "float32"),
-                                                    ("bounded", 4, "bfloat16")])
-def test_the_step_kernel_is_the_xla_step(gate, num_v_heads, dtype):
+@pytest.mark.parametrize("gate,num_v_heads,dtype,scan", [("bounded", 0, "float32", False),
+                                                         ("softplus", 4, "float32", True),
+                                                         ("bounded", 4, "bfloat16", False)])
+def test_the_step_kernel_is_the_xla_step(gate, num_v_heads, dtype, scan):
     """``model.kda.step_impl = "pallas"`` (a KDA layer's step after its projections as one kernel,
     pallas_kernels/kda_decode.py, interpret mode) against "xla", on the same weights: from a
     prefilled random prompt, four steps (the XLA step's greedy tokens fed to both) give the same
-    logits and caches (both gates; value heads grouped two per query head; bf16 compute within
-    its rounding)."""
+    logits and caches (both gates; value heads grouped two per query head; a scanned model's
+    stacked caches; bf16 compute within its rounding)."""
     models = []
     for impl in ("xla", "pallas"):
         cfg = tiny_config("KKM", vocab=256)
-        cfg.model.scan_layers, cfg.model.dtype = False, dtype
+        cfg.model.scan_layers, cfg.model.dtype = scan, dtype
         cfg.model.kda.gate, cfg.model.kda.num_v_heads = gate, num_v_heads
         cfg.model.kda.step_impl = impl
         models.append(build(cfg.model, 11))
