@@ -239,7 +239,10 @@ class KDALayer(nnx.Module):
         """One decoding step: (out [B, 1, D], the cache after the token), the numbers of
         ``__call__`` with a cache for a single token, with the recurrence's one-token form
         (``ops.kda_recurrent.kda_step``: one pass reading the state, one writing it) in place
-        of the sequence op. ``pos`` is not needed (the state carries order). ``layer``: the
+        of the sequence op. After the projections, ``spec.step_impl`` "pallas" runs the rest
+        (convolutions, gates, the state update, the output norm and gate) as one kernel
+        (``pallas_kernels.kda_decode``), "xla" as XLA's ops; the output projection follows.
+        ``pos`` is not needed (the state carries order). ``layer``: the
         cache's arrays are stacks over a scanned model's layers [N, ...] and this layer's are
         number ``layer`` (static): read from the stack, written back into it in place.
         """
