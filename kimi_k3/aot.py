@@ -62,6 +62,7 @@ from kimi_k3 import mesh as mesh_lib
 from kimi_k3.config import MESH_AXES, ConfigError, RunSpec, check_context, kda_chunk, run_spec
 from kimi_k3.layers.moe import MoeStat
 from kimi_k3.model_state import make_model
+from kimi_k3.runtime import jax_setting
 from kimi_k3.sharding import axis_rules
 from kimi_k3.train_state import state_layout
 from pallas_kernels import device
@@ -335,12 +336,8 @@ def optimization_level(level: str | None):
     if level is None:
         yield
         return
-    before = jax.config.values["jax_optimization_level"]
-    jax.config.update("jax_optimization_level", level)
-    try:
+    with jax_setting("jax_optimization_level", level):
         yield
-    finally:
-        jax.config.update("jax_optimization_level", before)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ these; none of them owns them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -22,6 +23,17 @@ import jax
 # (benchmarks/init_compile.py --options measures both).
 RUN_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
                              "xla_llvm_disable_expensive_passes": True}
+
+
+@contextlib.contextmanager
+def jax_setting(name: str, value):
+    """``jax.config``'s ``name`` set to ``value`` inside, as it was after (an exception too)."""
+    before = jax.config.values[name]
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
 
 
 def run_once_compiler_options(platform: str) -> dict | None:

@@ -178,12 +178,23 @@ def describe(platform: str, dev) -> Device:
 
 def choices_key() -> tuple:
     """What a kernel's choices depend on besides its arguments: the target platform and the
-    devices ``probe`` describes for it and for "gpu". A jitted function that makes those
-    choices while it is traced takes this as a static argument, so that a program for another
-    platform (a TPU topology's mesh) or another card is traced afresh, not taken from the cache
-    of one traced before."""
+    devices ``probe`` describes for it and for "gpu"."""
     platform = target_platform()
     return platform, probe(platform), probe("gpu")
+
+
+def jit_per_choices(fn, static_argnums=(), static_argnames=()):
+    """``fn`` jitted (static arguments as ``jax.jit`` takes them), its traces kept per
+    ``choices_key()`` too: a program for another platform (a TPU topology's mesh) or another
+    card traces it afresh rather than reusing a trace whose kernels were chosen for the last.
+
+    Jitted, a kernel call that a program makes several times with the same shapes (one per
+    layer) is traced and lowered once, where each call would otherwise lower its Mosaic GPU or
+    Triton kernels again; XLA inlines the calls, so the compiled program is the same."""
+    jitted = jax.jit(lambda *args, _choices, **kwargs: fn(*args, **kwargs),
+                     static_argnums=static_argnums,
+                     static_argnames=(*static_argnames, "_choices"))
+    return lambda *args, **kwargs: jitted(*args, _choices=choices_key(), **kwargs)
 
 
 def pallas_triton():

@@ -283,22 +283,17 @@ def _forward(q, k, v, g, beta, h0, seg, gate_params, cfg: KdaConfig, residuals: 
     return (o, ST), res
 
 
-# The forward alone as a jitted function: in a program that calls it several times with the
-# same shapes and configuration (a model's KDA layers), JAX traces it once and lowers its
-# Mosaic GPU and Triton kernels once, where each call would otherwise lower them again (most of
-# the time a long-context evaluation spends tracing). XLA inlines the calls: the compiled
-# program is the same. Only an undifferentiated call runs it; a differentiated one takes
-# _kda_fwd. ``choices``: device.choices_key(), which the kernels' choices depend on.
-@functools.partial(jax.jit, static_argnums=(8, 9))
-def _forward_once(q, k, v, g, beta, h0, seg, gate_params, cfg, choices):
-    del choices  # part of the cache key only
-    return _forward(q, k, v, g, beta, h0, seg, gate_params, cfg, residuals=False)
+# The forward alone, jitted (device.jit_per_choices): a model's KDA layers, which call it with
+# the same shapes and configuration, lower its kernels once. Only an undifferentiated call runs
+# it; a differentiated one takes _kda_fwd.
+_forward_once = device.jit_per_choices(functools.partial(_forward, residuals=False),
+                                       static_argnums=(8,))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _kda(q, k, v, g, beta, h0, seg, gate_params, cfg):
     """gate_params: () (g is the log-decay) or (A, dt_bias) [HV, 1, Kp] (g is the logits f)."""
-    return _forward_once(q, k, v, g, beta, h0, seg, gate_params, cfg, device.choices_key())[0]
+    return _forward_once(q, k, v, g, beta, h0, seg, gate_params, cfg)[0]
 
 
 def _kda_fwd(q, k, v, g, beta, h0, seg, gate_params, cfg):

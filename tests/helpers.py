@@ -20,7 +20,7 @@ from flax import nnx
 from kimi_k3 import config_files
 from kimi_k3.config import add_training_defaults, default_model_config
 from kimi_k3.model import HybridLM
-from kimi_k3.runtime import RUN_ONCE_COMPILER_OPTIONS
+from kimi_k3.runtime import RUN_ONCE_COMPILER_OPTIONS, jax_setting
 from pallas_kernels import device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,12 +55,8 @@ def run_once_compiles():
     """Inside, every program compiles with FAST_COMPILE's optimisations off, however it is
     jitted (the library's own jits too: ``train_lib.build``'s step, which takes no compiler
     options): for a test that runs a library program once or twice. Not around training loops."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
+    with jax_setting("jax_disable_most_optimizations", True):
         yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
 
 
 # Subprocesses compile tiny programs: XLA's CPU backend optimisations cost more time than they

@@ -664,12 +664,10 @@ def test_the_layers_of_a_program_share_one_lowering_of_each_kernel(monkeypatch):
 
     ratio = _lowered_piece_chars("KKKKM") / _lowered_piece_chars("KM")
     assert ratio < 1.6, ratio
-    plain = lambda fn: lambda *args, choices=None, **kwargs: fn(*args, **kwargs)
     monkeypatch.setattr(kda_kernel, "_forward_once",
-                        lambda *args: kda_kernel._forward(*args[:-1], residuals=False))
-    monkeypatch.setattr(short_conv, "_conv_forward_once",
-                        plain(short_conv.short_conv_kernel.conv_forward))
-    monkeypatch.setattr(attn_res, "_fused_fwd_once", lambda *args: attn_res._fused_fwd(*args[:-1]))
+                        lambda *args: kda_kernel._forward(*args, residuals=False))
+    monkeypatch.setattr(short_conv, "_conv_forward_once", short_conv.short_conv_kernel.conv_forward)
+    monkeypatch.setattr(attn_res, "_fused_fwd_once", attn_res._fused_fwd)
     jax.clear_caches()  # traced afresh, not the programs above
     apart = _lowered_piece_chars("KKKKM") / _lowered_piece_chars("KM")
     assert apart > 2.5, apart

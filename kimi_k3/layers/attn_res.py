@@ -121,8 +121,7 @@ def _fused_read_norm(sources, inv_rms, w_D, scale_D, norm_eps: float, dtype):
     [B, T] float32 (computed outside, where their gradient goes on to the sources), the
     pseudo-query w [D] and the norm's scale [D]; one kernel pass each way
     (``pallas_kernels.depth_read``)."""
-    return _fused_fwd_once(sources, inv_rms, w_D, scale_D, norm_eps, dtype,
-                           device.choices_key())[0]
+    return _fused_fwd_once(sources, inv_rms, w_D, scale_D, norm_eps, dtype)[0]
 
 
 def _tokens(a: jax.Array) -> jax.Array:
@@ -137,13 +136,9 @@ def _fused_fwd(sources, inv_rms, w_D, scale_D, norm_eps, dtype):
     return y.reshape(B, T, D), (sources, inv_rms, w_D, scale_D, weights)
 
 
-# Jitted for the undifferentiated calls: the reads of one program with the same number of
-# sources trace and lower the kernel once (pallas_kernels/kda.py's _forward_once says why).
-# ``choices``: device.choices_key(), part of the cache key only.
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _fused_fwd_once(sources, inv_rms, w_D, scale_D, norm_eps, dtype, choices):
-    del choices
-    return _fused_fwd(sources, inv_rms, w_D, scale_D, norm_eps, dtype)
+# Jitted for the undifferentiated calls (device.jit_per_choices): the reads of one program with
+# the same number of sources lower the kernel once.
+_fused_fwd_once = device.jit_per_choices(_fused_fwd, static_argnums=(4, 5))
 
 
 def _fused_bwd(norm_eps, dtype, res, dy_BxTxD):

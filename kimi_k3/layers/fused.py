@@ -117,12 +117,11 @@ def _fusable(parts: list, same_out: bool) -> bool:
     return all(key(p) == key(first) for p in parts)
 
 
-def fuse_for_decoding(model: nnx.Module) -> int:
+def fuse_for_decoding(model: nnx.Module) -> None:
     """Replaces, in place, each group a module of ``model`` names in its ``FUSED`` by one fused
     weight (``Stacked`` for the groups in ``FUSED_STACKED``, ``SharedInput`` for the others),
     the separate Dense modules removed. Groups that cannot be fused (FP8 products, unlike
-    shapes, fewer than two present) stay as they are. Returns the number of groups fused."""
-    count = 0
+    shapes, fewer than two present) stay as they are."""
     for _, module in list(model.iter_modules()):
         groups = getattr(type(module), "FUSED", None)
         if not groups:
@@ -138,5 +137,3 @@ def fuse_for_decoding(model: nnx.Module) -> int:
             setattr(module, group, (Stacked if is_stacked else SharedInput)(names, parts))
             for name in names:
                 delattr(module, name)
-            count += 1
-    return count

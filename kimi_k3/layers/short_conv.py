@@ -145,14 +145,10 @@ def apply_activation(y_BxTxC: jax.Array, activation: str) -> jax.Array:
     return l2_normalize(y_BxTxC, eps=short_conv_kernel.L2_EPS).astype(y_BxTxC.dtype)
 
 
-# The forward kernel jitted, so that the calls of one program with the same shapes (a layer's
-# q and k, every KDA layer) trace and lower it once (pallas_kernels/kda.py's _forward_once says
-# why); the backward pass calls the kernel directly.
-@functools.partial(jax.jit, static_argnames=("activation", "group", "choices"))
-def _conv_forward_once(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, *, activation, group, choices):
-    del choices  # device.choices_key(): part of the cache key only
-    return short_conv_kernel.conv_forward(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT,
-                                          activation=activation, group=group)
+# The forward kernel jitted (device.jit_per_choices): the calls of one program with the same
+# shapes (a layer's q and k, every KDA layer) lower it once; the backward pass calls the kernel.
+_conv_forward_once = device.jit_per_choices(short_conv_kernel.conv_forward,
+                                            static_argnames=("activation", "group"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -170,8 +166,7 @@ def _depthwise_causal_conv(x_BxTxC, tail_BxWm1xC, w_WxC, seg_BxT, impl="xla", ac
     if impl == "pallas":
         n = x_BxTxC.ndim - 2  # channel dims, flattened for the kernels
         y = _conv_forward_once(_flat(x_BxTxC, n), _flat(tail_BxWm1xC, n), _flat(w_WxC, n),
-                               seg_BxT, activation=activation, group=x_BxTxC.shape[-1],
-                               choices=device.choices_key())
+                               seg_BxT, activation=activation, group=x_BxTxC.shape[-1])
         return y.reshape(x_BxTxC.shape)
     assert activation == "none", activation  # ShortConv applies XLA's after
     W, T = w_WxC.shape[0], seg_BxT.shape[1]
