@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from kimi_k3 import dispatch
+from pallas_kernels import device
 from pallas_kernels.tuning import KernelTuning
 
 # Named choices of the model section.
@@ -674,6 +675,14 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) ->
     chunk = f.get("chunk_size", lambda v: _is_int(v) and v > 0 and v & (v - 1) == 0,
                   "must be a positive power of two")
     impl = f.choice("impl", dispatch.KDA_IMPLS)
+    step_impl = f.choice("step_impl", dispatch.KDA_STEP_IMPLS) if "step_impl" in k else "xla"
+    if step_impl == "pallas" and (backend or device.target_platform()) == "gpu":
+        from pallas_kernels import kda_decode  # Pallas only for a config that asks for it
+
+        K = head_dim or d_model // H  # the value heads' dim too
+        if why := kda_decode.unsupported(K, K):
+            f.fail("step_impl", step_impl,
+                   f"cannot take this model on the GPU: {why}; use \"xla\"")
     return KdaSpec(num_heads=H, head_dim=head_dim or d_model // H, num_v_heads=HV,
                    conv_width=f.int("conv_width", 1), gate=gate,
                    lower_bound=bound if gate == "bounded" else None, chunk_size=chunk,
@@ -681,8 +690,7 @@ def _kda_spec(cfg, d_model: int, backend: str | None, norm_eps: float = 1e-6) ->
                    gate_in_kernel=f.bool("gate_in_kernel"),
                    conv_impl=dispatch.choose_conv_impl(f.choice("conv_impl", dispatch.CONV_IMPLS),
                                                        backend),
-                   step_impl=(f.choice("step_impl", dispatch.KDA_STEP_IMPLS)
-                              if "step_impl" in k else "xla"),
+                   step_impl=step_impl,
                    kernel_tuning=_kernel_tuning(f),
                    norm_eps=norm_eps)
 

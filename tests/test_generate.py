@@ -323,6 +323,10 @@ def test_the_step_kernel_lowers_for_cuda():
     cfg.model.kda.step_impl = "triton"
     with pytest.raises(ValueError, match=r"model\.kda\.step_impl.*triton.*xla.*pallas"):
         model_spec(cfg.model)
+    cfg.model.kda.step_impl, cfg.model.kda.head_dim = "pallas", 24
+    with pytest.raises(ValueError, match=r"model\.kda\.step_impl.*K = 24.*use \"xla\""):
+        model_spec(cfg.model, backend="gpu")
+    assert model_spec(cfg.model, backend="cpu").kda.step_impl == "pallas"  # interpret mode
 
 
 def test_the_one_token_kda_step_is_the_recurrence():
