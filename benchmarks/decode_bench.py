@@ -22,9 +22,12 @@ MLA caches read as ``--decode_impl`` says (``model.mla.decode_impl``; before tim
 resolves to the Pallas kernel, the kernel is checked against XLA's form on the card, and with
 "auto" a kernel that fails the check gives way to "xla": the tables say which read ran).
 
-What is timed: the jitted one-token step that ``kimi_k3/generate.py`` decodes with
-(``Decoder.step``: ``HybridLM.step`` under ``jax.jit``, the cache donated), called ``--steps``
-times back to back after ``--warmup`` calls (the first compiles), then synchronised once:
+What is timed: the decoding loop that ``kimi_k3/generate.py`` runs (``Decoder.decode``: greedy
+steps of ``HybridLM.step`` in a while loop on the device, the cache donated), ``--steps`` steps
+in one call after ``--warmup`` calls of one step (the first compiles), synchronised once. At batch
+1, then the same number of steps one jitted call each (``Decoder.step``), back to back, as a
+caller of the step makes them: their time, and the time the host took to hand them over, say
+what the host adds when it is in the loop.
 
     ms per step = wall time of the timed steps / their number   (each row gets one token per
                   step: the time per output token of every sequence in the batch)
@@ -38,7 +41,7 @@ The bandwidth is kimi_k3/plan.py's figure for the card (``plan.local_device``: i
 cards, not repeated here; a CPU gets that table's "cpu" entry), or ``--hbm_gbps``.
 
 No prefill: a step's time does not depend on what the cache holds, so the cache is
-``init_cache(batch, context + warmup + steps)`` (``generate``'s sizing: prompt + new tokens),
+``init_cache(batch, context + 2 (warmup + steps))`` (``generate``'s sizing: prompt + new tokens),
 filled in place with random values of its own dtypes (MLA latents and conv tails standard
 normal, the KDA states 0.1 x standard normal), and its position counter set to ``context``:
 every step attends over the whole context, as after a prefill of that many tokens. The
@@ -68,8 +71,11 @@ batch took (``budget``), and a worker still running ``--grace_seconds`` after it
 
 Columns of ``decode.csv`` (one row per batch tried): variant, pattern, context, batch, status
 (ok | oom | no_fit | budget | timeout | error | not_run; ``running`` while it runs),
-ms_per_step, tokens_per_s, steps (timed), first_call_s (compilation + one step), peak_bytes
-(the worker's allocator high-water mark so far, where the backend reports it: GPU/TPU),
+ms_per_step (the loop on the device), call_ms_per_step (one call per step), host_ms_per_step
+(the time the host took to hand those calls to the device, per step: near call_ms_per_step when
+the host, not the card, sets their pace), tokens_per_s, steps (timed), first_call_s
+(compilation + one step), peak_bytes (the worker's allocator high-water mark so far, where the
+backend reports it: GPU/TPU),
 cache_bytes (the cache the step is given), params, read_bytes, hbm_gbps, floor_ms, x_floor
 (above), cache_read (how the MLA caches were read), detail. ``decode.md`` holds the tables (ms
 per step at each context and batch, with all-MLA / other at the same batch, the floor and the
@@ -81,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import math
 import os
 import sys
@@ -97,7 +104,8 @@ from benchmarks import timing, trace_parts  # noqa: E402
 # JAX and the model are imported inside the functions that run in each point's own worker
 # process: the driver only spawns them and gathers their rows, so it never holds a device.
 
-FIELDS = ("variant", "pattern", "context", "batch", "status", "ms_per_step", "tokens_per_s", "steps",
+FIELDS = ("variant", "pattern", "context", "batch", "status", "ms_per_step", "call_ms_per_step",
+          "host_ms_per_step", "tokens_per_s", "steps",
           "first_call_s", "peak_bytes", "cache_bytes", "params", "read_bytes", "hbm_gbps",
           "floor_ms", "x_floor", "cache_read", "detail")
 REFERENCE = "all-MLA"  # the variant the others are compared with
@@ -290,6 +298,22 @@ def profile_step(decoder, token_B, cache, trace_dir: str, steps: int = 3):
     return {"parts": dict(parts), "kernels": got["kernels"], "idle_ms": idle, "top": top}, cache
 
 
+def decode_loop(decoder, context: int, max_len: int, logits_BxV, cache, n: int):
+    """``n`` greedy steps in one call of the decoder's loop on the device (``Decoder.decode``,
+    what ``generate`` runs), from position ``context``. Returns (last logits, cache)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kimi_k3.generate import GREEDY, loop_rows, start_book
+
+    B, N = logits_BxV.shape[0], max_len - context
+    rows = loop_rows(np.zeros((B, 1), np.int32), np.zeros(B), 1, N, (), None, GREEDY)
+    rows["last"] = jnp.int32(max_len - 1)  # no prompt: every step's token is recorded
+    book = start_book(B, N, context)
+    logits_BxV, cache, _ = decoder.decode(logits_BxV, cache, book, rows, n, GREEDY)
+    return logits_BxV, cache
+
+
 def run_steps(decoder, token_B, cache, n: int):
     """``n`` calls of the decoder's jitted step (generate's own, cache donated), each feeding
     ``token_B``; nothing waits for the device in between. Returns (last logits, cache)."""
@@ -397,7 +421,7 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
     hbm_gbps, _ = card_bandwidth(args.hbm_gbps)
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     fixed_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
-    max_len = context + args.warmup + args.steps
+    max_len = context + 2 * (args.warmup + args.steps)  # the loop's steps, then the calls'
     limit = _memory_limit()
     rng = np.random.default_rng(args.seed)
     tried: dict[int, bool] = {}
@@ -440,23 +464,32 @@ def run_point(args, variant: str, context: int, emit=print, started: float | Non
             token_B = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch,)), jnp.int32)
             cache = random_cache(model, batch, max_len, context, args.seed)
             cache = step_ready_cache(decoder, token_B, cache)
+            logits_BxV = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+            loop = functools.partial(decode_loop, decoder, context, max_len)
             # benchmarks/timing.py's pieces: the cache threads through the steps (donated),
-            # so the warm-up steps and the one timed batch of n steps are called here
+            # so the warm-up calls and the one timed call of n steps are made here
             (logits_BxV, cache), row["first_call_s"] = timing.first_call(
-                run_steps, decoder, token_B, cache, 1)
+                loop, logits_BxV, cache, 1)
             one_step = None
             for _ in range(args.warmup - 1):
-                (logits_BxV, cache), one_step = timing.first_call(
-                    run_steps, decoder, token_B, cache, 1)
+                (logits_BxV, cache), one_step = timing.first_call(loop, logits_BxV, cache, 1)
             n = args.steps
             if one_step:  # what is left of the budget bounds the timed steps
-                n = max(1, min(n, int((deadline - time.perf_counter()) / one_step)))
+                n = max(1, min(n, int((deadline - time.perf_counter()) / one_step / 2)))
             with timing.stopwatch() as timed:
-                logits_BxV, cache = run_steps(decoder, token_B, cache, n)
+                logits_BxV, cache = loop(logits_BxV, cache, n)
                 jax.block_until_ready((logits_BxV, cache))
             seconds = timed.seconds / n
             row.update(status="ok", steps=n, ms_per_step=1e3 * seconds,
                        tokens_per_s=batch / seconds, peak_bytes=lcm.peak_bytes_in_use())
+            if batch == 1:  # the same steps one call each, as a caller of Decoder.step makes them
+                (logits_BxV, cache), _ = timing.first_call(run_steps, decoder, token_B, cache, 1)
+                with timing.stopwatch() as timed:
+                    logits_BxV, cache = run_steps(decoder, token_B, cache, n)
+                    handed = time.perf_counter()
+                    jax.block_until_ready((logits_BxV, cache))
+                row.update(call_ms_per_step=1e3 * timed.seconds / n,
+                           host_ms_per_step=1e3 * (handed - timed.start) / n)
             if row.get("floor_ms"):
                 row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
             if not np.isfinite(np.asarray(logits_BxV)).all():
@@ -530,11 +563,12 @@ def format_tables(rows: list[dict], device: str, args) -> str:
         f"{args.head_dim}, MLA latent {args.kv_lora_rank} + {args.shared_head_dim}, {args.dtype}; "
         + ", ".join(f"{v} {lcm.pattern_for(v, args.num_layers)} {params[v] / 1e6:.4g}M parameters"
                     for v in variants if v in params),
-        f"cache: init_cache(batch, context + {args.warmup} + {args.steps}) filled with random values, "
+        f"cache: init_cache(batch, context + 2 x ({args.warmup} + {args.steps})) filled with random values, "
         f"position = context; {args.warmup} warm-up steps, then up to {args.steps} timed "
         f"(--search={args.search}, --max_batch={args.max_batch})",
         "",
-        "Time per output token = ms per step (every row of the batch gets one token per step).",
+        "Time per output token = ms per step (every row of the batch gets one token per step), "
+        "the steps in one call of generate's loop on the device (Decoder.decode).",
         "projections: " + ("each layer's products of one input as one (the Decoder's default)"
                            if args.fuse else "each its own product (--no-fuse)")
         + f"; KDA step after them: {args.kda_step_impl} (--kda_step_impl)",
@@ -601,6 +635,16 @@ def format_tables(rows: list[dict], device: str, args) -> str:
                                                      f"({a['batch']} vs {b['batch']} rows)")
             line.append(KIMI_LINEAR_REPORT["largest"] if T == 2**20 else "")
             lines.append("| " + " | ".join(line) + " |")
+    called = [r for r in rows if r.get("call_ms_per_step")]
+    if called:
+        lines += ["", "The same steps one jitted call each (Decoder.step), against the loop on the "
+                      "device (Decoder.decode, generate's): host ms is the time the host took to "
+                      "hand a call over; when it nears the call's ms, the host sets the pace.", "",
+                  "| context | variant | batch | loop ms | a call per step ms | host ms | call / loop |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['context']:,} | {r['variant']} | {r['batch']} | {_num(r['ms_per_step'])} | "
+                  f"{_num(r['call_ms_per_step'])} | {_num(r['host_ms_per_step'])} | "
+                  f"{_ratio(r['call_ms_per_step'], r['ms_per_step'])} |" for r in called]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         lines += ["", "", profile_table(profiled)]
@@ -751,6 +795,9 @@ def main(argv=None) -> list[dict]:
             ms = "" if r.get("ms_per_step") is None else f"{r['ms_per_step']:.4g} ms/step"
             if r.get("x_floor"):
                 ms += f" ({r['x_floor']:.2f}x the floor {r['floor_ms']:.3g} ms)"
+            if r.get("call_ms_per_step"):
+                ms += (f"; a call per step {r['call_ms_per_step']:.4g} ms (host "
+                       f"{r['host_ms_per_step']:.3g} ms)")
             print(f"  batch {r['batch']:>5}: {r['status']:<7} {ms:<40} peak "
                   f"{lcm.gib(r.get('peak_bytes')) or '-'} GiB, cache {lcm.gib(r.get('cache_bytes')) or '-'} "
                   f"GiB {r.get('detail', '')}", flush=True)

@@ -38,7 +38,8 @@ One run, for B prompts of lengths L_i and N = ``max_new_tokens``:
 
     cache = init_cache(B, max_i L_i + N)       KDA state + conv tails (fixed size), MLA latents
     prefill of the prompts, in pieces of ``piece_len`` tokens     jitted, the cache donated
-    step(token_B), one position per call, until every row is done  jitted, the cache donated
+    decode: choose, record, step, in a loop on the device,         jitted, the cache donated
+            DECODE_CALL_STEPS positions per call, until every row is done
 
 A step (``HybridLM.step``) reads each weight once, in the compute dtype the ``Decoder`` holds
 it in, each cache entry once, and copies no cache: its time is bounded below by those bytes
@@ -57,10 +58,12 @@ The rows therefore advance together:
 3. until every row has N new tokens or has met a stop id (a finished row keeps stepping with
    the others; what it produces is dropped).
 
-The tokens are chosen on the device (``sample_tokens``) and fed to the next step there; the
-host reads them back only after that step is queued, so its bookkeeping per token overlaps the
-device's step instead of adding to it. A stop is therefore seen one step late: that step's
-logits are dropped.
+The tokens are chosen, recorded and fed to the next step on the device, in one while loop
+(``Decoder.decode``: ``choose_and_record``, then ``HybridLM.step``): the host is not in the
+loop, so a step costs the device's time, not the host's time to launch its kernels. The host
+queues the next call before it reads how far the last one got (a call after the loop has
+ended returns at once). A stop ends the loop after the step that reads the stopping token, so
+that step's logits are dropped.
 
 Row i's sequence is its prompt followed by its own samples, nothing in between, so it decodes
 exactly as it would alone (tests/test_generate.py checks this against one prompt at a time).
@@ -209,8 +212,38 @@ def sample_tokens(logits_BxV: jax.Array, key: jax.Array, position: int, sampling
 # ---------------------------------------------------------------------------------------------
 
 
+def choose_and_record(logits_BxV, book: dict, rows: dict, *, greedy: bool, top_k: int):
+    """The token of every row at position s = ``book["s"]`` and the book after it (module
+    docstring, "lockstep"): (token [B] int32, book).
+
+    ``rows`` (``loop_rows``) holds what does not change: each row's prompt length, its prompt
+    tokens from L_min on, the stop ids, the keys and sampling numbers, N. ``book`` is what
+    does: s, the new tokens [B, N], how many each row has, whether it is done and whether it
+    met a stop. Row i feeds its prompt token while s < L_i; after that its chosen token is
+    recorded, unless it is done."""
+    s = book["s"]
+    if greedy:
+        sampled_B = _argmax(logits_BxV)
+    else:
+        sampled_B = _sample(logits_BxV, rows["key"], s, rows["temperature"], rows["top_p"],
+                            top_k=top_k)
+    prompt_BxP = rows["prompt_BxP"]
+    in_prompt_B = s < rows["lengths_B"]
+    column = jnp.clip(s - rows["first"], 0, prompt_BxP.shape[1] - 1)
+    token_B = jnp.where(in_prompt_B, prompt_BxP[:, column], sampled_B)
+    active_B = ~in_prompt_B & ~book["done_B"]
+    out_BxN, n_B = book["out_BxN"], book["n_B"]
+    row_B, col_B = jnp.arange(out_BxN.shape[0]), jnp.minimum(n_B, out_BxN.shape[1] - 1)
+    out_BxN = out_BxN.at[row_B, col_B].set(jnp.where(active_B, token_B, out_BxN[row_B, col_B]))
+    n_B = n_B + active_B
+    hit_B = active_B & jnp.isin(token_B, rows["stops"])
+    return token_B, {"s": s + 1, "out_BxN": out_BxN, "n_B": n_B,
+                     "stopped_B": book["stopped_B"] | hit_B,
+                     "done_B": book["done_B"] | hit_B | (active_B & (n_B >= out_BxN.shape[1]))}
+
+
 def _decoder_fns(get_model: Callable):
-    """(prefill_piece, step): jitted, each donating the cache it is given."""
+    """(prefill_piece, step, decode): jitted, each donating the cache it is given."""
 
     def prefill_piece(state, tokens_BxP, cache):
         # The head on the last position only: a long prompt piece never makes [B, P, V] logits.
@@ -220,13 +253,33 @@ def _decoder_fns(get_model: Callable):
     def step(state, token_B, cache):
         return get_model(state).step(token_B, cache)
 
-    return jax.jit(prefill_piece, donate_argnums=(2,)), jax.jit(step, donate_argnums=(2,))
+    def decode(state, logits_BxV, cache, book, rows, max_steps, greedy, top_k):
+        # One while loop on the device: choose, record, step, until max_steps steps are done,
+        # the last position's token is to be chosen (it needs no step) or every row is done.
+        stop_at = jnp.minimum(book["s"] + max_steps, rows["last"])
+
+        def more(carry):
+            return (carry[2]["s"] < stop_at) & ~jnp.all(carry[2]["done_B"])
+
+        def one(carry):
+            logits_BxV, cache, book = carry
+            token_B, book = choose_and_record(logits_BxV, book, rows, greedy=greedy,
+                                              top_k=top_k)
+            # the model made inside the loop's body: a step may write its measurements (a
+            # mixture's routing counts) into its variables, which must belong to this trace
+            logits_BxV, cache = get_model(state).step(token_B, cache)
+            return logits_BxV, cache, book
+
+        return jax.lax.while_loop(more, one, (logits_BxV, cache, book))
+
+    return (jax.jit(prefill_piece, donate_argnums=(2,)), jax.jit(step, donate_argnums=(2,)),
+            jax.jit(decode, donate_argnums=(2,), static_argnames=("greedy", "top_k")))
 
 
 @functools.lru_cache(maxsize=16)
 def _nnx_decoder_fns(graphdef):
     """One pair per architecture: models of the same config share their compilations."""
-    return _decoder_fns(lambda state: nnx.merge(graphdef, state))
+    return _decoder_fns(lambda state: nnx.merge(graphdef, state, copy=True))
 
 
 # The parameters every use of which rounds them to the compute dtype first: Dense kernels (the
@@ -302,10 +355,10 @@ class Decoder:
         self.vocab_size = None if spec is None else int(spec.vocab_size)
         if isinstance(model, nnx.Module):
             self._graphdef, self._state = nnx.split(decoding_model(model, fuse))
-            self._prefill, self._step = _nnx_decoder_fns(self._graphdef)
+            self._prefill, self._step, self._decode = _nnx_decoder_fns(self._graphdef)
         else:
             self._graphdef = self._state = None
-            self._prefill, self._step = _decoder_fns(lambda state: model)
+            self._prefill, self._step, self._decode = _decoder_fns(lambda state: model)
 
     def init_cache(self, batch_size: int, max_len: int):
         return self.model.init_cache(batch_size, max_len)
@@ -339,6 +392,17 @@ class Decoder:
         """(logits [B, V] after ``token_B``, the cache after it)."""
         return self._step(self._state, jnp.asarray(token_B, jnp.int32), cache)
 
+    def decode(self, logits_BxV, cache, book: dict, rows: dict, max_steps: int,
+               sampling: Sampling):
+        """Up to ``max_steps`` steps in one call, a while loop on the device: choose each
+        row's token from ``logits_BxV`` (``choose_and_record``), step, repeat; it stops early
+        at the last position (``rows["last"]``: its token needs no step) or when every row is
+        done. (logits [B, V] after the last step, the cache, the book.) A call after the loop
+        has ended does nothing. The host is not in the loop, so a step costs the device's time
+        alone."""
+        return self._decode(self._state, logits_BxV, cache, book, rows, jnp.int32(max_steps),
+                            greedy=sampling.greedy, top_k=int(sampling.top_k))
+
     def compiled_step(self, token_B, cache):
         """``step`` compiled ahead for these shapes: (a function (token_B, cache) -> (logits,
         cache) that runs this very program, its compiled HLO text), so that a profile's kernels
@@ -368,7 +432,7 @@ class Generation:
     prompt_lengths: list[int]  # per prompt
     prefill_seconds: float  # the common prefix, compilation included
     decode_seconds: float  # the steps, compilation included
-    steps: int  # step calls (one position of every row each; after a stop, one unused)
+    steps: int  # steps (one position of every row each; after a stop, one unused)
     num_samples: int = 1  # continuations per prompt
 
     def prompt_index(self, j: int) -> int:
@@ -470,6 +534,37 @@ def _weight_bytes(model) -> int:
                for x in jax.tree.leaves(nnx.state(model))) if isinstance(model, nnx.Module) else 0
 
 
+# Steps per ``Decoder.decode`` call in ``generate``: the progress bar's grain, and what a stop
+# can leave queued (the calls after the loop has ended return at once).
+DECODE_CALL_STEPS = 64
+_choose_last = jax.jit(choose_and_record, static_argnames=("greedy", "top_k"))
+
+
+def loop_rows(prompts_BxL: np.ndarray, lengths_B: np.ndarray, first: int, max_new_tokens: int,
+              stop_ids: np.ndarray, key, sampling: Sampling) -> dict:
+    """What ``choose_and_record`` reads and the loop does not change, as device arrays: the
+    prompts from position ``first`` (= L_min, prefilled before) on, their lengths, the stop
+    ids (-1, which no token is, for none), the sampling keys and numbers, and ``last`` = L_max
+    + N - 1, the position of the last token chosen."""
+    B, L_max = prompts_BxL.shape
+    tail_BxP = prompts_BxL[:, first:] if L_max > first else np.zeros((B, 1), np.int32)
+    stops = np.asarray(stop_ids, np.int32) if len(stop_ids) else np.full(1, -1, np.int32)
+    return {"prompt_BxP": jnp.asarray(tail_BxP, jnp.int32),
+            "lengths_B": jnp.asarray(lengths_B, jnp.int32), "first": jnp.int32(first),
+            "last": jnp.int32(L_max + max_new_tokens - 1), "stops": jnp.asarray(stops),
+            "key": jnp.zeros((), jnp.uint32) if key is None else key,
+            "temperature": jnp.float32(sampling.temperature),
+            "top_p": jnp.float32(sampling.top_p)}
+
+
+def start_book(batch_size: int, max_new_tokens: int, first: int) -> dict:
+    """``choose_and_record``'s book before position ``first``: no token chosen yet."""
+    B, N = batch_size, max_new_tokens
+    return {"s": jnp.int32(first), "out_BxN": jnp.zeros((B, N), jnp.int32),
+            "n_B": jnp.zeros((B,), jnp.int32), "stopped_B": jnp.zeros((B,), bool),
+            "done_B": jnp.zeros((B,), bool)}
+
+
 def generate(
     model,
     prompts: Sequence[Sequence[int]],
@@ -512,13 +607,11 @@ def generate(
     prompt_BxL = np.zeros((B, L_max), np.int32)
     for i, r in enumerate(rows):
         prompt_BxL[i, : len(r)] = r
-    out_BxN = np.zeros((B, N), np.int32)
-    n_new = np.zeros(B, np.int64)
-    finish: list[str | None] = [None] * B
     key = None if sampling.greedy else row_keys(seed, len(prompt_rows), num_samples)
+    rows_on_device = loop_rows(prompt_BxL, lengths, L_min, N, stops, key, sampling)
+    last = L_max + N - 1
 
-    total = dec.pieces(L_min, piece_len) + (L_max + N - 1 - L_min)
-    with tqdm(total=total, desc="generate", unit="call",
+    with tqdm(total=dec.pieces(L_min, piece_len) + last - L_min, desc="generate", unit="call",
               disable=not (progress and sys.stderr.isatty())) as bar:
         t0 = time.perf_counter()
         cache = dec.init_cache(B, L_max + N)
@@ -528,38 +621,31 @@ def generate(
         jax.block_until_ready(logits_BxV)
         t1 = time.perf_counter()
         bar.set_postfix(phase="decode")
-        steps = 0
-        for s in range(L_min, L_max + N):  # s: the position of the token chosen now
-            sampled_B = sample_tokens(logits_BxV, key, s, sampling)
-            in_prompt_B = s < lengths
-            token_B = sampled_B if not in_prompt_B.any() else jnp.where(
-                jnp.asarray(in_prompt_B), jnp.asarray(prompt_BxL[:, min(s, L_max - 1)]),
-                sampled_B)
-            # The step that reads these tokens is queued before the host reads them back, so
-            # the device works on it while the host records them: the host's work per token
-            # hides behind the device's. A stop seen below then costs one step whose logits go
-            # unused; the last position needs no step.
-            if s < L_max + N - 1:
-                logits_BxV, cache = dec.step(token_B, cache)
-                steps += 1
-            token_B = np.asarray(token_B)
-            for i in np.nonzero(~in_prompt_B)[0]:
-                if finish[i] is not None:
-                    continue
-                out_BxN[i, n_new[i]] = token_B[i]
-                n_new[i] += 1
-                if np.isin(token_B[i], stops):
-                    finish[i] = "stop"
-                elif n_new[i] == N:
-                    finish[i] = "length"
-            if all(f is not None for f in finish):
+        decode = functools.partial(dec.decode, rows=rows_on_device, max_steps=DECODE_CALL_STEPS,
+                                   sampling=sampling)
+        logits_BxV, cache, book = decode(logits_BxV, cache, start_book(B, N, L_min))
+        seen = L_min
+        while True:
+            # The next call is queued before this one's end is read, so the device never waits
+            # for the host; after the loop has ended it returns at once.
+            queued = decode(logits_BxV, cache, book)
+            s, finished = jax.device_get((book["s"], jnp.all(book["done_B"])))
+            bar.update(int(s) - seen)
+            seen = int(s)
+            logits_BxV, cache, book = queued
+            if finished or s >= last:
                 break
-            bar.update(1)
-        jax.block_until_ready(logits_BxV)
+        steps = int(book["s"]) - L_min
+        if not bool(jnp.all(book["done_B"])):  # the last position: its token needs no step
+            _, book = _choose_last(logits_BxV, book, rows_on_device, greedy=sampling.greedy,
+                                   top_k=int(sampling.top_k))
+        out_BxN, n_new, stopped = jax.device_get((book["out_BxN"], book["n_B"],
+                                                  book["stopped_B"]))
+        del cache
         t2 = time.perf_counter()
     return Generation(
         tokens=[out_BxN[i, : n_new[i]].copy() for i in range(B)],
-        finish=[str(f) for f in finish],
+        finish=["stop" if stopped[i] else "length" for i in range(B)],
         prompt_lengths=[len(r) for r in prompt_rows],
         prefill_seconds=t1 - t0,
         decode_seconds=t2 - t1,
