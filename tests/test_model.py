@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kimi_k3 import model_state
 from kimi_k3.config import default_model_config, layer_pattern, model_spec, scan_plan
 from kimi_k3.layers import Dense
 from kimi_k3.model import HybridLM, flops_per_token
+from kimi_k3.runtime import run_once_compiler_options
 from kimi_k3.sharding import LOGICAL_AXES
 from tests.helpers import FAST_COMPILE, SUBPROCESS_XLA_FLAGS
 
@@ -291,6 +293,27 @@ def test_an_unrolled_model_starts_from_the_scanned_models_weights(model):
         np.testing.assert_array_equal(var.get_value(), want[path], err_msg=str(path))
     first, second = (np.asarray(got[("tail", i, "mlp", "wo", "kernel")].get_value()) for i in (0, 1))
     assert not np.array_equal(first, second)
+
+
+def test_init_model_traces_the_model_once_with_the_jitted_initialisers_weights(monkeypatch):
+    """init_model (eval.py's --checkpoint=init) builds the model in one trace: its graphdef
+    comes out of the jitted program beside the state, not from a second trace under
+    ``nnx.eval_shape``. Same structure as that trace gives, and bit for bit the weights of
+    ``make_model`` under one jit with the same compiler options (the same threefry keys), an
+    unrolled stack's layers cut from the vmapped unit included."""
+    cfg, seed = small_cfg(scan_layers=False), 3
+    make_model, calls = model_state.make_model, []
+    monkeypatch.setattr(model_state, "make_model",
+                        lambda *args: calls.append(args) or make_model(*args))
+    model = model_state.init_model(cfg, seed)
+    assert len(calls) == 1
+    assert nnx.graphdef(model) == nnx.graphdef(nnx.eval_shape(lambda: make_model(cfg, seed)))
+    options = run_once_compiler_options(jax.default_backend())
+    want = jax.jit(lambda: nnx.state(make_model(cfg, seed)), compiler_options=options)()
+    got = nnx.to_flat_state(nnx.state(model))
+    assert [path for path, _ in got] == [path for path, _ in nnx.to_flat_state(want)]
+    for (path, var), (_, ref) in zip(got, nnx.to_flat_state(want), strict=True):
+        np.testing.assert_array_equal(var.get_value(), ref.get_value(), err_msg=str(path))
 
 
 def test_scanned_stack_equals_the_unrolled_stack(model):
