@@ -12,11 +12,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+
+# matplotlib is imported where a figure is made: an entry point that may plot at its end does
+# not pay the import at its start.
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -79,6 +82,9 @@ def line_figure(
     """
     if not series:
         raise ValueError("line_plot: series is empty, nothing to plot")
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
     fig = Figure(figsize=(7.0, 4.5), dpi=110)
     ax = fig.add_subplot(1, 1, 1)
     for label, (xs, ys) in series.items():
@@ -174,6 +180,8 @@ def heatmap_figure(
     if len(row_labels) != R or len(col_labels) != C:
         raise ValueError(f"heatmap: values are {R} x {C} but there are "
                          f"{len(row_labels)} row labels and {len(col_labels)} column labels")
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=figsize or (max(4.5, 1.0 + 0.9 * C), max(3.0, 1.4 + 0.45 * R)), dpi=110)
     ax = fig.add_subplot(1, 1, 1)
     ax.set_facecolor("0.85")  # the blank cells
@@ -240,6 +248,8 @@ def finish(fig: Figure, note: str | None = None) -> None:
     if not note:
         fig.tight_layout()
         return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(fig)
     renderer = fig.canvas.get_renderer()
     text = fig.text(NOTE_MARGIN, NOTE_MARGIN, note, fontsize=NOTE_FONTSIZE, alpha=0.7,

@@ -67,11 +67,11 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from kimi_k3 import checkpoint as ckpt_lib
@@ -92,6 +92,9 @@ from kimi_k3.passkey import parse_depths as passkey_depths
 from kimi_k3.run_dir import check_workdir, write_config
 from kimi_k3.runtime import quiet_library_logs
 from kimi_k3.train_state import state_layout
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
@@ -543,6 +546,8 @@ def heatmap_figure(report: dict) -> Figure | None:
     if not panels:
         return None
     n = len(panels)
+    from matplotlib.figure import Figure  # imported when a figure is made (kimi_k3/plots.py)
+
     fig = Figure(figsize=(1.2 + 3.0 * n, 3.8), dpi=110)
     grid = fig.add_gridspec(1, n + 1, width_ratios=[1.0] * n + [0.06])
     image = None
