@@ -86,6 +86,56 @@ def test_stop_ids_end_their_row_and_the_others_go_on(model, greedy):
     assert out.finish[1] == "stop"
 
 
+def _steps_on_the_host(model, prompts, n_new, sampling, stop_ids=(), seed=0):
+    """The lockstep rule (kimi_k3/generate.py's docstring) as the host's loop of one
+    ``sample_tokens`` and one ``Decoder.step`` call per position: the reference of the loop on
+    the device."""
+    dec = Decoder(model)
+    B, lengths = len(prompts), np.array([len(p) for p in prompts])
+    L_min, L_max = int(lengths.min()), int(lengths.max())
+    prompt_BxL = np.zeros((B, L_max), np.int32)
+    for i, p in enumerate(prompts):
+        prompt_BxL[i, : len(p)] = p
+    key = None if sampling.greedy else gen_lib.row_keys(seed, B, 1)
+    cache = dec.init_cache(B, L_max + n_new)
+    logits_BxV, cache = dec.prefill(prompt_BxL[:, :L_min], cache, PIECE)
+    out, finish = [[] for _ in range(B)], [None] * B
+    for s in range(L_min, L_max + n_new):
+        sampled_B = np.asarray(sample_tokens(logits_BxV, key, s, sampling))
+        token_B = np.where(s < lengths, prompt_BxL[:, min(s, L_max - 1)], sampled_B)
+        for i in range(B):
+            if s >= lengths[i] and finish[i] is None:
+                out[i].append(int(token_B[i]))
+                if token_B[i] in stop_ids:
+                    finish[i] = "stop"
+                elif len(out[i]) == n_new:
+                    finish[i] = "length"
+        if all(f is not None for f in finish):
+            return out, finish
+        logits_BxV, cache = dec.step(token_B, cache)
+    raise AssertionError("every row ends by its last position")
+
+
+@pytest.mark.parametrize("per_call", [1, 4, 64])
+def test_the_loop_on_the_device_is_the_hosts_loop_of_steps(model, greedy, per_call, monkeypatch):
+    """generate's loop on the device (Decoder.decode, ``per_call`` positions a call: the calls
+    end inside the prompts' tails, between new tokens, or not at all) gives the tokens and
+    endings of the host's loop of steps: greedy, and sampled with a stop id that ends one row
+    early (the positions and keys of the draws, the prompt tokens fed, the stop)."""
+    monkeypatch.setattr(gen_lib, "DECODE_CALL_STEPS", per_call)
+    hot = Sampling(temperature=4.0, top_p=0.95, top_k=50)
+    want_greedy, _ = _steps_on_the_host(model, PROMPTS, NEW, gen_lib.GREEDY)
+    assert [list(t) for t in greedy.tokens] == want_greedy  # the fixture: one call per run
+    got = generate(model, PROMPTS, NEW, piece_len=PIECE)
+    assert [list(t) for t in got.tokens] == want_greedy
+    drawn = generate(model, PROMPTS, NEW, sampling=hot, seed=3, piece_len=PIECE)
+    stop = int(drawn.tokens[2][1])
+    want, finish = _steps_on_the_host(model, PROMPTS, NEW, hot, stop_ids=(stop,), seed=3)
+    out = generate(model, PROMPTS, NEW, sampling=hot, stop_ids=[stop], seed=3, piece_len=PIECE)
+    assert [list(t) for t in out.tokens] == want and out.finish == finish
+    assert finish[2] == "stop"
+
+
 def test_sampling_is_deterministic_in_its_seed(model):
     hot = Sampling(temperature=4.0, top_p=0.95)
     a = generate(model, PROMPTS, NEW, sampling=hot, seed=1, piece_len=PIECE)
