@@ -1,4 +1,4 @@
-r"""Compile a config's training step, evaluation scorer and decoding step for a TPU topology,
+r"""Compile a config's training step, evaluation scorer and decoding loop for a TPU topology,
 ahead of time, on a machine without a TPU: what a slice would run, checked before one is had.
 
     python -m kimi_k3.aot --config=configs/small.py --topology=v5e:2x2
@@ -19,8 +19,9 @@ runs. The programs, each on the chips its command would use:
 - ``eval``: eval.py's piece function (``eval_scoring.Scorer``): ``--eval_batch_size`` windows of
   ``--context_length`` tokens in pieces of ``--piece_len``, on ``config.mesh.context`` chips
   (eval.py splits each piece over them; the weights whole on each);
-- ``decode``: generate.py's step (``generate.Decoder``): one token for each of
-  ``--decode_batch_size`` rows against a cache of ``--decode_len`` tokens, on one chip.
+- ``decode``: generate.py's decoding loop (``generate.Decoder.decode``: greedy steps on the
+  device), one token per step for each of ``--decode_batch_size`` rows against a cache of
+  ``--decode_len`` tokens, on one chip.
 
 For each it prints whether it compiled (or the compiler's error, one line), the time taken,
 XLA's memory analysis per chip (arguments, outputs, temporaries, generated code; an output
@@ -232,19 +233,25 @@ def lower_eval(spec: RunSpec, devices: Sequence, *, batch_size: int, context_len
 
 def lower_decode(spec: RunSpec, devices: Sequence, *, batch_size: int, max_len: int,
                  rules) -> tuple[jax.stages.Lowered, Mesh, str]:
-    """generate.py's decoding step, one token for each of ``batch_size`` rows against a cache
-    of ``max_len`` tokens, on one device (as ``Decoder`` runs it): (the lowered step, its mesh
-    of one device, a line saying what it holds)."""
+    """generate.py's decoding loop (``Decoder.decode``: greedy steps on the device), one token
+    for each of ``batch_size`` rows per step against a cache of ``max_len`` tokens, on one
+    device: (the lowered loop, its mesh of one device, a line saying what it holds)."""
     mesh = mesh_over(_one_axis("context", 1), devices[:1])
     graphdef, state, abstract = _model_shapes(spec, decoding=True)
     whole = NamedSharding(mesh, PartitionSpec())
-    cache = _abstract(jax.eval_shape(lambda: abstract.init_cache(batch_size, max_len)), whole)
+    B = batch_size
+    cache = _abstract(jax.eval_shape(lambda: abstract.init_cache(B, max_len)), whole)
     state = _abstract(state, whole)
-    token = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=whole)
-    step = generate.step_function(graphdef)
+    logits = jax.ShapeDtypeStruct((B, spec.model.vocab_size), jnp.float32, sharding=whole)
+    book, rows = _abstract(jax.eval_shape(lambda: (generate.start_book(B, 1, 1), generate.loop_rows(
+        np.zeros((B, 1), np.int32), np.ones(B), 1, 1, (), None, generate.GREEDY))), whole)
+    steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)
     with jax.set_mesh(mesh), axis_rules(rules):
+        step = lambda state, token, cache: nnx.merge(graphdef, state).step(token, cache)
+        token = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=whole)
         cache = eval_scoring.align_cache(cache, jax.eval_shape(step, state, token, cache)[1])
-        lowered = step.lower(state, token, cache)
+        lowered = generate.decode_function(graphdef).lower(state, logits, cache, book, rows,
+                                                           steps, greedy=True, top_k=0)
     rows = f"{batch_size} row{'s' if batch_size > 1 else ''}"
     return lowered, mesh, f"one chip; {rows}, a cache of {max_len} tokens"
 

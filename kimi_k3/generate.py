@@ -326,11 +326,12 @@ def decoding_model(model: nnx.Module, fuse: bool = True) -> nnx.Module:
     return decoding
 
 
-def step_function(graphdef):
-    """The jitted decoding step a ``Decoder`` runs for models of ``graphdef``:
-    (state, token [B], cache) -> (logits [B, V], cache), the cache donated (``kimi_k3.aot``
-    compiles it for a TPU topology)."""
-    return _nnx_decoder_fns(graphdef)[1]
+def decode_function(graphdef):
+    """The jitted decoding loop a ``Decoder`` runs for models of ``graphdef`` (``Decoder.decode``
+    less the binding of its state): (state, logits [B, V], cache, book, rows, max_steps, *,
+    greedy, top_k) -> (logits, cache, book), the cache donated (``kimi_k3.aot`` compiles it for
+    a TPU topology)."""
+    return _nnx_decoder_fns(graphdef)[2]
 
 
 class Decoder:
