@@ -250,8 +250,8 @@ def lower_decode(spec: RunSpec, devices: Sequence, *, batch_size: int, max_len: 
         step = lambda state, token, cache: nnx.merge(graphdef, state).step(token, cache)
         token = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=whole)
         cache = eval_scoring.align_cache(cache, jax.eval_shape(step, state, token, cache)[1])
-        lowered = generate.decode_function(graphdef).lower(state, logits, cache, book, rows,
-                                                           steps, greedy=True, top_k=0)
+        loop, weights = generate.decode_function(graphdef, state)
+        lowered = loop.lower(weights, logits, cache, book, rows, steps, greedy=True, top_k=0)
     rows = f"{batch_size} row{'s' if batch_size > 1 else ''}"
     return lowered, mesh, f"one chip; {rows}, a cache of {max_len} tokens"
 

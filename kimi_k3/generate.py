@@ -277,9 +277,13 @@ def _decoder_fns(get_model: Callable):
 
 
 @functools.lru_cache(maxsize=16)
-def _nnx_decoder_fns(graphdef):
-    """One pair per architecture: models of the same config share their compilations."""
-    return _decoder_fns(lambda state: nnx.merge(graphdef, state, copy=True))
+def _nnx_decoder_fns(graphdef, treedef):
+    """The jitted functions of one architecture (models of the same config share their
+    compilations), taking the weights as the flat list of ``treedef``'s leaves: a list's
+    arguments are flattened in C++ at each call, an ``nnx.State``'s Variables one by one in
+    Python, which at batch 1 is a share of a step's time on the host."""
+    return _decoder_fns(lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves),
+                                                 copy=True))
 
 
 # The parameters every use of which rounds them to the compute dtype first: Dense kernels (the
@@ -326,12 +330,14 @@ def decoding_model(model: nnx.Module, fuse: bool = True) -> nnx.Module:
     return decoding
 
 
-def decode_function(graphdef):
-    """The jitted decoding loop a ``Decoder`` runs for models of ``graphdef`` (``Decoder.decode``
-    less the binding of its state): (state, logits [B, V], cache, book, rows, max_steps, *,
-    greedy, top_k) -> (logits, cache, book), the cache donated (``kimi_k3.aot`` compiles it for
-    a TPU topology)."""
-    return _nnx_decoder_fns(graphdef)[2]
+def decode_function(graphdef, state):
+    """The jitted decoding loop a ``Decoder`` runs for models of ``graphdef`` whose weights are
+    ``state`` (an ``nnx.State``; abstract will do), and the weights as it takes them: (a function
+    (weights, logits [B, V], cache, book, rows, max_steps, *, greedy, top_k) -> (logits, cache,
+    book), the cache donated; the weights, the list of ``state``'s leaves). ``kimi_k3.aot``
+    compiles it for a TPU topology."""
+    leaves, treedef = jax.tree.flatten(state)
+    return _nnx_decoder_fns(graphdef, treedef)[2], leaves
 
 
 class Decoder:
@@ -340,7 +346,8 @@ class Decoder:
     is copied; tests/test_generate.py counts the compiled step's buffers).
 
     An ``nnx.Module`` is split once into (graphdef, state), so the jitted functions take the
-    weights as an argument and are shared by every model of that graphdef; any other object
+    weights as an argument (the list of the state's arrays: ``_nnx_decoder_fns``) and are
+    shared by every model of that graphdef; any other object
     with the ``HybridLM`` methods is traced as it is (test doubles). The weights the model
     multiplies in its compute dtype (``matmul_weights_in``) are held in that dtype, rounded
     once here: a step then reads each weight once, in the dtype its matmul takes, and the
@@ -355,14 +362,22 @@ class Decoder:
         spec = getattr(model, "spec", None)
         self.vocab_size = None if spec is None else int(spec.vocab_size)
         if isinstance(model, nnx.Module):
-            self._graphdef, self._state = nnx.split(decoding_model(model, fuse))
-            self._prefill, self._step, self._decode = _nnx_decoder_fns(self._graphdef)
+            self._graphdef, state = nnx.split(decoding_model(model, fuse))
+            self._state, self._treedef = jax.tree.flatten(state)  # weights: a list of arrays
+            self._prefill, self._step, self._decode = _nnx_decoder_fns(self._graphdef,
+                                                                       self._treedef)
         else:
-            self._graphdef = self._state = None
+            self._graphdef = self._state = self._treedef = None
             self._prefill, self._step, self._decode = _decoder_fns(lambda state: model)
 
     def init_cache(self, batch_size: int, max_len: int):
         return self.model.init_cache(batch_size, max_len)
+
+    @property
+    def state(self):
+        """The weights as this decoder holds them, as an ``nnx.State`` (None for a model that
+        is not an ``nnx.Module``)."""
+        return None if self._treedef is None else jax.tree.unflatten(self._treedef, self._state)
 
     @property
     def weight_bytes(self) -> int:

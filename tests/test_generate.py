@@ -260,7 +260,8 @@ def test_the_compiled_step_copies_no_cache():
     assert alias == cache_bytes
     # The measure sees a copy: the same step with the cache kept (not donated) must copy each
     # latent array into its output.
-    kept = jax.jit(lambda state, t, c: nnx.merge(dec._graphdef, state).step(t, c))
+    kept = jax.jit(lambda leaves, t, c: nnx.merge(
+        dec._graphdef, jax.tree.unflatten(dec._treedef, leaves)).step(t, c))
     copies, _, alias = measure(kept)
     assert len(copies) == model.pattern.count("M") and alias == 0, (copies, alias)
 
@@ -280,7 +281,7 @@ def test_the_fused_decoder_computes_the_separate_products_numbers(pattern, scan,
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
     fused, plain = Decoder(model, fuse=True), Decoder(model, fuse=False)
     paths = ["/".join(map(str, p)) for p, _ in
-             jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(fused._state))[0]]
+             jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(fused.state))[0]]
     paths = [p.replace("'", "").replace("[", "").replace("]", "") for p in paths]
     kda_layers, mla_layers = pattern.count("K") - (1 if scan else 0), pattern.count("M")
     assert sum(p.endswith("x_in/kernel") for p in paths) == kda_layers + mla_layers, paths
@@ -318,7 +319,7 @@ def test_fp8_products_are_not_fused():
     cfg = tiny_config("KM", vocab=256)
     cfg.model.scan_layers, cfg.model.matmul_format = False, "fp8"
     dec = Decoder(build(cfg.model, 7))
-    names = str(nnx.to_pure_dict(dec._state).keys()) + str(nnx.to_pure_dict(dec._state))
+    names = str(nnx.to_pure_dict(dec.state).keys()) + str(nnx.to_pure_dict(dec.state))
     assert "x_in" not in names and "q_proj" in names and "ups" in names
 
 
