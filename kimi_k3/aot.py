@@ -243,7 +243,7 @@ def lower_decode(spec: RunSpec, devices: Sequence, *, batch_size: int, max_len: 
     cache = _abstract(jax.eval_shape(lambda: abstract.init_cache(B, max_len)), whole)
     state = _abstract(state, whole)
     logits = jax.ShapeDtypeStruct((B, spec.model.vocab_size), jnp.float32, sharding=whole)
-    book, rows = _abstract(jax.eval_shape(lambda: (generate.start_book(B, 1, 1), generate.loop_rows(
+    book, fixed = _abstract(jax.eval_shape(lambda: (generate.start_book(B, 1, 1), generate.loop_rows(
         np.zeros((B, 1), np.int32), np.ones(B), 1, 1, (), None, generate.GREEDY))), whole)
     steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)
     with jax.set_mesh(mesh), axis_rules(rules):
@@ -251,7 +251,7 @@ def lower_decode(spec: RunSpec, devices: Sequence, *, batch_size: int, max_len: 
         token = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=whole)
         cache = eval_scoring.align_cache(cache, jax.eval_shape(step, state, token, cache)[1])
         loop, weights = generate.decode_function(graphdef, state)
-        lowered = loop.lower(weights, logits, cache, book, rows, steps, greedy=True, top_k=0)
+        lowered = loop.lower(weights, logits, cache, book, fixed, steps, greedy=True, top_k=0)
     rows = f"{batch_size} row{'s' if batch_size > 1 else ''}"
     return lowered, mesh, f"one chip; {rows}, a cache of {max_len} tokens"
 

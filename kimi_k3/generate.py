@@ -645,14 +645,15 @@ def generate(
             # The next call is queued before this one's end is read, so the device never waits
             # for the host; after the loop has ended it returns at once.
             queued = decode(logits_BxV, cache, book)
-            s, finished = jax.device_get((book["s"], jnp.all(book["done_B"])))
+            s, done_B = jax.device_get((book["s"], book["done_B"]))
             bar.update(int(s) - seen)
             seen = int(s)
             logits_BxV, cache, book = queued
-            if finished or s >= last:
+            if done_B.all() or s >= last:
                 break
-        steps = int(book["s"]) - L_min
-        if not bool(jnp.all(book["done_B"])):  # the last position: its token needs no step
+        s, done_B = jax.device_get((book["s"], book["done_B"]))
+        steps = int(s) - L_min
+        if not done_B.all():  # the last position: its token needs no step
             _, book = _choose_last(logits_BxV, book, rows_on_device, greedy=sampling.greedy,
                                    top_k=int(sampling.top_k))
         out_BxN, n_new, stopped = jax.device_get((book["out_BxN"], book["n_B"],
