@@ -158,4 +158,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, config_from=("checkpoint",))
+    cli.run(main, config_from=("checkpoint",), skip_teardown=True)

@@ -90,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main, config_from=("checkpoint", "workdir"))
+    cli.run(main, config_from=("checkpoint", "workdir"), skip_teardown=True)

@@ -34,7 +34,14 @@ from kimi_k3 import mesh as mesh_lib
 from kimi_k3.config import ConfigError
 from kimi_k3.config_files import load_config
 from kimi_k3.run_dir import find_run_folder
-from kimi_k3.runtime import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, exit_if_stuck
+from kimi_k3.runtime import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    Interrupted,
+    exit_if_stuck,
+    exit_without_teardown,
+)
 
 DEBUG_ENV = "KIMI_K3_DEBUG"
 RUN_CONFIG = "config.py"  # what a run folder holds as its config (run_dir.write_config)
@@ -270,15 +277,16 @@ def ending(err: BaseException) -> tuple[int, str | None]:
 
 
 def guarded(main: Callable, debug: Callable[[], bool] = lambda: debug_requested(sys.argv),
-            process: bool = False):
+            process: bool = False, skip_teardown: bool = False):
     """``main`` with the module docstring's endings: one line and an exit code per error.
     ``process``: ``main`` is the whole process (an entry point's ``__main__``), which must end
     even when a library's thread would keep it alive (``runtime.exit_if_stuck``); never in a
-    process that goes on (a test calling ``main``)."""
+    process that goes on (a test calling ``main``). ``skip_teardown`` (with ``process``): a
+    ``main`` that returns ends the process at once (``runtime.exit_without_teardown``)."""
 
     def run_main(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
         except BaseException as e:  # the process ends now: it must, even if a thread hangs
             code, message = ending(e)
             if process:
@@ -286,12 +294,19 @@ def guarded(main: Callable, debug: Callable[[], bool] = lambda: debug_requested(
             if message is None or (code != EXIT_INTERRUPTED and debug()):
                 raise
             fail(code, message)
+        if process and skip_teardown and result is None:
+            exit_without_teardown(0)
+        return result
 
     return run_main
 
 
-def run(main: Callable[[list[str]], None], config_from: Sequence[str] = ()) -> None:
+def run(main: Callable[[list[str]], None], config_from: Sequence[str] = (),
+        skip_teardown: bool = False) -> None:
     """``app.run(main)`` with ``parse_flags`` and ``guarded``. ``config_from``: the flags whose
-    run folder gives ``--config`` when it is not given (``check_config_args``)."""
-    app.run(guarded(main, process=True),
+    run folder gives ``--config`` when it is not given (``check_config_args``).
+    ``skip_teardown``: once ``main`` returns, the process ends without the interpreter's
+    teardown (``runtime.exit_without_teardown``), for an entry point that has closed its
+    files."""
+    app.run(guarded(main, process=True, skip_teardown=skip_teardown),
             flags_parser=lambda argv: parse_flags(argv, config_from=config_from))

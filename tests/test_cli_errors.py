@@ -201,3 +201,30 @@ def test_only_a_whole_process_gets_the_watchdog():
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert p.stdout.startswith("1 ") and "kimi_k3_exit_if_stuck" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_finished_entry_point_skips_the_interpreters_teardown(tmp_path):
+    """``skip_teardown``: once ``main`` returns, the atexit handlers run and the printed lines
+    reach the pipe, then the process ends with 0 before the interpreter's teardown (an object
+    that would say goodbye while modules are unloaded never does). Without it, or in a
+    process that goes on (a test calling the guarded ``main``), nothing changes."""
+    marker = tmp_path / "atexit_ran"
+    code = ("import atexit, sys\n"
+            "from kimi_k3 import cli\n"
+            "class Goodbye:\n"
+            "    def __del__(self): print('teardown ran', flush=True)\n"
+            "keep = Goodbye()\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
+            "def main(_): print('done', end='')\n"
+            "cli.guarded(main, process=True, skip_teardown=sys.argv[1] == 'skip')(None)\n"
+            "print(' after main')\n")
+    for mode in ("skip", "keep"):
+        marker.unlink(missing_ok=True)
+        p = subprocess.run([sys.executable, "-c", code, mode], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0 and marker.exists(), p.stdout + p.stderr
+        if mode == "skip":
+            assert p.stdout == "done", p.stdout + p.stderr
+        else:
+            assert p.stdout == "done after main\nteardown ran\n", p.stdout + p.stderr
+    assert cli.guarded(lambda _: None, skip_teardown=True)(None) is None  # not a process: returns
