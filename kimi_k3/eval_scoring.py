@@ -82,7 +82,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_k3.data import TextTokenizer, is_tiktoken_file, load_split_streams
 from kimi_k3.mesh import batch_sharding
-from kimi_k3.model import MAX_POSITIONS
+from kimi_k3.model import MAX_POSITIONS, flops_per_token
 from kimi_k3.sharding import axis_rules
 
 SHORT_DOC_RULES = ("same", "skip", "concat")
@@ -558,6 +558,11 @@ class Scorer:
         self.trace_seconds = 0.0  # of it, tracing and lowering it (before XLA or its cache)
 
     @property
+    def spec(self):
+        """The model's ModelSpec (None for a model without one: its pieces weigh the same)."""
+        return getattr(self._model, "spec", None)
+
+    @property
     def weights(self):
         """The model's state as the piece function takes it (None for a model that is not an
         ``nnx.Module``)."""
@@ -706,17 +711,42 @@ class EvalOptions:
         return self
 
 
+def piece_flops(spec, L: int, piece_len: int) -> np.ndarray:
+    """Forward FLOPs of one row's pieces of a window of L targets, in order: [ceil(L / P)],
+    P = min(piece_len, L). Piece j's P tokens go through every weight and, in each MLA layer,
+    attend to j P + (P + 1) / 2 keys on average (the cache before the piece, then its own
+    causal block): ``model.flops_per_token``'s count, forward only. The last piece, padded,
+    counts whole. At long context the last pieces cost many times the first, so these are
+    what scoring's progress weighs its pieces by. ``spec``: a ModelSpec or config.model."""
+    P = min(piece_len, L)
+    # flops_per_token is linear in the keys a token sees, (seq_len + 1) / 2: 1 at seq_len 1,
+    # 2 at seq_len 3; the difference is one key's FLOPs.
+    fwd_1, fwd_3 = (flops_per_token(spec, n) / 3.0 for n in (1, 3))
+    per_key = fwd_3 - fwd_1
+    per_token = fwd_1 - per_key
+    keys_J = np.arange(-(-L // P)) * P + (P + 1) / 2
+    return P * (per_token + per_key * keys_J)
+
+
 class ScoringProgress:
     """How the scoring of one context length goes, on stderr. In a log (stderr not a terminal,
     where eval.py's bar is off) a line after the first piece (its time holds the compilation)
-    and then at most every ``every`` seconds until the last: pieces done of all, tokens per second over the
-    pieces after the first, and the time left at that rate. Always, at the end (``done``), one
-    line with the scoring time and the compiling part of it."""
+    and then at most every ``every`` seconds until the last: pieces done of all, tokens per
+    second over the pieces after the first, and the time left. ``costs``: each piece's
+    relative cost in scoring order (``piece_flops``); the time left is the time per unit of
+    cost so far (after the first piece) times the cost still to come, which at long context,
+    where later pieces cost more, is far from the pieces left times the mean so far. Without
+    ``costs`` every piece costs the same. Always, at the end (``done``), one line with the
+    scoring time and the compiling part of it."""
 
     def __init__(self, label: str, pieces: int, tokens_per_piece: int, every: float = 10.0,
-                 stream=None):
+                 stream=None, costs: Sequence[float] | None = None):
         self.label, self.pieces, self.tokens = label, pieces, tokens_per_piece
         self.every, self.stream = every, stream or sys.stderr
+        self.costs_N = np.ones(pieces) if costs is None else np.asarray(costs, np.float64)
+        if self.costs_N.shape != (pieces,) or not np.all(self.costs_N > 0):
+            raise ValueError(f"ScoringProgress: costs must be {pieces} positive numbers, got "
+                             f"shape {self.costs_N.shape}")
         self.log = not self.stream.isatty()
         self.n, self.t0 = 0, time.perf_counter()
         self.t_first = self.last = None
@@ -733,12 +763,14 @@ class ScoringProgress:
                 self.last is not None and now - self.last < self.every):
             return  # the last piece: ``done`` says it
         self.last = now
+        c = self.costs_N
         if self.n == 1:
-            rate, left = self.tokens / (now - self.t0), (self.pieces - 1) * (now - self.t0)
+            rate = self.tokens / (now - self.t0)
+            left = (now - self.t0) / c[0] * c[1:].sum()
             how = "first piece, compiling included"
         else:
-            per_piece = (now - self.t_first) / (self.n - 1)
-            rate, left = self.tokens / per_piece, (self.pieces - self.n) * per_piece
+            rate = self.tokens * (self.n - 1) / (now - self.t_first)
+            left = (now - self.t_first) / c[1 : self.n].sum() * c[self.n :].sum()
             how = "after the first piece"
         self._say(f"{self.label}: {self.n}/{self.pieces} pieces, {rate:,.0f} tokens/s ({how}), "
                   f"ETA {left:.0f} s")
@@ -756,13 +788,24 @@ class ScoringProgress:
                   f"{first}: {total / max(seconds, 1e-9):,.0f} tokens/s")
 
 
+def scoring_flops(spec, L: int, piece_len: int, windows: int, batch_size: int) -> np.ndarray:
+    """Forward FLOPs of every piece that scoring ``windows`` windows of L targets runs, in its
+    order: each batch of ``batch_size`` rows (the last one padded) runs the pieces of
+    ``piece_flops``. With ``spec`` None (a model without a ModelSpec) every piece counts 1."""
+    batches = -(-windows // batch_size)
+    if spec is None:
+        return np.ones(batches * -(-L // min(piece_len, L)))
+    return np.tile(piece_flops(spec, L, piece_len), batches) * batch_size
+
+
 def evaluate_windows(
-    scorer: Scorer, windows: Windows, opts: EvalOptions, on_piece: Callable[[], None] | None = None,
-    byte_lengths: np.ndarray | None = None,
+    scorer: Scorer, windows: Windows, opts: EvalOptions,
+    on_piece: Callable[[float], None] | None = None, byte_lengths: np.ndarray | None = None,
 ) -> dict:
     """Perplexity, bits per byte (given ``byte_lengths``, ``token_byte_lengths``' table) and
     loss by position of one model on one context length's windows, each with its bootstrap
-    interval over documents (module docstring)."""
+    interval over documents (module docstring). ``on_piece(flops)`` after each piece, with
+    its forward FLOPs (``scoring_flops``)."""
     L, N = windows.context_length, windows.num_windows
     buckets = scored_buckets(L, N)
     starts = np.array([lo - 1 for lo, _ in buckets])
@@ -770,13 +813,14 @@ def evaluate_windows(
     nll_NxK = np.zeros((N, len(buckets)), np.float64)  # each window's NLL summed per bucket
     max_diff = None
     P = min(opts.piece_len, L)
-    progress = ScoringProgress(f"L={L:,}", -(-N // opts.batch_size) * -(-L // P),
-                               opts.batch_size * P)
+    flops_N = scoring_flops(scorer.spec, L, opts.piece_len, N, opts.batch_size)
+    progress = ScoringProgress(f"L={L:,}", len(flops_N), opts.batch_size * P, costs=flops_N)
+    done = iter(flops_N)
 
     def piece_done():
         progress.piece()
         if on_piece is not None:
-            on_piece()
+            on_piece(next(done))
 
     t0, compile0, trace0 = time.perf_counter(), scorer.compile_seconds, scorer.trace_seconds
     for start in range(0, N, opts.batch_size):

@@ -52,10 +52,45 @@ from kimi_k3.eval_scoring import (
     describe_windows,
     evaluate_windows,
     heldout_documents,
+    scoring_flops,
     token_byte_lengths,
 )
 from kimi_k3.run_dir import check_workdir, find_run_folder
 from kimi_k3.runtime import process_seconds, quiet_library_logs
+
+
+class ScoringBar:
+    """eval.py's bar over one model's scoring on a terminal: pieces done of all in its text,
+    but filled by the pieces' forward FLOPs (``eval_scoring.scoring_flops``: ``flops`` by
+    context length), so its rate and time left hold at long context, where each piece costs
+    more than the one before. ``in_flops`` False: the counts are pieces (a model without a
+    ModelSpec). A context manager; ``enabled`` False draws nothing."""
+
+    def __init__(self, label: str, flops: dict[int, np.ndarray], *, in_flops: bool = True,
+                 enabled: bool = True):
+        self.label, self.done = label, 0
+        self.pieces = sum(len(f) for f in flops.values())
+        self.bar = tqdm(total=float(sum(f.sum() for f in flops.values())), desc=f"eval {label}",
+                        unit="FLOP" if in_flops else "piece", unit_scale=True,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                                   "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+                        disable=not enabled)
+
+    def length(self, L: int) -> None:
+        """The context length being scored now, shown in the bar's description."""
+        self.bar.set_description_str(f"eval {self.label}, L={L:,}", refresh=False)
+
+    def advance(self, piece_flops: float) -> None:
+        """One piece done, of ``piece_flops``."""
+        self.done += 1
+        self.bar.set_postfix_str(f"{self.done}/{self.pieces} pieces", refresh=False)
+        self.bar.update(piece_flops)
+
+    def __enter__(self) -> ScoringBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
 
 
 class Timeline:
@@ -216,10 +251,6 @@ def run(
         "min_bucket_targets": MIN_BUCKET_TARGETS,
         "models": [],
     }
-    pieces_per_model = sum(
-        -(-w.num_windows // opts.batch_size) * -(-L // min(opts.piece_len, L))
-        for L, w in windows.items()
-    )
     for spec in checkpoints:  # every model's vocabulary first, before any model is built
         vocab = int(configs[spec.label].model.vocab_size)
         for L, w in windows.items():
@@ -253,15 +284,17 @@ def run(
             "params": _param_count(model),
             "results": {},
         }
+        flops = {L: scoring_flops(scorer.spec, L, opts.piece_len, w.num_windows,
+                                  opts.batch_size) for L, w in windows.items()}
         # No bar in a log file: its carriage-return redraws would pile up there.
-        with tqdm(total=pieces_per_model, desc=f"eval {spec.label}", unit="piece",
-                  disable=not (progress and sys.stderr.isatty())) as bar:
+        with ScoringBar(spec.label, flops, in_flops=scorer.spec is not None,
+                        enabled=progress and sys.stderr.isatty()) as bar:
             for L, w in windows.items():
                 if w.num_windows == 0:
                     continue
-                bar.set_postfix(L=L)
+                bar.length(L)
                 result = evaluate_windows(
-                    scorer, w, opts, on_piece=lambda: bar.update(1), byte_lengths=byte_lengths)
+                    scorer, w, opts, on_piece=bar.advance, byte_lengths=byte_lengths)
                 entry["results"][str(L)] = result
                 timeline.lap("scoring")
                 timeline.move(result["compile_seconds"], "scoring", "compiling")

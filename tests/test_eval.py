@@ -618,6 +618,82 @@ def test_scoring_progress_in_a_log_says_pieces_rate_eta_and_the_scoring_time(mon
     assert tty.getvalue().count("\n") == 1 and "scored in 5.0 s" in tty.getvalue()
 
 
+def test_piece_flops_grow_by_the_keys_each_piece_reads_and_sum_to_the_window():
+    """A window's pieces weigh their forward FLOPs: summed, the window's L tokens at
+    flops_per_token(L) / 3 (causal attention over (L + 1) / 2 keys on average); each piece
+    one block of P x P keys more than the one before, per MLA layer 2 H (dn + ds + dv) FLOPs
+    a key; with no MLA layer all pieces alike. The last piece of an L that P does not divide
+    counts whole (it is padded)."""
+    from kimi_k3.model import flops_per_token
+
+    rng = np.random.default_rng()
+    cfg = tiny_config("KKMKM")
+    m = cfg.model.mla
+    per_key = 2 * 2 * m.num_heads * (m.qk_nope_head_dim + m.shared_head_dim + m.v_head_dim)
+    P = int(rng.integers(3, 40))
+    n = int(rng.integers(2, 9))
+    f = eval_scoring.piece_flops(cfg.model, n * P, P)
+    assert f.shape == (n,)
+    np.testing.assert_allclose(f.sum(), n * P * flops_per_token(cfg.model, n * P) / 3, rtol=1e-12)
+    np.testing.assert_allclose(np.diff(f), P * P * per_key, rtol=1e-12)
+    ragged = eval_scoring.piece_flops(cfg.model, n * P - 1, P)
+    np.testing.assert_allclose(ragged, f, rtol=1e-12)
+    flat = eval_scoring.piece_flops(tiny_config("KKK").model, n * P, P)
+    np.testing.assert_allclose(flat, flat[0], rtol=1e-12)
+    np.testing.assert_allclose(eval_scoring.scoring_flops(cfg.model, n * P, P, 5, 2),
+                               np.tile(f, 3) * 2, rtol=1e-12)
+    assert np.all(eval_scoring.scoring_flops(None, n * P, P, 5, 2) == np.ones(3 * n))
+
+
+def test_scoring_progress_weighs_the_time_left_by_the_pieces_costs(monkeypatch):
+    """With costs, the time left is the time per unit of cost after the first piece times the
+    cost still to come (pieces that grow cost more than the mean so far); the same costs
+    scaled give the same line; costs of the wrong length or not positive are refused."""
+    import io
+
+    costs = [1.0, 2.0, 3.0, 4.0, 5.0]
+    lines = []
+    for scale in (1.0, 1e12):
+        clock = iter([0.0, 4.0, 6.0, 9.0, 13.0, 18.0])  # each piece 1 s per unit after the first
+        monkeypatch.setattr(eval_scoring.time, "perf_counter", lambda c=clock: next(c))
+        log = io.StringIO()
+        progress = eval_scoring.ScoringProgress("L=4,096", 5, 1024, every=0.0, stream=log,
+                                                costs=[c * scale for c in costs])
+        for _ in range(4):
+            progress.piece()
+        lines.append(log.getvalue().splitlines())
+    assert lines[0] == lines[1]
+    assert lines[0] == [
+        "L=4,096: 1/5 pieces, 256 tokens/s (first piece, compiling included), ETA 56 s",
+        "L=4,096: 2/5 pieces, 512 tokens/s (after the first piece), ETA 12 s",
+        "L=4,096: 3/5 pieces, 410 tokens/s (after the first piece), ETA 9 s",
+        "L=4,096: 4/5 pieces, 341 tokens/s (after the first piece), ETA 5 s"]
+    for bad in ([1.0] * 4, [1.0, 0.0, 1.0, 1.0, 1.0]):
+        with pytest.raises(ValueError, match="costs must be 5 positive numbers"):
+            eval_scoring.ScoringProgress("L=4,096", 5, 1024, costs=bad)
+
+
+def test_the_eval_bar_fills_by_flops_and_counts_pieces(monkeypatch):
+    """eval.py's terminal bar: its text counts pieces, its fill the pieces' FLOPs; whole at the
+    end."""
+    import io
+
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    flops = {8: np.array([1.0, 3.0]), 16: np.array([2.0, 4.0, 6.0, 8.0])}
+    with evaluation.ScoringBar("init", flops, enabled=True) as bar:
+        bar.length(8)
+        for f in flops[8]:
+            bar.advance(f)
+        assert bar.bar.n == 4.0 and bar.done == 2
+        bar.length(16)
+        for f in flops[16]:
+            bar.advance(f)
+        assert bar.bar.n == bar.bar.total == 24.0
+    text = err.getvalue()
+    assert "6/6 pieces]" in text and "eval init, L=16: 100%" in text and "FLOP/s" in text
+
+
 def test_the_compiled_scoring_piece_copies_no_cache():
     """The jitted piece function of long-context scoring (the cache donated) on an unrolled
     stack (configs/1b.py's layout) writes each piece's MLA entries into the cache where it
