@@ -554,6 +554,7 @@ class Scorer:
         if mesh is not None:
             self._state = jax.device_put(self._state, NamedSharding(mesh, PartitionSpec()))
         self._compiled = {}  # (B, P, Lpad) -> the piece function compiled for those shapes
+        self._cache_after = {}  # the same keys -> the abstract cache a piece returns
         self.compile_seconds = 0.0  # spent compiling the piece function, so far
         self.trace_seconds = 0.0  # of it, tracing and lowering it (before XLA or its cache)
 
@@ -583,18 +584,26 @@ class Scorer:
         return jax.device_put(np.asarray(x), batch_sharding(self._mesh))
 
     def _piece_fn(self, x0, cache, y0):
-        """The piece function compiled ahead of time for these shapes, its compile time added
-        to ``compile_seconds`` (so evaluation reports compiling and scoring apart)."""
+        """(the piece function compiled ahead of time for these shapes, ``cache`` nested as the
+        piece function returns it: ``align_cache``), its compile time added to
+        ``compile_seconds`` (so evaluation reports compiling and scoring apart). One trace
+        gives both the program and the cache's nesting after a piece; a second is needed only
+        where that nesting differs from ``cache``'s."""
         key = (x0.shape, str(jax.tree.map(lambda a: (a.shape, a.dtype), cache)))
         if key not in self._compiled:
             t0 = time.perf_counter()
             with self._context():
-                lowered = self._piece.lower(self._state, x0, cache, y0)
+                traced = self._piece.trace(self._state, x0, cache, y0)
+                like = traced.out_info[1]
+                aligned = align_cache(cache, like)
+                if aligned is not cache:
+                    traced = self._piece.trace(self._state, x0, aligned, y0)
+                lowered = traced.lower()
                 t1 = time.perf_counter()
-                self._compiled[key] = lowered.compile()
+                self._compiled[key], self._cache_after[key] = lowered.compile(), like
             self.trace_seconds += t1 - t0
             self.compile_seconds += time.perf_counter() - t0
-        return self._compiled[key]
+        return self._compiled[key], align_cache(cache, self._cache_after[key])
 
     def init_cache(self, batch_size: int, max_len: int):
         return self._model.init_cache(batch_size, max_len)
@@ -620,10 +629,7 @@ class Scorer:
         if self._mesh is not None:
             cache = jax.device_put(cache, NamedSharding(self._mesh, PartitionSpec()))
         x0, y0 = self._tokens(x[:, :P]), self._tokens(y[:, :P])
-        with self._context():
-            like = jax.eval_shape(self._piece, self._state, x0, cache, y0)[1]
-        cache = align_cache(cache, like)
-        piece = self._piece_fn(x0, cache, y0)
+        piece, cache = self._piece_fn(x0, cache, y0)
         out = []
         for i in range(n_pieces):
             sl = slice(i * P, (i + 1) * P)
