@@ -109,9 +109,9 @@ def exit_without_teardown(code: int = 0) -> None:
     interpreter's teardown is skipped. Unloading JAX, XLA and the hundreds of modules behind
     them, and running the device client's destructors, takes a visible part of a second that a
     finished command should not make its user wait for; the operating system frees the memory
-    and the device anyway. Only for an entry point whose files are all closed (eval.py and
-    generate.py write theirs with ``with`` blocks): a file left open would lose what Python
-    still buffers for it."""
+    and the device anyway. Only for an entry point whose files are all closed by then (eval.py
+    writes its files in ``with`` blocks; generate.py prints): a file left open would lose what
+    Python still buffers for it."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
