@@ -586,19 +586,15 @@ class Scorer:
     def _piece_fn(self, x0, cache, y0):
         """(the piece function compiled ahead of time for these shapes, ``cache`` nested as the
         piece function returns it: ``align_cache``), its compile time added to
-        ``compile_seconds`` (so evaluation reports compiling and scoring apart). One trace
-        gives both the program and the cache's nesting after a piece; a second is needed only
-        where that nesting differs from ``cache``'s."""
+        ``compile_seconds`` (so evaluation reports compiling and scoring apart): tracing for the
+        cache's nesting after a piece is part of it."""
         key = (x0.shape, str(jax.tree.map(lambda a: (a.shape, a.dtype), cache)))
         if key not in self._compiled:
             t0 = time.perf_counter()
             with self._context():
-                traced = self._piece.trace(self._state, x0, cache, y0)
-                like = traced.out_info[1]
-                aligned = align_cache(cache, like)
-                if aligned is not cache:
-                    traced = self._piece.trace(self._state, x0, aligned, y0)
-                lowered = traced.lower()
+                # jit keeps this trace: lowering the same arguments reuses it
+                like = jax.eval_shape(self._piece, self._state, x0, cache, y0)[1]
+                lowered = self._piece.lower(self._state, x0, align_cache(cache, like), y0)
                 t1 = time.perf_counter()
                 self._compiled[key], self._cache_after[key] = lowered.compile(), like
             self.trace_seconds += t1 - t0
