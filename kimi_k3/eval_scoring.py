@@ -83,6 +83,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kimi_k3.data import TextTokenizer, is_tiktoken_file, load_split_streams
 from kimi_k3.mesh import batch_sharding
 from kimi_k3.model import MAX_POSITIONS, flops_per_token
+from kimi_k3.model_state import empty_cache_fn
 from kimi_k3.sharding import axis_rules
 
 SHORT_DOC_RULES = ("same", "skip", "concat")
@@ -544,6 +545,7 @@ class Scorer:
 
     def __init__(self, model, mesh=None, rules=()):
         self._model = model
+        self._init_cache = empty_cache_fn(model)
         self._mesh, self._rules = mesh, tuple(rules)
         if isinstance(model, nnx.Module):
             graphdef, self._state = nnx.split(model)
@@ -602,7 +604,7 @@ class Scorer:
         return self._compiled[key], align_cache(cache, self._cache_after[key])
 
     def init_cache(self, batch_size: int, max_len: int):
-        return self._model.init_cache(batch_size, max_len)
+        return self._init_cache(batch_size, max_len)
 
     def piecewise_nll(
         self, tokens_BxL1: np.ndarray, piece_len: int, on_piece: Callable[[], None] | None = None

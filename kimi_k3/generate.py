@@ -105,6 +105,7 @@ from kimi_k3.data import TextTokenizer, first_bad_id
 from kimi_k3.eval_scoring import align_cache
 from kimi_k3.layers.fused import fuse_for_decoding
 from kimi_k3.model import MAX_POSITIONS, HybridLM
+from kimi_k3.model_state import empty_cache_fn
 from kimi_k3.runtime import device_memory_bytes, quiet_library_logs
 
 # ---------------------------------------------------------------------------------------------
@@ -359,6 +360,7 @@ class Decoder:
 
     def __init__(self, model, fuse: bool = True):
         self.model = model
+        self._init_cache = empty_cache_fn(model)
         spec = getattr(model, "spec", None)
         self.vocab_size = None if spec is None else int(spec.vocab_size)
         if isinstance(model, nnx.Module):
@@ -371,7 +373,7 @@ class Decoder:
             self._prefill, self._step, self._decode = _decoder_fns(lambda state: model)
 
     def init_cache(self, batch_size: int, max_len: int):
-        return self.model.init_cache(batch_size, max_len)
+        return self._init_cache(batch_size, max_len)
 
     @property
     def state(self):

@@ -3,6 +3,7 @@
     model = make_model(spec_or_config_model, seed)      # HybridLM, initialised eagerly
     model = init_model(config.model, seed)              # the same weights, one jitted program
     graphdef, params, rest = split_model(model)         # params: a nested dict of arrays
+    init_cache = empty_cache_fn(model)                  # model.init_cache as one program
     model = merge_model(graphdef, params, rest)         # fresh variables, safe under jit/grad
 
 ``split_for_training`` also separates the model state the trainer carries beside the
@@ -10,6 +11,9 @@ parameters (a mixture of experts' routing biases, ``ExpertBias``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -37,6 +41,18 @@ def init_model(model_cfg, seed: int) -> HybridLM:
     graphdef, state = jax.jit(lambda: nnx.split(make_model(model_cfg, seed)),
                               compiler_options=options)()
     return nnx.merge(graphdef, state)
+
+
+def empty_cache_fn(model) -> Callable[[int, int], Any]:
+    """``(batch_size, max_len) -> model.init_cache(batch_size, max_len)``, for an
+    ``nnx.Module`` one jitted program per (batch_size, max_len), compiled on its first call:
+    built eagerly, each dtype and shape of the cache's arrays is a program of its own, compiled
+    afresh in every process (each takes less than the second JAX's persistent cache asks before
+    it keeps a program). Any other model's ``init_cache`` is returned as it is. Keep the
+    function: a new one compiles again."""
+    if not isinstance(model, nnx.Module):
+        return model.init_cache
+    return jax.jit(model.init_cache, static_argnums=(0, 1))
 
 
 def split_model(model):

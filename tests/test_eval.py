@@ -694,6 +694,38 @@ def test_the_eval_bar_fills_by_flops_and_counts_pieces(monkeypatch):
     assert "6/6 pieces]" in text and "eval init, L=16: 100%" in text and "FLOP/s" in text
 
 
+@pytest.mark.parametrize("user", ["scorer", "decoder"])
+def test_the_empty_cache_is_built_as_one_program(user):
+    """Scorer.init_cache and Decoder.init_cache (model_state.empty_cache_fn): the model's own
+    empty cache (same nesting, shapes, dtypes, zeros), compiled as one program rather than
+    one per array dtype and shape, and not again for the next window of the same shape."""
+    from jax import monitoring
+
+    from kimi_k3 import generate
+
+    model = build(tiny_config("KKMKM").model, int(np.random.default_rng().integers(1 << 30)))
+    holder = eval_scoring.Scorer(model) if user == "scorer" else generate.Decoder(model)
+    B, S = 2, int(np.random.default_rng().integers(40, 400))  # a shape no other test compiled
+    compiles = []
+
+    def count(name, _secs, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        got = jax.block_until_ready(holder.init_cache(B, S))
+        assert len(compiles) == 1, compiles
+        jax.block_until_ready(holder.init_cache(B, S))
+        assert len(compiles) == 1, compiles
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    want = model.init_cache(B, S)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype and not np.any(np.asarray(g))
+
+
 def test_the_compiled_scoring_piece_copies_no_cache():
     """The jitted piece function of long-context scoring (the cache donated) on an unrolled
     stack (configs/1b.py's layout) writes each piece's MLA entries into the cache where it
