@@ -495,8 +495,14 @@ def test_mid_anchored_scores_match_the_definition(backend):
         def fn(q, k, v, g, beta, h0):
             return run_blocks(backend, q, k, v, g, beta, h0, seg=seg, chunk_size=C,
                               tuning=narrow, **blocks)
-        out, vjp = jax.vjp(fn, q, k, v, g, beta, h0)
-        return [*out, *vjp(random_cotangent(out, seed))]
+
+        def run(cot, *args):
+            out, vjp = jax.vjp(fn, *args)
+            return [*out, *vjp(cot)]
+        # Jitted: eagerly, every op of the forward and the backward is a program of its own,
+        # compiled on first use (several times slower).
+        cot = random_cotangent(jax.eval_shape(fn, q, k, v, g, beta, h0), seed)
+        return fast_jit(run)(cot, q, k, v, g, beta, h0)
 
     got = out_and_grads()
     o_ref, S_ref = kda_numpy(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
@@ -534,11 +540,13 @@ def test_gradients_of_a_small_cotangent_are_scaled_exactly(backend, mid_bwd):
     def fn(q, k, v, g, beta, h0):
         return run_blocks(backend, q, k, v, g, beta, h0, seg=seg, **blocks)
 
-    out, vjp = jax.vjp(fn, q, k, v, g, beta, h0)
-    cot = random_cotangent(out, seed)
+    cot = random_cotangent(jax.eval_shape(fn, q, k, v, g, beta, h0), seed)
     small = 2.0 ** -24
-    grads = vjp(cot)
-    grads_small = vjp(tuple(c * small for c in cot))
+    # One compiled program for both cotangents (eagerly, every op of the forward and the
+    # backward is a program of its own, compiled on first use: several times slower).
+    grads_of = fast_jit(lambda cot, *args: jax.vjp(fn, *args)[1](cot))
+    grads = grads_of(cot, q, k, v, g, beta, h0)
+    grads_small = grads_of(tuple(c * small for c in cot), q, k, v, g, beta, h0)
     tol = 1e-4 if backend == "gpu" else 1e-6
     for name, a, b in zip(GRAD_NAMES, grads_small, grads, strict=True):
         assert rel_err(np.asarray(a, np.float64) / small, b) < tol, (backend, name)

@@ -597,7 +597,8 @@ def test_short_conv_with_the_activation_in_the_kernels_equals_xla(activation):
             def loss(x, tail, conv=conv, seg=seg, dy=dy):
                 y, _ = conv(x, seg, tail, activation=activation)
                 return jnp.sum(y * dy), y
-            outs[impl] = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, tail)
+            # Jitted: eagerly, each op (and each interpreted kernel) compiles on its own.
+            outs[impl] = fast_jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, tail)
         (g_xla, y_xla), (g_pal, y_pal) = outs["xla"], outs["pallas"]
         np.testing.assert_allclose(y_pal, y_xla, atol=2e-6)
         for a, b in zip(g_pal, g_xla, strict=True):
