@@ -151,6 +151,7 @@ JAX_CACHE = "--compilation_cache={work}/jax_cache"
 MOE_TRAIN_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
 DECODE_CARD = "an H100 (the card of BENCHMARKS.md's decoding table)"
+EVAL_CARD = "an H100 (the card of BENCHMARKS.md's table of the evaluation at 1M tokens)"
 DECODE_FILES = ("decode.md", "decode.csv", "decode_ms_per_token.png")
 
 
@@ -292,7 +293,7 @@ REGISTRY: dict[str, Benchmark] = {
                   "--context_lengths=1M", "--piece_len=65536", "--max_windows=1",
                   "--short_docs=concat", "--config.data.eval_fraction=0.5",
                   "--compilation_cache={work}/jax_cache", "--workdir={out}/warm"), timeout_s=240)),
-        card=H200, writes=("cold/ and warm/: eval.py's JSON, CSV and plots",)),
+        card=EVAL_CARD, writes=("cold/ and warm/: eval.py's JSON, CSV and plots",)),
     "decode": Benchmark(
         "Decoding: time per output token, all-MLA against 3:1 at the 1B shapes, 8K to 1M",
         (_decode_bench("--variants=3:1,all-MLA", "--search=jump", "--max_batch=64",
