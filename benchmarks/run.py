@@ -151,8 +151,8 @@ JAX_CACHE = "--compilation_cache={work}/jax_cache"
 MOE_TRAIN_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
 DECODE_CARD = "an H100 (the card of BENCHMARKS.md's decoding table)"
-EVAL_CARD = "an H100 (the card of BENCHMARKS.md's table of the evaluation at 1M tokens)"
 DECODE_FILES = ("decode.md", "decode.csv", "decode_ms_per_token.png")
+EVAL_CARD = "an H100 (the card of BENCHMARKS.md's table of the evaluation at 1M tokens)"
 
 
 def _decode_bench(*flags: str, max_seconds: int = 85) -> Command:
