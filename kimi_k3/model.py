@@ -48,7 +48,8 @@ from kimi_k3.layers.mla import GatedMLA
 from kimi_k3.layers.mlp import SwiGLU
 from kimi_k3.layers.moe import MoE
 from kimi_k3.layers.norms import RMSNorm
-from kimi_k3.sharding import BTD, BTV, constrain
+from kimi_k3.sharding import BTD, BTV, constrain, rules_in_force
+from pallas_kernels.device import jit_per_choices
 
 # The mixers by layer letter, and which part of the spec configures each. Every mixer has the
 # same constructor and call signature (see KDALayer), so the stack never asks which it holds.
@@ -187,6 +188,29 @@ def _keep_read_weights(module: nnx.Module, name: str, depth: DepthResidual, stat
         keep(module, name, depth.weights(state, query.w[...]))
 
 
+def _apply_module(graphdef, rules, params, rest, args):
+    del rules  # a cache key only: the trace reads the rules in force (sharding.constrain)
+    module = nnx.merge(graphdef, params, rest)
+    out = module(*args)
+    return out, nnx.state(module, nnx.Not(nnx.Param))
+
+
+# Traces kept per kernel choices too (a program for a TPU topology traces afresh).
+_apply_module_once = jit_per_choices(_apply_module, static_argnums=(0, 1))
+
+
+def traced_once(module: nnx.Module, *args):
+    """``module(*args)`` as a call of one jitted function keyed by the module's structure and
+    the axis rules in force, so the same-shaped layers of one kind in an unrolled stack are traced
+    and lowered once per program instead of once per layer (XLA inlines the call: the compiled
+    program is the one an inline call gives). State the call writes (a mixture of experts' load
+    counts) is written back to ``module``."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    out, rest = _apply_module_once(graphdef, rules_in_force(), params, rest, args)
+    nnx.update(module, rest)
+    return out
+
+
 class DecoderLayer(nnx.Module):
     """One layer = mixer sublayer (KDA for kind "K", Gated MLA for "M") + FFN sublayer (the dense
     SwiGLU, or with ``experts`` the mixture of experts of ``spec.moe``).
@@ -227,13 +251,17 @@ class DecoderLayer(nnx.Module):
         """(depth state, cache or None) -> (depth state, new cache or None)."""
         if self.capture_internals:
             _keep_read_weights(self, "mixer_read", depth, state, self.mixer_query)
+        # Scoring and prefill trace each kind of sublayer once (``traced_once``); training
+        # keeps the inline calls its remat policy sees through.
+        call = (traced_once if cache is not None and not self.capture_internals
+                else lambda module, *args: module(*args))
         x_BxTxD = depth.read_norm(state, _query(self.mixer_query), self.mixer_norm)
-        out_BxTxD, cache = self.mixer(x_BxTxD, segment_ids_BxT, cache, pos)
+        out_BxTxD, cache = call(self.mixer, x_BxTxD, segment_ids_BxT, cache, pos)
         state = depth.write(state, constrain(out_BxTxD, BTD))
         if self.capture_internals:
             _keep_read_weights(self, "mlp_read", depth, state, self.mlp_query)
         x_BxTxD = depth.read_norm(state, _query(self.mlp_query), self.mlp_norm)
-        state = depth.write(state, constrain(self.mlp(x_BxTxD), BTD))
+        state = depth.write(state, constrain(call(self.mlp, x_BxTxD), BTD))
         return state, cache
 
     def step(self, state, depth: DepthResidual, cache, pos, layer: int | None = None):

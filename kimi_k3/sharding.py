@@ -99,6 +99,13 @@ def axis_rules(rules: Rules):
     return nn.logical_axis_rules(rules)
 
 
+def rules_in_force() -> tuple:
+    """The logical axis rules in force (flax's context), as a hashable tuple: a key for caches
+    of traces that read them."""
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+                 for name, axes in core_spmd.get_logical_axis_rules())
+
+
 def _rules_in_context() -> bool:
     return bool(core_spmd.get_logical_axis_rules()) and not jax.sharding.get_abstract_mesh().empty
 

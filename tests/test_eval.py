@@ -765,11 +765,15 @@ def test_the_layers_of_a_program_share_one_lowering_of_each_kernel(monkeypatch):
     """The undifferentiated KDA, short-convolution and Attention Residual kernels are jitted
     functions, so a program lowers each once however many layers call it with the same shapes
     (on a GPU, lowering every layer's Mosaic and Triton kernels again was most of a 1M-token
-    evaluation's tracing): four KDA layers lower to little more than one. Made plain functions
-    again, the same measure sees every layer's copy."""
+    evaluation's tracing): four KDA layers lower to little more than one, with the sublayers
+    called inline (``model.traced_once`` shares the rest of a layer's code too;
+    test_model holds it). Made plain functions again, the same measure sees every layer's
+    copy."""
+    from kimi_k3 import model as model_lib
     from kimi_k3.layers import attn_res, short_conv
     from pallas_kernels import kda as kda_kernel
 
+    monkeypatch.setattr(model_lib, "traced_once", lambda module, *args: module(*args))
     ratio = _lowered_piece_chars("KKKKM") / _lowered_piece_chars("KM")
     assert ratio < 1.6, ratio
     monkeypatch.setattr(kda_kernel, "_forward_once",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -15,9 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kimi_k3 import model as model_lib
 from kimi_k3 import model_state
 from kimi_k3.config import default_model_config, layer_pattern, model_spec, scan_plan
 from kimi_k3.layers import Dense
+from kimi_k3.layers.moe import MoeStat
 from kimi_k3.model import HybridLM, flops_per_token
 from kimi_k3.runtime import run_once_compiler_options
 from kimi_k3.sharding import LOGICAL_AXES
@@ -232,6 +235,60 @@ def test_prefill_in_pieces_and_steps_equal_one_pass(model):
     assert int(cache["pos"]) == 12
     pieces = jnp.concatenate([a, b, c[:, None], d[:, None]], axis=1)
     np.testing.assert_allclose(pieces, one, atol=5e-5, rtol=1e-5)
+
+
+def test_prefill_traces_each_kind_of_sublayer_once(monkeypatch):
+    """A prefill of an unrolled stack traces each kind of mixer and FFN once however many
+    layers have it (``model.traced_once``: most of a 20-layer evaluation program's tracing and
+    lowering was its layers' copies of the same code); called inline, as the training forward
+    calls them, every layer is traced."""
+    from kimi_k3.layers import GatedMLA, KDALayer, SwiGLU
+
+    counts = collections.Counter()
+    for cls in (KDALayer, GatedMLA, SwiGLU):
+        monkeypatch.setattr(cls, "__call__", lambda self, *args, _call=cls.__call__, **kw: (
+            counts.update([type(self).__name__]), _call(self, *args, **kw))[1])
+    cfg = small_cfg(scan_layers=False, pattern="KKKKM", num_layers=5)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0))))
+    cache = jax.eval_shape(lambda: nnx.merge(graphdef, state).init_cache(1, 16))
+    toks = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+
+    def traced(fn, *args):
+        counts.clear()
+        jax.clear_caches()
+        jax.jit(fn).trace(state, *args)
+        return dict(counts)
+
+    prefill_fn = lambda state, t, cache: nnx.merge(graphdef, state).prefill(t, cache)
+    train_fn = lambda state, t: nnx.merge(graphdef, state)(t)
+    assert traced(prefill_fn, toks, cache) == {"KDALayer": 1, "GatedMLA": 1, "SwiGLU": 1}
+    assert traced(train_fn, toks) == {"KDALayer": 4, "GatedMLA": 1, "SwiGLU": 5}
+    monkeypatch.setattr(model_lib, "traced_once", lambda module, *args: module(*args))
+    assert traced(prefill_fn, toks, cache) == {"KDALayer": 4, "GatedMLA": 1, "SwiGLU": 5}
+
+
+def test_a_prefill_keeps_the_expert_load_each_layer_counts(monkeypatch):
+    """State a sublayer writes while traced once (a mixture of experts' per-layer load and
+    dropped counts) comes back to its own layer: the same values as inline calls give."""
+    cfg = small_cfg(scan_layers=False)
+    cfg.moe.num_experts, cfg.moe.top_k = 4, 2
+    model = build(cfg, seed=int(np.random.default_rng().integers(1 << 30)))
+    toks = tokens(2, 12, seed=int(np.random.default_rng().integers(1 << 30)))
+
+    @jax.jit
+    def stats(state, toks):
+        m = nnx.merge(nnx.graphdef(model), state)
+        m.prefill(toks, m.init_cache(2, 16))
+        return nnx.state(m, MoeStat)
+
+    once = nnx.to_flat_state(stats(nnx.state(model), toks))
+    monkeypatch.setattr(model_lib, "traced_once", lambda module, *args: module(*args))
+    inline = nnx.to_flat_state(stats(nnx.state(model), toks))
+    assert len(once) == 9  # load, dropped and balance loss of three layers
+    loads = [var.get_value() for path, var in once if path[-1] == "load"]
+    assert all(load.sum() > 0 for load in loads) and not np.array_equal(loads[0], loads[1])
+    for (path, var), (_, ref) in zip(once, inline, strict=True):
+        np.testing.assert_array_equal(var.get_value(), ref.get_value(), err_msg=str(path))
 
 
 def with_params_of(model, **overrides):
