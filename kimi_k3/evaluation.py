@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from kimi_k3 import internals as internals_lib
 from kimi_k3 import mesh as mesh_lib
+from kimi_k3 import plots
 from kimi_k3 import ruler as ruler_lib
 from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
 from kimi_k3.config import ConfigError, check_context, kda_chunk, model_spec, normalize_rules
@@ -262,6 +263,7 @@ def run(
                     f"L={L}, position {position}) is outside [0, {vocab}) = its "
                     f"model.vocab_size")
     mesh, rules = context_mesh(config, opts, list(configs.values()))
+    plots_ready = []  # the thread warming matplotlib up, once started
     timeline.lap("data")
     for spec in checkpoints:
         cfg = configs[spec.label]
@@ -289,12 +291,20 @@ def run(
         # No bar in a log file: its carriage-return redraws would pile up there.
         with ScoringBar(spec.label, flops, in_flops=scorer.spec is not None,
                         enabled=progress and sys.stderr.isatty()) as bar:
+
+            def piece_done(piece_flops, bar=bar):
+                bar.advance(piece_flops)
+                # Once the first piece is done (its program compiled, no tracing left to slow
+                # down), matplotlib's first-use costs are paid while the device scores.
+                if not plots_ready:
+                    plots_ready.append(plots.warm_up_in_background())
+
             for L, w in windows.items():
                 if w.num_windows == 0:
                     continue
                 bar.length(L)
                 result = evaluate_windows(
-                    scorer, w, opts, on_piece=bar.advance, byte_lengths=byte_lengths)
+                    scorer, w, opts, on_piece=piece_done, byte_lengths=byte_lengths)
                 entry["results"][str(L)] = result
                 timeline.lap("scoring")
                 timeline.move(result["compile_seconds"], "scoring", "compiling")
@@ -302,6 +312,8 @@ def run(
         report["models"].append(entry)
         del scorer, model
 
+    for thread in plots_ready:
+        thread.join()
     os.makedirs(workdir, exist_ok=True)  # only now: a run stopped on any error leaves none
     # the files carry every stage up to writing them; the closing line has that too
     report["timeline"] = {k: v for k, v in timeline.seconds.items() if k != "writing"}

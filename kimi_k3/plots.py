@@ -9,8 +9,10 @@ safe under pytest-xdist and on headless machines.
 
 from __future__ import annotations
 
+import io
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,37 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def warm_up() -> None:
+    """Pays matplotlib's first-use costs: its imports, the Agg canvas and the font cache (a
+    throwaway figure with text, rendered to memory). See ``warm_up_in_background``."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(figsize=(2.0, 2.0), dpi=40)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot([1, 2], [1, 2], label="warm-up")
+    ax.xaxis.set_major_formatter(FuncFormatter(tokens_label))
+    ax.legend()
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def warm_up_in_background() -> threading.Thread:
+    """``warm_up`` in a daemon thread, started now: an entry point that waits on the device
+    (scoring, say) and plots at its end starts it meanwhile, so writing its figures does not
+    wait on matplotlib's first use; ``join`` it before plotting. A failure is left to the
+    figures themselves to report."""
+
+    def run():
+        try:
+            warm_up()
+        except Exception:  # the real figure raises its own error
+            pass
+
+    thread = threading.Thread(target=run, name="matplotlib warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def tokens_label(x: float, _pos=None) -> str:

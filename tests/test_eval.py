@@ -8,6 +8,8 @@ import importlib.util
 import json
 import math
 import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -409,7 +411,14 @@ class UnigramModel(UniformModel):
         return super().__call__(tokens_BxT) + self.logp
 
 
-def test_outputs_written_and_plots_are_valid_pngs(rng, tmp_path, capsys):
+def test_outputs_written_and_plots_are_valid_pngs(rng, tmp_path, capsys, monkeypatch):
+    warmed = []
+
+    def warm_up():  # slower than this scoring: the files must wait for it
+        time.sleep(1.0)
+        warmed.append((threading.current_thread().name, time.time()))
+
+    monkeypatch.setattr(plots, "warm_up", warm_up)
     V = 64
     docs = random_docs(rng, [300, 20, 90], V)
     specs = [evaluation.CheckpointSpec.parse("uniform=init"), evaluation.CheckpointSpec.parse("unigram=init")]
@@ -446,6 +455,9 @@ def test_outputs_written_and_plots_are_valid_pngs(rng, tmp_path, capsys):
     assert all(int(r["targets"]) >= eval_scoring.MIN_BUCKET_TARGETS for r in buckets)
     for name in ("eval_perplexity.png", "eval_loss_by_position.png"):
         assert plots.is_png(tmp_path / name)
+    # matplotlib warmed up once, in its own thread while scoring, finished before the files
+    assert [name for name, _ in warmed] == ["matplotlib warm-up"]
+    assert os.path.getmtime(tmp_path / "eval.json") >= warmed[0][1]
 
 
 def test_a_long_footer_stays_inside_the_figure_below_the_axes(rng):
@@ -487,6 +499,7 @@ def test_bands_and_reference_lines_are_drawn(tmp_path):
 def test_plot_is_a_png_matplotlib_can_read(tmp_path):
     import matplotlib.image
 
+    plots.warm_up()  # what eval runs in a thread while it scores
     path = plots.line_plot(tmp_path / "p.png", {"a": ([1, 2, 4], [3.0, 2.0, float("nan")])},
                            title="t", xlabel="x", ylabel="y", logx=True, token_axis=True)
     assert plots.is_png(path)
