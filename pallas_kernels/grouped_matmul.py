@@ -18,7 +18,7 @@ D] copy of its input (or, in the backward pass, of the output's cotangent); each
 BM rows straight from the token matrix. The loop over K (gmm) or over the group's blocks
 (wgrad) accumulates in float32; outputs are in the inputs' dtype (gmm) or ``out_dtype``.
 
-    gmm grid (NB, N / BN);  wgrad grid (G, K / BK, N / BN)
+    gmm grid (NB, N / BN);  wgrad grid (K / BK, N / BN, G)
 """
 
 from __future__ import annotations
@@ -64,10 +64,17 @@ def _tile(size: int, want: int, name: str) -> int:
     return tile
 
 
-def _load_rows(ref, rows_BM, cols):
-    """ref[rows, cols] for the gathered rows (zeros where rows < 0)."""
+def _load_rows(ref, rows_BM, cols, masked: bool):
+    """ref[rows, cols] for the gathered rows (zeros where rows < 0). ``masked`` (Triton on the
+    GPU): a masked load, so padding rows are never read and Triton copies the tile straight
+    into shared memory. Otherwise (interpret mode, which has no masked gather): row 0 loaded in
+    their place, then zeroed."""
     valid_BM = rows_BM >= 0
     safe_BM = jnp.where(valid_BM, rows_BM, 0)
+    pl_triton = device.pallas_triton() if masked else None
+    if pl_triton is not None:
+        mask = jnp.broadcast_to(valid_BM[:, None], (rows_BM.shape[0], cols.size))
+        return pl_triton.load(ref.at[safe_BM, cols], mask=mask, other=0)
     x = ref[safe_BM, cols]
     return jnp.where(valid_BM[:, None], x, jnp.zeros((), x.dtype))
 
@@ -113,7 +120,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, block_group: jax.Array, rows: jax.Array 
             def step(i, acc_BMxBN):
                 k_cols = pl.ds(i * BK, BK)
                 if gathered:
-                    x_BMxBK = _load_rows(lhs_ref, rows_BM, k_cols)
+                    x_BMxBK = _load_rows(lhs_ref, rows_BM, k_cols, not interpret)
                 else:
                     x_BMxBK = lhs_ref[pl.ds(b * BM, BM), k_cols]
                 if transpose_rhs:
@@ -159,13 +166,17 @@ def wgrad(a: jax.Array, b: jax.Array, block_start: jax.Array, block_end: jax.Arr
     interpret = _interpret(interpret)
 
     def kernel(start_ref, end_ref, rows_a_ref, rows_b_ref, a_ref, b_ref, out_ref):
-        g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        # The group is the grid's slowest axis (on the GPU the first is CUDA's fastest): the
+        # tiles of one group, which read the same rows, run side by side and share the L2.
+        i, j, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         k_cols, n_cols = pl.ds(i * BK, BK), pl.ds(j * BN, BN)
 
         def step(blk, acc_BKxBN):
             rows = pl.ds(blk * BM, BM)
-            x_BMxBK = _load_rows(a_ref, rows_a_ref[rows], k_cols) if ga else a_ref[rows, k_cols]
-            y_BMxBN = _load_rows(b_ref, rows_b_ref[rows], n_cols) if gb else b_ref[rows, n_cols]
+            x_BMxBK = (_load_rows(a_ref, rows_a_ref[rows], k_cols, not interpret) if ga
+                       else a_ref[rows, k_cols])
+            y_BMxBN = (_load_rows(b_ref, rows_b_ref[rows], n_cols, not interpret) if gb
+                       else b_ref[rows, n_cols])
             return acc_BKxBN + jax.lax.dot_general(
                 x_BMxBK, y_BMxBN, (((0,), (0,)), ((), ())), preferred_element_type=f32)
 
@@ -174,7 +185,7 @@ def wgrad(a: jax.Array, b: jax.Array, block_start: jax.Array, block_end: jax.Arr
 
     return pl.pallas_call(
         kernel,
-        grid=(G, K // BK, N // BN),
+        grid=(K // BK, N // BN, G),
         in_specs=[_whole(block_start), _whole(block_end), _whole(rows_a), _whole(rows_b),
                   _whole(a), _whole(b)],
         out_specs=_whole_shape((G, K, N)),

@@ -101,6 +101,31 @@ def test_wgrad_sums_each_experts_rows(rng):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_kernels_lower_for_the_gpu_with_a_groups_tiles_side_by_side():
+    """Lowered for CUDA here (Triton, the gathered rows as masked loads: a form interpret mode
+    lacks): gmm's grid is (row blocks, column tiles); the weight gradient's is (K / BK, N / BN,
+    G), the group slowest, since CUDA's x (the first) moves fastest and one group's tiles read
+    the same rows."""
+    E, R, D, N = 4, 40, 32, 64
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, E, (R, 2)).astype(np.int32))
+    lay = re_lib.blocked_layout(ids, E, TILES.block_m)
+    NB, M = lay.block_group.shape[0], lay.rows.shape[0]
+    x, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((R, D), (M, N)))
+    w = jax.ShapeDtypeStruct((E, D, N), jnp.bfloat16)
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(lambda x, w, bg, r: gk.gmm(x, w, bg, r, tiles=TILES, interpret=False),
+                   x, w, lay.block_group, lay.rows)
+    assert f"grid_x = {NB} : i32, grid_y = {N // TILES.block_n} : i32, grid_z = 1" in text
+    text = lowered(lambda x, b, s, e, r: gk.wgrad(x, b, s, e, rows_a=r, tiles=TILES,
+                                                   interpret=False),
+                   x, b, lay.block_start, lay.block_end, lay.rows)
+    assert (f"grid_x = {D // TILES.wgrad_block_k} : i32, grid_y = "
+            f"{N // TILES.wgrad_block_n} : i32, grid_z = {E}") in text
+
+
 @pytest.mark.parametrize("remat", [False, True])
 def test_blocked_equals_sorted_and_the_float64_definition(rng, remat):
     """Outputs and the gradients of x, the routing weights and both expert matrices."""
