@@ -70,6 +70,7 @@ import functools
 import json
 import math
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -529,6 +530,14 @@ def align_cache(cache, like):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _avals(tree) -> tuple:
+    """(tree structure, each array's shape, dtype and weak type) of arrays or their shapes:
+    what a compiled program checks its arguments against."""
+    abstract = jax.eval_shape(lambda t: t, tree)
+    return jax.tree.structure(abstract), [(a.shape, a.dtype, a.weak_type)
+                                          for a in jax.tree.leaves(abstract)]
+
+
 class Scorer:
     """Jitted next-token NLL for one model, piecewise (``prefill`` + cache) or whole-sequence.
 
@@ -606,6 +615,31 @@ class Scorer:
     def init_cache(self, batch_size: int, max_len: int):
         return self._init_cache(batch_size, max_len)
 
+    def prepare(self, batch_size: int, piece_len: int, context_length: int) -> None:
+        """Compiles the piece program ``piecewise_nll`` runs for windows of ``context_length``
+        in batches of ``batch_size``, from abstract tokens and cache. One device (no mesh): a
+        Scorer of an abstract model (``nnx.eval_shape``) can do this before the weights exist,
+        and ``with_weights`` moves the program to the Scorer of the model once it does."""
+        if self._mesh is not None:
+            raise ValueError("Scorer.prepare: compiling ahead is for one device (no mesh)")
+        P = min(piece_len, context_length)
+        Lpad = -(-context_length // P) * P
+        tokens_BxP = jax.ShapeDtypeStruct((batch_size, P), jnp.int32)
+        self._piece_fn(tokens_BxP, jax.eval_shape(self._init_cache, batch_size, Lpad), tokens_BxP)
+
+    def with_weights(self, model) -> Scorer:
+        """The Scorer of ``model`` (no mesh), holding the programs this one compiled when
+        ``model`` has this one's graphdef and its arrays this one's shapes and dtypes (an
+        abstract model's Scorer after ``prepare``, say); any other model gets its own Scorer,
+        whose programs compile at its first piece."""
+        scorer = Scorer(model)
+        if not (isinstance(model, nnx.Module) and isinstance(self._model, nnx.Module)):
+            return scorer
+        if (nnx.graphdef(model) == nnx.graphdef(self._model)
+                and _avals(scorer._state) == _avals(self._state)):
+            scorer._compiled, scorer._cache_after = dict(self._compiled), dict(self._cache_after)
+        return scorer
+
     def piecewise_nll(
         self, tokens_BxL1: np.ndarray, piece_len: int, on_piece: Callable[[], None] | None = None
     ) -> np.ndarray:
@@ -650,6 +684,39 @@ class Scorer:
 # ---------------------------------------------------------------------------------------------
 # Options, and one model on one context length's windows
 # ---------------------------------------------------------------------------------------------
+
+
+class CompiledAhead:
+    """A one-device Scorer's piece program compiled in a background thread, from the abstract
+    model ``make_abstract()`` builds (``nnx.eval_shape``), while the caller loads the weights:
+    reading a checkpoint or running the initialiser (mostly outside Python's lock) overlaps
+    tracing, lowering and compiling the program. ``scorer(model)`` waits for the thread and
+    gives ``model``'s Scorer with that program (``Scorer.with_weights``). Compiling ahead is an
+    optimisation only: if it fails, the first piece compiles the program again and reports
+    any error there."""
+
+    def __init__(self, make_abstract: Callable[[], nnx.Module], batch_size: int, piece_len: int,
+                 context_length: int):
+        self.seconds = 0.0  # the thread's wall time, once joined
+        self._scorer = None
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                scorer = Scorer(make_abstract())
+                scorer.prepare(batch_size, piece_len, context_length)
+                self._scorer = scorer
+            except Exception as e:  # compiled again, and any error reported, at the first piece
+                warnings.warn(f"compiling the piece program ahead failed ({type(e).__name__}: "
+                              f"{e}); it compiles at the first piece instead", stacklevel=1)
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="compile ahead", daemon=True)
+        self._thread.start()
+
+    def scorer(self, model) -> Scorer:
+        self._thread.join()
+        return Scorer(model) if self._scorer is None else self._scorer.with_weights(model)
 
 
 def parse_context_lengths(values: Sequence[str | int], flag: str = "--context_lengths") -> tuple[int, ...]:

@@ -46,6 +46,7 @@ from kimi_k3.eval_scoring import (
     DEFAULT_MAX_WINDOWS,
     DEFAULT_SHORT_DOCS,
     MIN_BUCKET_TARGETS,
+    CompiledAhead,
     EvalOptions,
     Scorer,
     add_loss_changes,
@@ -56,6 +57,7 @@ from kimi_k3.eval_scoring import (
     scoring_flops,
     token_byte_lengths,
 )
+from kimi_k3.model_state import make_model
 from kimi_k3.run_dir import check_workdir, find_run_folder
 from kimi_k3.runtime import process_seconds, quiet_library_logs
 
@@ -267,15 +269,23 @@ def run(
     timeline.lap("data")
     for spec in checkpoints:
         cfg = configs[spec.label]
+        ahead = None
         if models is not None and spec.label in models:
             model, step = models[spec.label], None
         else:
+            first = next((L for L, w in windows.items() if w.num_windows), None)
+            if mesh is None and first is not None:
+                # The first length's piece program compiles while the weights load.
+                seed = int(cfg.get("seed", 0))
+                ahead = CompiledAhead(
+                    lambda cfg=cfg, seed=seed: nnx.eval_shape(lambda: make_model(cfg.model, seed)),
+                    opts.batch_size, opts.piece_len, first)
             model, step = load_model(
                 cfg, spec.path, config_name=spec.config or config_name,
                 give_config=lambda run, s=spec: f"--checkpoint={s.label}={s.path}@{run}")
             if step is not None:
                 print(f"{spec.label}: restored step {step} from {spec.path}")
-        scorer = Scorer(model, mesh=mesh, rules=rules)
+        scorer = ahead.scorer(model) if ahead else Scorer(model, mesh=mesh, rules=rules)
         jax.block_until_ready(scorer.weights)  # so a model's initialiser counts as "model"
         timeline.lap("model")
         entry = {
@@ -284,6 +294,8 @@ def run(
             "config": spec.config or config_name,
             "step": step,
             "params": _param_count(model),
+            # compiling the first length's piece program while the weights loaded: in "model"
+            "compiled_ahead_seconds": None if ahead is None else round(ahead.seconds, 3),
             "results": {},
         }
         flops = {L: scoring_flops(scorer.spec, L, opts.piece_len, w.num_windows,

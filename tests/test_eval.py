@@ -548,6 +548,56 @@ def test_restore_checkpoint_and_errors_name_the_problem(tmp_path):
     assert f"{run_dir}/checkpoints/3" in msg and "configs/other.py" in msg and "mixer" in msg
 
 
+def test_the_first_lengths_piece_program_compiles_while_the_weights_load(tmp_path, monkeypatch):
+    """A checkpoint eval.py loads itself has its first length's piece program compiled in a
+    thread meanwhile (eval_scoring.CompiledAhead): its first piece compiles nothing, the next
+    length compiles as before, and the losses are those of the program compiled at the first
+    piece (compiling ahead failing, which only warns)."""
+    cfg = tiny_config("KKM")
+    cfg.checkpoint.async_save = False
+    run_dir = str(tmp_path / "run")
+    _save_checkpoint(cfg, run_dir)
+    rng = np.random.default_rng()
+    docs = [rng.integers(0, cfg.model.vocab_size, 120).astype(np.int32) for _ in range(3)]
+    opts = eval_scoring.EvalOptions((32, 48), piece_len=16, batch_size=2, short_docs="skip")
+
+    def run(workdir):
+        report = evaluation.run(cfg, [evaluation.CheckpointSpec.parse(f"m={run_dir}")], opts,
+                                str(tmp_path / workdir), docs=docs, progress=False)
+        return report["models"][0]
+
+    ahead = run("ahead")
+    assert ahead["compiled_ahead_seconds"] > 0
+    assert ahead["results"]["32"]["compile_seconds"] == 0
+    assert ahead["results"]["48"]["compile_seconds"] > 0
+
+    def fail(*args):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(eval_scoring.Scorer, "prepare", fail)
+    with pytest.warns(UserWarning, match="compiles at the first piece instead"):
+        at_first_piece = run("at_first_piece")
+    assert at_first_piece["results"]["32"]["compile_seconds"] > 0
+    for L in ("32", "48"):
+        assert ahead["results"][L]["loss"] == at_first_piece["results"][L]["loss"]
+
+
+def test_a_program_compiled_ahead_goes_only_to_a_model_of_its_shapes(tiny_model):
+    cfg, model, tokens = tiny_model
+    abstract = eval_scoring.Scorer(nnx.eval_shape(lambda: HybridLM(cfg.model, rngs=nnx.Rngs(0))))
+    abstract.prepare(2, 16, 48)
+    same = abstract.with_weights(model)
+    assert len(same._compiled) == 1
+    np.testing.assert_array_equal(same.piecewise_nll(tokens, 16),
+                                  eval_scoring.Scorer(model).piecewise_nll(tokens, 16))
+    wider = tiny_config("KKM")
+    wider.model.mlp_dim = 2 * cfg.model.mlp_dim
+    assert not abstract.with_weights(build(wider.model, 0))._compiled
+    halves = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x,
+                          nnx.state(model))
+    assert not abstract.with_weights(nnx.merge(nnx.graphdef(model), halves))._compiled
+
+
 def test_checkpoint_spec_parsing():
     s = evaluation.CheckpointSpec.parse("r3=runs/r3/checkpoints/2000@configs/ablate_ratio.py:ratio=3")
     assert (s.label, s.path) == ("r3", "runs/r3/checkpoints/2000")
