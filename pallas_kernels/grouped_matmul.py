@@ -18,7 +18,7 @@ D] copy of its input (or, in the backward pass, of the output's cotangent); each
 BM rows straight from the token matrix. The loop over K (gmm) or over the group's blocks
 (wgrad) accumulates in float32; outputs are in the inputs' dtype (gmm) or ``out_dtype``.
 
-    gmm grid (NB, N / BN);  wgrad grid (K / BK, N / BN, G)
+    gmm grid (N / BN, NB);  wgrad grid (K / BK, N / BN, G)
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pallas_kernels import device
 from pallas_kernels.tuning import pow2_tile
 
 f32 = jnp.float32
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +44,9 @@ class GmmTiles:
     gradient's [block_k, block_n] output tiles."""
 
     block_m: int = 64
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
-    warps: int = 4
+    warps: int = 8
     stages: int = 3
     wgrad_block_k: int = 128
     wgrad_block_n: int = 128
@@ -103,9 +104,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array, block_group: jax.Array, rows: jax.Array 
     gathered = rows is not None
     rows = rows if gathered else jnp.zeros((M,), jnp.int32)
     interpret = _interpret(interpret)
+    if not interpret and NB > _MAX_GRID_Y:
+        raise ValueError(f"gmm: {NB} row blocks of {BM} exceed CUDA's {_MAX_GRID_Y} blocks on "
+                         f"the grid's second axis; use a larger tiles.block_m")
 
     def kernel(group_ref, rows_ref, lhs_ref, rhs_ref, out_ref):
-        b, j = pl.program_id(0), pl.program_id(1)
+        # A row block's column tiles run side by side (on the GPU the first grid axis is
+        # CUDA's fastest): they read the same rows and the same expert's weights.
+        j, b = pl.program_id(0), pl.program_id(1)
         g = group_ref[b]
         n_cols = pl.ds(j * BN, BN)
         if gathered:
@@ -138,7 +144,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, block_group: jax.Array, rows: jax.Array 
 
     return pl.pallas_call(
         kernel,
-        grid=(NB, N // BN),
+        grid=(N // BN, NB),
         in_specs=[_whole(block_group), _whole(rows), _whole(lhs), _whole(rhs)],
         out_specs=_whole_shape((M, N)),
         out_shape=_out_struct((M, N), lhs.dtype, block_group, rows, lhs, rhs),

@@ -103,9 +103,9 @@ def test_wgrad_sums_each_experts_rows(rng):
 
 def test_the_kernels_lower_for_the_gpu_with_a_groups_tiles_side_by_side():
     """Lowered for CUDA here (Triton, the gathered rows as masked loads: a form interpret mode
-    lacks): gmm's grid is (row blocks, column tiles); the weight gradient's is (K / BK, N / BN,
-    G), the group slowest, since CUDA's x (the first) moves fastest and one group's tiles read
-    the same rows."""
+    lacks), with grids that run tiles reading the same rows side by side (CUDA's x, the first
+    axis, moves fastest): gmm's is (column tiles, row blocks), the weight gradient's (K / BK,
+    N / BN, G)."""
     E, R, D, N = 4, 40, 32, 64
     ids = jnp.asarray(np.random.default_rng(0).integers(0, E, (R, 2)).astype(np.int32))
     lay = re_lib.blocked_layout(ids, E, TILES.block_m)
@@ -118,7 +118,7 @@ def test_the_kernels_lower_for_the_gpu_with_a_groups_tiles_side_by_side():
 
     text = lowered(lambda x, w, bg, r: gk.gmm(x, w, bg, r, tiles=TILES, interpret=False),
                    x, w, lay.block_group, lay.rows)
-    assert f"grid_x = {NB} : i32, grid_y = {N // TILES.block_n} : i32, grid_z = 1" in text
+    assert f"grid_x = {N // TILES.block_n} : i32, grid_y = {NB} : i32, grid_z = 1" in text
     text = lowered(lambda x, b, s, e, r: gk.wgrad(x, b, s, e, rows_a=r, tiles=TILES,
                                                    interpret=False),
                    x, b, lay.block_start, lay.block_end, lay.rows)
