@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         ap.error(f"--impls: {bad} not in {IMPLS}")
-    tile_sets = [parse_tiles(t, ap) for t in (a.tiles or ["64,128,64,4,3"])]
+    tile_sets = [parse_tiles(t, ap) for t in a.tiles] if a.tiles else [gk.DEFAULT_TILES]
     E, k, D, F = a.experts, a.top_k, a.d_model, a.expert_dim
     print(f"routed experts: E={E} k={k} D={D} F={F} {'skewed' if a.skew else 'uniform'} "
           f"routing, bf16; {jax.devices()[0].device_kind}, JAX {jax.__version__}")

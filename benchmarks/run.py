@@ -347,7 +347,7 @@ REGISTRY: dict[str, Benchmark] = {
     "routed_experts": Benchmark(
         "Mixture of experts: the routed experts of one moe_1b row, blocked kernels against the "
         "equal-group einsum ceiling",
-        (py("benchmarks/routed_experts_bench.py", "--tokens=4096", "--tiles=64,128,64,4,3",
+        (py("benchmarks/routed_experts_bench.py", "--tokens=4096", "--tiles=64,256,64,8,3,128,128,4,3",
             "--impls=blocked,sorted_mosaic,capacity,ceiling", "--kernels", timeout_s=240,
             stdout="routed_experts.md"),),
         card=HOPPER, writes=("routed_experts.md",)),
