@@ -570,9 +570,7 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config",
         raise ValueError(f"--checkpoint {path!r}: step {step} ({step_dir}) is corrupted: "
                          f"{corrupt}; read an earlier step (--checkpoint=<its step folder>)")
     state_dir = os.path.join(absolute_path(step_dir), "state")  # Orbax refuses relative paths
-    seed = int(config.get("seed", 0))
-    make = lambda: HybridLM(config.model, rngs=nnx.Rngs(seed))
-    graphdef, abs_params, abs_biases, abs_rest = nnx.split(nnx.eval_shape(make), nnx.Param,
+    graphdef, abs_params, abs_biases, abs_rest = nnx.split(abstract_model(config), nnx.Param,
                                                            ExpertBias, ...)
     want = nnx.to_pure_dict(abs_params)
 
@@ -602,12 +600,23 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config",
     # initialiser makes it.
     abs_stats, abs_other = nnx.split_state(abs_rest, MoeStat, ...)
     stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=device), abs_stats)
-    other = (jax.jit(lambda: nnx.split(make(), nnx.Param, ExpertBias, MoeStat, ...)[4])()
+    other = (jax.jit(lambda: nnx.split(_fresh_model(config), nnx.Param, ExpertBias, MoeStat, ...)[4])()
              if jax.tree.leaves(abs_other) else abs_other)
     return nnx.merge(graphdef, abs_params, abs_biases, stats, other), step
 
 
 INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
+
+
+def _fresh_model(config) -> HybridLM:
+    """``config.model`` initialised from ``config.seed``: what a restore fills."""
+    return HybridLM(config.model, rngs=nnx.Rngs(int(config.get("seed", 0))))
+
+
+def abstract_model(config) -> HybridLM:
+    """The model ``load_model`` gives for ``config``, as shapes and dtypes only
+    (``nnx.eval_shape``): a program can be compiled for it before the weights load."""
+    return nnx.eval_shape(lambda: _fresh_model(config))
 
 
 def load_model(config, checkpoint: str, config_name: str = "--config",

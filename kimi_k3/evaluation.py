@@ -34,7 +34,7 @@ from kimi_k3 import internals as internals_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import plots
 from kimi_k3 import ruler as ruler_lib
-from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, resolve_step_dir
+from kimi_k3.checkpoint import INIT_CHECKPOINT, abstract_model, load_model, resolve_step_dir
 from kimi_k3.config import ConfigError, check_context, kda_chunk, model_spec, normalize_rules
 from kimi_k3.config_files import load_config
 from kimi_k3.data import PackedRows, TextTokenizer, first_bad_id, load_split_streams
@@ -57,7 +57,6 @@ from kimi_k3.eval_scoring import (
     scoring_flops,
     token_byte_lengths,
 )
-from kimi_k3.model_state import make_model
 from kimi_k3.run_dir import check_workdir, find_run_folder
 from kimi_k3.runtime import process_seconds, quiet_library_logs
 
@@ -276,10 +275,8 @@ def run(
             first = next((L for L, w in windows.items() if w.num_windows), None)
             if mesh is None and first is not None:
                 # The first length's piece program compiles while the weights load.
-                seed = int(cfg.get("seed", 0))
-                ahead = CompiledAhead(
-                    lambda cfg=cfg, seed=seed: nnx.eval_shape(lambda: make_model(cfg.model, seed)),
-                    opts.batch_size, opts.piece_len, first)
+                ahead = CompiledAhead(lambda cfg=cfg: abstract_model(cfg), opts.batch_size,
+                                      opts.piece_len, first)
             model, step = load_model(
                 cfg, spec.path, config_name=spec.config or config_name,
                 give_config=lambda run, s=spec: f"--checkpoint={s.label}={s.path}@{run}")
