@@ -35,6 +35,7 @@ sampling); ``resolve_step_dir`` finds that step from a step, checkpoints or run 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +54,7 @@ from jax.experimental import multihost_utils
 
 from kimi_k3.layers.moe import ExpertBias, MoeStat
 from kimi_k3.model import HybridLM
-from kimi_k3.model_state import init_model
+from kimi_k3.model_state import ModelInit
 from kimi_k3.run_dir import absolute_path, find_run_folder
 from kimi_k3.trees import path_str
 
@@ -619,6 +621,30 @@ def abstract_model(config) -> HybridLM:
     return nnx.eval_shape(lambda: _fresh_model(config))
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingModel:
+    """``load_model``'s work in two steps: ``make_abstract()`` gives the model as shapes and
+    dtypes (for ``init``, from the initialiser's trace, already done; for a checkpoint, an
+    ``nnx.eval_shape``), ``load()`` gives (model, step)."""
+
+    make_abstract: Callable[[], HybridLM]
+    load: Callable[[], tuple[HybridLM, int | None]]
+
+
+def pending_model(config, checkpoint: str, config_name: str = "--config",
+                  give_config=lambda run: f"--config={run}") -> PendingModel:
+    """``load_model(config, checkpoint, ...)`` as a PendingModel: a caller compiles programs for
+    the abstract model while ``load()`` reads the checkpoint or runs the initialiser. For
+    ``init`` the initialiser is traced here, once for both."""
+    if checkpoint == INIT_CHECKPOINT:
+        init = ModelInit(config.model, int(config.get("seed", 0)))
+        return PendingModel(lambda: init.abstract, lambda: (init.run(), None))
+    return PendingModel(lambda: abstract_model(config),
+                        lambda: restore_model_for_eval(config, checkpoint,
+                                                       config_name=config_name,
+                                                       give_config=give_config))
+
+
 def load_model(config, checkpoint: str, config_name: str = "--config",
                give_config=lambda run: f"--config={run}") -> tuple[HybridLM, int | None]:
     """(a ``HybridLM`` for ``config.model``, its step) with the weights of ``checkpoint``: a step,
@@ -628,7 +654,4 @@ def load_model(config, checkpoint: str, config_name: str = "--config",
     Raises FileNotFoundError naming a missing path, ValueError naming the parameters where
     ``config`` (from ``config_name``) and the checkpoint disagree.
     """
-    if checkpoint == INIT_CHECKPOINT:
-        return init_model(config.model, int(config.get("seed", 0))), None
-    return restore_model_for_eval(config, checkpoint, config_name=config_name,
-                                  give_config=give_config)
+    return pending_model(config, checkpoint, config_name, give_config).load()

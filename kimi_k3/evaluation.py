@@ -34,7 +34,7 @@ from kimi_k3 import internals as internals_lib
 from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import plots
 from kimi_k3 import ruler as ruler_lib
-from kimi_k3.checkpoint import INIT_CHECKPOINT, abstract_model, load_model, resolve_step_dir
+from kimi_k3.checkpoint import INIT_CHECKPOINT, load_model, pending_model, resolve_step_dir
 from kimi_k3.config import ConfigError, check_context, kda_chunk, model_spec, normalize_rules
 from kimi_k3.config_files import load_config
 from kimi_k3.data import PackedRows, TextTokenizer, first_bad_id, load_split_streams
@@ -273,13 +273,14 @@ def run(
             model, step = models[spec.label], None
         else:
             first = next((L for L, w in windows.items() if w.num_windows), None)
-            if mesh is None and first is not None:
-                # The first length's piece program compiles while the weights load.
-                ahead = CompiledAhead(lambda cfg=cfg: abstract_model(cfg), opts.batch_size,
-                                      opts.piece_len, first)
-            model, step = load_model(
+            pending = pending_model(
                 cfg, spec.path, config_name=spec.config or config_name,
                 give_config=lambda run, s=spec: f"--checkpoint={s.label}={s.path}@{run}")
+            if mesh is None and first is not None:
+                # The first length's piece program compiles while the weights load.
+                ahead = CompiledAhead(pending.make_abstract, opts.batch_size, opts.piece_len,
+                                      first)
+            model, step = pending.load()
             if step is not None:
                 print(f"{spec.label}: restored step {step} from {spec.path}")
         scorer = ahead.scorer(model) if ahead else Scorer(model, mesh=mesh, rules=rules)

@@ -2,6 +2,7 @@
 
     model = make_model(spec_or_config_model, seed)      # HybridLM, initialised eagerly
     model = init_model(config.model, seed)              # the same weights, one jitted program
+    init = ModelInit(config.model, seed); init.abstract  # its shapes, traced; init.run(): model
     graphdef, params, rest = split_model(model)         # params: a nested dict of arrays
     init_cache = empty_cache_fn(model)                  # model.init_cache as one program
     model = merge_model(graphdef, params, rest)         # fresh variables, safe under jit/grad
@@ -28,6 +29,26 @@ def make_model(model_spec, seed: int) -> HybridLM:
     return HybridLM(model_spec, rngs=nnx.Rngs(seed))
 
 
+class ModelInit:
+    """``make_model(model_cfg, seed)`` as one jitted program (``init_model``), traced when
+    built: ``abstract`` is the model it makes, as shapes and dtypes, before the program is
+    lowered, compiled (or read from the persistent cache) and run by ``run()``. A caller can
+    compile programs for ``abstract`` meanwhile, and the model is still traced only once."""
+
+    def __init__(self, model_cfg, seed: int):
+        options = run_once_compiler_options(jax.default_backend())  # LLVM without optimisations
+        traced = jax.jit(lambda: nnx.split(make_model(model_cfg, seed)),
+                         compiler_options=options).trace()
+        self._lowered = traced.lower()
+        graphdef, state = traced.out_info
+        self.abstract: HybridLM = nnx.merge(graphdef, jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), state))
+
+    def run(self) -> HybridLM:
+        graphdef, state = self._lowered.compile()()
+        return nnx.merge(graphdef, state)
+
+
 def init_model(model_cfg, seed: int) -> HybridLM:
     """``make_model(model_cfg, seed)`` built inside one jitted program, as HybridLM's docstring
     asks: eagerly, every initialiser dispatches and compiles on its own. The same threefry
@@ -37,10 +58,7 @@ def init_model(model_cfg, seed: int) -> HybridLM:
     The model is traced once: its graphdef (static, no arrays) comes out of the jitted program
     beside the state rather than from a second trace under ``nnx.eval_shape``, host time
     spent on every call, the persistent compilation cache's hits included."""
-    options = run_once_compiler_options(jax.default_backend())  # LLVM without optimisations
-    graphdef, state = jax.jit(lambda: nnx.split(make_model(model_cfg, seed)),
-                              compiler_options=options)()
-    return nnx.merge(graphdef, state)
+    return ModelInit(model_cfg, seed).run()
 
 
 def empty_cache_fn(model) -> Callable[[int, int], Any]:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_k3 import eval_scoring, evaluation, plots, runtime
-from kimi_k3.checkpoint import Checkpointer, restore_model_for_eval
+from kimi_k3 import eval_scoring, evaluation, model_state, plots, runtime
+from kimi_k3.checkpoint import INIT_CHECKPOINT, Checkpointer, restore_model_for_eval
 from kimi_k3.model import HybridLM
 from kimi_k3.model_state import split_model
 from tests.helpers import build, tiny_config
@@ -548,25 +548,33 @@ def test_restore_checkpoint_and_errors_name_the_problem(tmp_path):
     assert f"{run_dir}/checkpoints/3" in msg and "configs/other.py" in msg and "mixer" in msg
 
 
-def test_the_first_lengths_piece_program_compiles_while_the_weights_load(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", ["checkpoint", "init"])
+def test_the_first_lengths_piece_program_compiles_while_the_weights_load(tmp_path, monkeypatch,
+                                                                          source):
     """A checkpoint eval.py loads itself has its first length's piece program compiled in a
     thread meanwhile (eval_scoring.CompiledAhead): its first piece compiles nothing, the next
     length compiles as before, and the losses are those of the program compiled at the first
-    piece (compiling ahead failing, which only warns)."""
+    piece (compiling ahead failing, which only warns). For ``init`` the abstract model comes
+    from the initialiser's own trace: the model is built once."""
     cfg = tiny_config("KKM")
     cfg.checkpoint.async_save = False
-    run_dir = str(tmp_path / "run")
-    _save_checkpoint(cfg, run_dir)
+    path = str(tmp_path / "run") if source == "checkpoint" else INIT_CHECKPOINT
+    if source == "checkpoint":
+        _save_checkpoint(cfg, path)
     rng = np.random.default_rng()
     docs = [rng.integers(0, cfg.model.vocab_size, 120).astype(np.int32) for _ in range(3)]
     opts = eval_scoring.EvalOptions((32, 48), piece_len=16, batch_size=2, short_docs="skip")
+    make_model, built = model_state.make_model, []
+    monkeypatch.setattr(model_state, "make_model",
+                        lambda *args: built.append(args) or make_model(*args))
 
     def run(workdir):
-        report = evaluation.run(cfg, [evaluation.CheckpointSpec.parse(f"m={run_dir}")], opts,
+        report = evaluation.run(cfg, [evaluation.CheckpointSpec.parse(f"m={path}")], opts,
                                 str(tmp_path / workdir), docs=docs, progress=False)
         return report["models"][0]
 
     ahead = run("ahead")
+    assert len(built) == (1 if source == "init" else 0)
     assert ahead["compiled_ahead_seconds"] > 0
     assert ahead["results"]["32"]["compile_seconds"] == 0
     assert ahead["results"]["48"]["compile_seconds"] > 0

@@ -365,6 +365,18 @@ def test_init_model_traces_the_model_once_with_the_jitted_initialisers_weights(m
     model = model_state.init_model(cfg, seed)
     assert len(calls) == 1
     assert nnx.graphdef(model) == nnx.graphdef(nnx.eval_shape(lambda: make_model(cfg, seed)))
+    # Its shapes before it runs (ModelInit.abstract), from the same single trace.
+    init = model_state.ModelInit(cfg, seed)
+    assert len(calls) == 2
+    assert nnx.graphdef(init.abstract) == nnx.graphdef(model)
+    abstract = [(p, s.shape, s.dtype, s.weak_type)
+                for p, s in jax.tree_util.tree_leaves_with_path(nnx.state(init.abstract))]
+    assert abstract == [(p, x.shape, x.dtype, x.weak_type) for p, x in
+                        jax.tree_util.tree_leaves_with_path(nnx.state(model))]
+    assert all(isinstance(s, jax.ShapeDtypeStruct) for s in jax.tree.leaves(nnx.state(init.abstract)))
+    np.testing.assert_array_equal(jax.tree.leaves(nnx.state(init.run()))[0],
+                                  jax.tree.leaves(nnx.state(model))[0])
+    assert len(calls) == 2
     options = run_once_compiler_options(jax.default_backend())
     want = jax.jit(lambda: nnx.state(make_model(cfg, seed)), compiler_options=options)()
     got = nnx.to_flat_state(nnx.state(model))
