@@ -117,12 +117,17 @@ def _fusable(parts: list, same_out: bool) -> bool:
     return all(key(p) == key(first) for p in parts)
 
 
+# nnx.iter_modules(m) replaces the deprecated m.iter_modules() in newer flax; older flax has
+# only the method.
+_iter_modules = getattr(nnx, "iter_modules", None) or (lambda m: m.iter_modules())
+
+
 def fuse_for_decoding(model: nnx.Module) -> None:
     """Replaces, in place, each group a module of ``model`` names in its ``FUSED`` by one fused
     weight (``Stacked`` for the groups in ``FUSED_STACKED``, ``SharedInput`` for the others),
     the separate Dense modules removed. Groups that cannot be fused (FP8 products, unlike
     shapes, fewer than two present) stay as they are."""
-    for _, module in list(model.iter_modules()):
+    for _, module in list(_iter_modules(model)):
         groups = getattr(type(module), "FUSED", None)
         if not groups:
             continue
