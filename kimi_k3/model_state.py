@@ -30,10 +30,13 @@ def make_model(model_spec, seed: int) -> HybridLM:
 
 
 class ModelInit:
-    """``make_model(model_cfg, seed)`` as one jitted program (``init_model``), traced when
-    built: ``abstract`` is the model it makes, as shapes and dtypes, before the program is
-    lowered, compiled (or read from the persistent cache) and run by ``run()``. A caller can
-    compile programs for ``abstract`` meanwhile, and the model is still traced only once."""
+    """``make_model(model_cfg, seed)`` as one jitted program (``init_model``), traced and
+    lowered when built: ``abstract`` is the model it makes, as shapes and dtypes, before the
+    program is compiled (or read from the persistent cache) and run by ``run()``. A caller can
+    compile programs for ``abstract`` meanwhile, and the model is still traced only once.
+
+    Lowered here, not in ``run()``: tracing and lowering hold Python's lock, compiling and
+    reading the cache do not, so a thread tracing for ``abstract`` overlaps the latter."""
 
     def __init__(self, model_cfg, seed: int):
         options = run_once_compiler_options(jax.default_backend())  # LLVM without optimisations
@@ -42,7 +45,8 @@ class ModelInit:
         self._lowered = traced.lower()
         graphdef, state = traced.out_info
         self.abstract: HybridLM = nnx.merge(graphdef, jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), state))
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                           weak_type=getattr(s, "weak_type", False)), state))
 
     def run(self) -> HybridLM:
         graphdef, state = self._lowered.compile()()

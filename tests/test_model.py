@@ -385,6 +385,16 @@ def test_init_model_traces_the_model_once_with_the_jitted_initialisers_weights(m
         np.testing.assert_array_equal(var.get_value(), ref.get_value(), err_msg=str(path))
 
 
+def test_model_init_compiles_with_the_run_once_options(monkeypatch):
+    """ModelInit's program takes ``run_once_compiler_options`` (on the GPU they compile it
+    several times faster than XLA's defaults): an option XLA does not know fails its compile."""
+    monkeypatch.setattr(model_state, "run_once_compiler_options",
+                        lambda platform: {"xla_no_such_option_here": True})
+    init = model_state.ModelInit(small_cfg(), 0)
+    with pytest.raises(Exception, match="xla_no_such_option_here"):
+        init.run()
+
+
 def test_scanned_stack_equals_the_unrolled_stack(model):
     """Slice r of the stacked unit parameters is layer r of an unrolled model: same logits, with
     random depth queries (the unrolled model's Attention Residuals run on the SourceList form,
