@@ -101,6 +101,23 @@ def test_wgrad_sums_each_experts_rows(rng):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
+def test_gmm_refuses_more_row_blocks_than_cuda_allows_on_a_grid_axis():
+    """On the GPU gmm's row blocks are the grid's second axis, which CUDA caps at 65,535: past
+    it the error names the count and the tile to grow (shapes only, nothing runs)."""
+    NB, K, N = 65_536, 32, 64
+    tiles = gk.GmmTiles(block_m=16, block_n=32, block_k=16, warps=4, stages=1)
+    x = jax.ShapeDtypeStruct((NB * 16, K), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, K, N), jnp.bfloat16)
+    groups = jax.ShapeDtypeStruct((NB,), jnp.int32)
+    with pytest.raises(ValueError, match=r"gmm: 65536 row blocks of 16 exceed CUDA's 65535 .*"
+                                         r"tiles\.block_m"):
+        jax.eval_shape(lambda a, b, g: gk.gmm(a, b, g, tiles=tiles, interpret=False), x, w, groups)
+    fits = jax.ShapeDtypeStruct((NB - 1,), jnp.int32)
+    out = jax.eval_shape(lambda a, b, g: gk.gmm(a, b, g, tiles=tiles, interpret=False),
+                         jax.ShapeDtypeStruct(((NB - 1) * 16, K), jnp.bfloat16), w, fits)
+    assert out.shape == ((NB - 1) * 16, N)
+
+
 def test_the_kernels_lower_for_the_gpu_with_a_groups_tiles_side_by_side():
     """Lowered for CUDA here (Triton, the gathered rows as masked loads: a form interpret mode
     lacks), with grids that run tiles reading the same rows side by side (CUDA's x, the first
