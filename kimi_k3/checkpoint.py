@@ -610,9 +610,14 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config",
 INIT_CHECKPOINT = "init"  # --checkpoint=init: the config's freshly initialised weights
 
 
+def _seed(config) -> int:
+    """The seed a config's fresh weights come from (``config.seed``, 0 if unset)."""
+    return int(config.get("seed", 0))
+
+
 def _fresh_model(config) -> HybridLM:
     """``config.model`` initialised from ``config.seed``: what a restore fills."""
-    return HybridLM(config.model, rngs=nnx.Rngs(int(config.get("seed", 0))))
+    return HybridLM(config.model, rngs=nnx.Rngs(_seed(config)))
 
 
 def abstract_model(config) -> HybridLM:
@@ -637,7 +642,7 @@ def pending_model(config, checkpoint: str, config_name: str = "--config",
     the abstract model while ``load()`` reads the checkpoint or runs the initialiser. For
     ``init`` the initialiser is traced here, once for both."""
     if checkpoint == INIT_CHECKPOINT:
-        init = ModelInit(config.model, int(config.get("seed", 0)))
+        init = ModelInit(config.model, _seed(config))
         return PendingModel(lambda: init.abstract, lambda: (init.run(), None))
     return PendingModel(lambda: abstract_model(config),
                         lambda: restore_model_for_eval(config, checkpoint,

@@ -618,8 +618,9 @@ class Scorer:
     def prepare(self, batch_size: int, piece_len: int, context_length: int) -> None:
         """Compiles the piece program ``piecewise_nll`` runs for windows of ``context_length``
         in batches of ``batch_size``, from abstract tokens and cache. One device (no mesh): a
-        Scorer of an abstract model (``nnx.eval_shape``) can do this before the weights exist,
-        and ``with_weights`` moves the program to the Scorer of the model once it does."""
+        Scorer of an abstract model (arrays as ``jax.ShapeDtypeStruct``) can do this before the
+        weights exist, and ``with_weights`` moves the program to the Scorer of the model once
+        it does."""
         if self._mesh is not None:
             raise ValueError("Scorer.prepare: compiling ahead is for one device (no mesh)")
         P = min(piece_len, context_length)
@@ -688,9 +689,9 @@ class Scorer:
 
 class CompiledAhead:
     """A one-device Scorer's piece program compiled in a background thread, from the abstract
-    model ``make_abstract()`` builds (``nnx.eval_shape``), while the caller loads the weights:
-    reading a checkpoint or running the initialiser (mostly outside Python's lock) overlaps
-    tracing, lowering and compiling the program. ``scorer(model)`` waits for the thread and
+    model ``make_abstract()`` gives (``checkpoint.PendingModel``), while the caller loads the
+    weights: reading a checkpoint or running the initialiser (mostly outside Python's lock)
+    overlaps tracing, lowering and compiling the program. ``scorer(model)`` waits for the thread and
     gives ``model``'s Scorer with that program (``Scorer.with_weights``). Compiling ahead is an
     optimisation only: if it fails, the first piece compiles the program again and reports
     any error there."""
