@@ -29,9 +29,10 @@ idle), and where the device sat idle: each gap between kernels on the device tim
 by the part of the kernel that came after it. The trace itself stays in ``--trace_dir`` for
 Perfetto / TensorBoard.
 
-Compiling ahead: ``--compile_only`` builds the setup as the profile does (``train_lib.build``
-of the config's RunSpec: same mesh and micro-batch, whose estimate compiles a gradient when
-``train.microbatch_size`` is 0), compiles the initialiser and the train step from shapes alone
+The micro-batch is the one ``train.py`` would run (``train_lib.build`` of the config itself:
+with ``train.microbatch_size = 0`` the planner's choice, and a near miss of the plan decided by
+the compiled step). Compiling ahead: ``--compile_only`` builds the setup as the profile does,
+compiles the initialiser and the train step from shapes alone
 (``train_lib.compile_ahead``: no train state allocated, so several can share a card with
 ``XLA_PYTHON_CLIENT_PREALLOCATE=false``), prints a line per program and exits. With the same
 ``--compilation_cache=DIR`` (kimi_k3/compile_cache.py) the profile then reads every one of them
@@ -92,9 +93,9 @@ COMPILED_PREFIX = "compile_only:"  # --compile_only's line for each program
 
 
 def build(config) -> train_lib.Setup:
-    """The trainer's setup for ``config``, as the profile (and --compile_only) builds it."""
-    spec = run_spec(config)
-    return train_lib.build(spec, mesh_lib.make_mesh(spec.mesh))
+    """The trainer's setup for ``config``, as the profile (and --compile_only) builds it: as
+    ``train.py`` does, from the config itself (its micro-batch chosen as the trainer's is)."""
+    return train_lib.build(config, mesh_lib.make_mesh(run_spec(config).mesh))
 
 
 def compile_only(config) -> list[str]:

@@ -696,6 +696,20 @@ def largest_microbatch(config, sizes, device: Device, device_bytes: int | None =
     return best
 
 
+def near_miss(config, sizes, device: Device, device_bytes: int | None,
+              chosen: int) -> tuple[int, MemoryPlan] | None:
+    """The next micro-batch above ``chosen`` when its plan is past ``MEMORY_HEADROOM`` of
+    ``device_bytes`` but within all of it: (rows, its plan), else None. The plan errs by a few
+    percent either way; the trainer asks XLA's compiled figure, which is exact, about this one
+    (``train_lib.build``)."""
+    larger = [m for m in microbatch_sizes(int(config.data.global_batch_size), sizes)
+              if m > chosen]
+    if not larger or not device_bytes:
+        return None
+    p = memory_plan(config, sizes, larger[0], device, device_bytes)
+    return (larger[0], p) if not p.fits and p.total <= device_bytes else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Step time: a roofline
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ predicts nothing. With ``train.microbatch_size = m`` the global batch of B rows 
 micro-batches (forward and backward each), gradients are summed in float32 and divided by the
 token count of the whole batch, so the update equals the one-shot step's. ``m = 0`` picks the
 largest micro-batch the planner says fits the device (``plan_microbatch``, ``kimi_k3.plan``;
+the next one up when the plan only just misses and XLA's compiled figure fits, ``near_miss``;
 a stand-in model: XLA's estimate, ``choose_microbatch``), and a step the planner says cannot
 fit is refused before it compiles (``train.memory_check``). Rows go
 to micro-batches by ``micro_batch_order``: each device's own, fewer documents first.
@@ -423,6 +424,27 @@ def plan_microbatch(config, mesh, microbatch: int = 0, check: bool = True,
         + "; --config.train.memory_check=False tries anyway")
 
 
+def near_miss(config, mesh, chosen: int, limit: int | None = None) -> int | None:
+    """The micro-batch above the planner's ``chosen`` that its plan puts past
+    ``plan.MEMORY_HEADROOM`` of the device but within all of it (``plan.near_miss``), or None:
+    ``build`` lets XLA's compiled figure decide that one."""
+    from kimi_k3 import plan
+
+    limit = device_memory_bytes() if limit is None else limit
+    if limit is None:
+        return None
+    found = plan.near_miss(config, dict(mesh.shape), plan.local_device(limit), limit, chosen)
+    return found[0] if found else None
+
+
+def compiled_bytes(compiled) -> int:
+    """Bytes per device a compiled step holds while it runs, from XLA's buffer assignment:
+    arguments + outputs - the outputs written into donated arguments + temporaries."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
 def build(config, mesh, model_fn=None) -> Setup:
     """Abstract shapes, shardings (checked for divisibility), the optimizer and the jitted
     init / train / eval functions on ``mesh``.
@@ -451,9 +473,12 @@ def build(config, mesh, model_fn=None) -> Setup:
 
     batch_sharding = mesh_lib.batch_sharding(mesh)
     batch_shardings = {"tokens": batch_sharding, "segment_ids": batch_sharding}
+    near = None
     if model_fn is None and not isinstance(config, RunSpec):
         micro = plan_microbatch(config, mesh, spec.train.microbatch_size,
                                 check=spec.train.memory_check)
+        if not spec.train.microbatch_size:
+            near = near_miss(config, mesh, micro)
     else:  # a stand-in model, or a RunSpec: XLA's own estimate
         micro = spec.train.microbatch_size or choose_microbatch(
             B, T, mesh, graphdef, abs_rest, abstract_state, batch_sharding, rules)
@@ -470,10 +495,32 @@ def build(config, mesh, model_fn=None) -> Setup:
             other = jax.jit(lambda: nnx.split_state(init_state()[1], MoeStat, ...)[1],
                             out_shardings=jax.tree.map(lambda _: repl, abs_other))()
     rest = nnx.merge_state(stats, other)
-    step = make_train_step(graphdef, rest, tx, schedule, B // micro, mesh, spec.model, moe_layers,
-                           spec.train.grad_accum_dtype)
-    train_step = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
-                         out_shardings=(state_shardings, repl), donate_argnums=(0,))
+
+    def step_of(rows: int):
+        step = make_train_step(graphdef, rest, tx, schedule, B // rows, mesh, spec.model,
+                               moe_layers, spec.train.grad_accum_dtype)
+        return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                       out_shardings=(state_shardings, repl), donate_argnums=(0,))
+
+    train_step = step_of(micro)
+    if near is not None:
+        # The plan says maybe; the compiled step says exactly (and with JAX's persistent cache
+        # on, the run then reads this very program from it).
+        from kimi_k3 import plan
+
+        limit = device_memory_bytes()
+        candidate = step_of(near)
+        x_BxT = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding)
+        with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
+            need = compiled_bytes(candidate.lower(
+                abstract_state, {"tokens": x_BxT, "segment_ids": x_BxT}).compile())
+        fits = need + plan.RESERVE_BYTES <= limit
+        logging.info("memory plan: %d rows per micro-batch are past the plan's headroom; XLA's "
+                     "compiled step needs %.1f GiB + %.1f GiB reserve of %.1f GiB: %s", near,
+                     need / 2**30, plan.RESERVE_BYTES / 2**30, limit / 2**30,
+                     f"{near} rows" if fits else f"{micro} rows stay")
+        if fits:
+            micro, train_step = near, candidate
     eval_step = jax.jit(make_eval_step(graphdef, rest),
                         in_shardings=(model_part(state_shardings), batch_shardings),
                         out_shardings=repl)

@@ -69,6 +69,47 @@ def test_the_trainer_refuses_a_step_that_cannot_fit_and_names_what_would():
         train_lib.plan_microbatch(config, mesh, limit=plan.RESERVE_BYTES)
 
 
+def _near_miss_limit(config, mesh):
+    """A device memory under which the planner picks some micro-batch a and the next one, b,
+    is a near miss (past the headroom, within the card): (limit, a, b)."""
+    sizes = dict(mesh.shape)
+    allowed = plan.microbatch_sizes(int(config.data.global_batch_size), sizes)
+    a, b = allowed[1], allowed[2]
+    total = lambda m: plan.memory_plan(config, sizes, m, plan.local_device(None)).total
+    return max(total(b), int(total(a) / plan.MEMORY_HEADROOM) + 1), a, b
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_near_miss_of_the_plan_is_decided_by_the_compiled_step(monkeypatch, fits):
+    config = load_config("tiny.py")
+    mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+    monkeypatch.setattr(plan, "RESERVE_BYTES", 1 << 20)  # a tiny model: room to tell apart
+    limit, a, b = _near_miss_limit(config, mesh)
+    assert plan.largest_microbatch(config, dict(mesh.shape), plan.local_device(limit),
+                                   limit)[0] == a
+    assert train_lib.near_miss(config, mesh, a, limit) == b
+    assert train_lib.near_miss(config, mesh, b, limit) is None  # the next one is past the card
+    assert train_lib.near_miss(config, mesh, a, 2 * limit) is None  # b fits the headroom there
+    monkeypatch.setattr(train_lib, "device_memory_bytes", lambda: limit)
+    seen = []
+    real = train_lib.compiled_bytes
+
+    def figure(compiled):
+        seen.append(real(compiled))
+        # XLA's figure as it is, put just inside or just past what the card leaves.
+        return limit - plan.RESERVE_BYTES + (0 if fits else 1)
+
+    monkeypatch.setattr(train_lib, "compiled_bytes", figure)
+    setup = train_lib.build(config, mesh)
+    assert setup.microbatch_size == (b if fits else a)
+    # One program compiled, the step of b rows: its state and batch are its arguments.
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state))
+    assert len(seen) == 1 and seen[0] > state
+
+    config.train.microbatch_size = a  # a micro-batch given: nothing to decide
+    assert train_lib.build(config, mesh).microbatch_size == a and len(seen) == 1
+
+
 def test_meshes_are_ranked_and_only_shapes_that_divide_are_offered():
     config = load_config("moe_tiny.py")
     device = plan.DEVICES["h100"]
