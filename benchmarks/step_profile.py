@@ -137,6 +137,7 @@ def profile(config, steps: int, trace_steps: int, trace_dir: str) -> dict:
     # through the steps; benchmarks/timing.py).
     step_s = timing.time_jax(one_step, warmup=2, calls=1, batches=steps).seconds
     result = {"step_s": step_s, "compile_s": compile_s, "step_cache": step_cache, "tokens": B * T,
+              "microbatch": setup.microbatch_size, "seq_len": T,
               "flops_per_token": flops_per_token(spec.model, T),
               "peak_bytes": metrics_lib.peak_memory_bytes(), "parts": {}, "top": []}
     if trace_steps <= 0:
@@ -162,13 +163,22 @@ def _cache_text(r: dict) -> str:
     return f" (the train step {step.source()}){total}"
 
 
+def _microbatches(r: dict) -> str:
+    """How the step ran its global batch: "32 micro-batches of 2 rows"."""
+    rows = r["tokens"] // r["seq_len"]
+    n, m = rows // r["microbatch"], r["microbatch"]
+    return f"{n} micro-batch{'es' if n > 1 else ''} of {m} row{'s' if m > 1 else ''}"
+
+
 def format_table(r: dict, title: str) -> str:
     step_ms = 1e3 * r["step_s"]
     peak = 989e12 if jax.default_backend() == "gpu" else None
     mfu = metrics_lib.mfu(r["flops_per_token"], r["tokens"] / r["step_s"], peak, 1)
     lines = [
         title, "",
-        f"step {step_ms:.1f} ms, {r['tokens'] / r['step_s']:,.0f} tokens/s"
+        f"step {step_ms:.1f} ms"
+        + (f" ({_microbatches(r)})" if r.get("microbatch") else "")
+        + f", {r['tokens'] / r['step_s']:,.0f} tokens/s"
         + (f", MFU {100 * mfu:.1f}% (989 TFLOP/s dense bf16)" if mfu else "")
         + (f", peak {r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "")
         + f"; compilation {r['compile_s']:.0f} s{_cache_text(r)}", "",

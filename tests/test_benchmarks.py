@@ -126,6 +126,7 @@ def test_the_profile_of_the_real_step_adds_up(step_profile, tmp_path):
     assert r["step_s"] > 0 and r["ops"]
     table = step_profile.format_table(r, "title")
     assert "| kda_core |" in table and "(gaps: host, launches, idle)" in table
+    assert "(1 micro-batch of 2 rows)" in table  # the CPU's choice: the whole batch at once
     assert r["idle"] and "Idle device time by the part" in table
     assert "By stage" in table
     # Every stage of the mixture has kernels (the table leaves out rows under 0.05 ms).
