@@ -13,7 +13,8 @@ Router, per token x [D], E routed experts, correction bias b [E] (``route``):
 
     y = sum_j w_j SwiGLU_{chosen_j}(x) + SwiGLU_shared(x)
 
-The router runs in float32 (``router_float32``; the matmul at full precision), scores and
+The router runs in float32 (``router_float32``; the matmul at float32 precision, for bfloat16
+x as bfloat16 matmuls over a three-way split of W: ``kimi_k3.ops.split_product``), scores and
 weights are float32 either way. Routed expert e is a SwiGLU of width F = expert_dim
 (W_i [E, D, 2, F] fusing gate and up, W_o [E, F, D]); the shared expert, a SwiGLU of width
 shared_dim (expert_dim x num_shared), sees every token.
@@ -86,6 +87,7 @@ from kimi_k3.layers.mlp import SwiGLU
 from kimi_k3.ops import routed_experts as routed_lib
 from kimi_k3.ops.ragged_exchange import ragged_all_to_all
 from kimi_k3.ops.routed_experts import routed_experts
+from kimi_k3.ops.split_product import router_logits
 
 # Logical axes of the routed experts' weights (kimi_k3/sharding.py maps them to mesh axes).
 WI_NAMES = ("expert", "embed", None, "mlp")  # [E, D, (gate, up), F]
@@ -116,11 +118,16 @@ def route(x_BxTxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, spec: Mo
 
     The choice uses s + b (with grouped routing when ``n_group > 1``); the weights come from s,
     renormalised and scaled as ``spec`` says. Ties in ``lax.top_k`` go to the lowest index.
+    With ``router_float32`` the logits x W are float32 products (``split_product``'s
+    ``router_logits``: on bfloat16 x, bfloat16 matmuls exact to float32 rounding).
     """
-    dt = jnp.float32 if spec.router_float32 else compute_dtype
-    precision = jax.lax.Precision.HIGHEST if spec.router_float32 else None
-    logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD.astype(dt), router_DxE.astype(dt),
-                              precision=precision)
+    if spec.router_float32:
+        # W whole on every device before it is split, as the product needs it: left to the
+        # partitioner, the split copies of the forward and backward passes are gathered apart.
+        logits_BxTxE = router_logits(x_BxTxD, sharding.constrain(router_DxE, (None, None)))
+    else:
+        logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD.astype(compute_dtype),
+                                  router_DxE.astype(compute_dtype))
     s_BxTxE = jax.nn.sigmoid(logits_BxTxE.astype(jnp.float32))
     choice_BxTxE = jax.lax.stop_gradient(s_BxTxE + bias_E.astype(jnp.float32))
     E, G = spec.num_experts, spec.n_group
