@@ -434,7 +434,12 @@ def near_miss(config, mesh, chosen: int, limit: int | None = None) -> int | None
     if limit is None:
         return None
     found = plan.near_miss(config, dict(mesh.shape), plan.local_device(limit), limit, chosen)
-    return found[0] if found else None
+    if found is None:
+        return None
+    logging.info("memory plan: %d rows per micro-batch planned at %.1f GiB, past %.0f%% of "
+                 "%.1f GiB but within it: compiling that step to see", found[0],
+                 found[1].total / 2**30, 100 * plan.MEMORY_HEADROOM, limit / 2**30)
+    return found[0]
 
 
 def compiled_bytes(compiled) -> int:
@@ -515,8 +520,8 @@ def build(config, mesh, model_fn=None) -> Setup:
             need = compiled_bytes(candidate.lower(
                 abstract_state, {"tokens": x_BxT, "segment_ids": x_BxT}).compile())
         fits = need + plan.RESERVE_BYTES <= limit
-        logging.info("memory plan: %d rows per micro-batch are past the plan's headroom; XLA's "
-                     "compiled step needs %.1f GiB + %.1f GiB reserve of %.1f GiB: %s", near,
+        logging.info("memory plan: the step of %d rows per micro-batch needs %.1f GiB by XLA's "
+                     "buffer assignment, + %.1f GiB reserve of %.1f GiB: %s", near,
                      need / 2**30, plan.RESERVE_BYTES / 2**30, limit / 2**30,
                      f"{near} rows" if fits else f"{micro} rows stay")
         if fits:
