@@ -509,8 +509,8 @@ def build(config, mesh, model_fn=None) -> Setup:
 
     train_step = step_of(micro)
     if near is not None:
-        # The plan says maybe; the compiled step says exactly (and with JAX's persistent cache
-        # on, the run then reads this very program from it).
+        # The plan says maybe; the compiled step says exactly. The run's own call of this step
+        # then finds the program in JAX's in-process cache: nothing compiles twice.
         from kimi_k3 import plan
 
         limit = device_memory_bytes()
