@@ -66,7 +66,7 @@ from kimi_k3 import sharding as sharding_lib
 from kimi_k3.config import ConfigError, RunSpec, check_context, kda_chunk, opt_spec, run_spec
 from kimi_k3.layers.attention import documents_per_row
 from kimi_k3.layers.dense import low_copies, precast, with_copies
-from kimi_k3.layers.moe import MoeStat, update_bias
+from kimi_k3.layers.moe import Experts, MoeStat, update_bias
 from kimi_k3.model import flops_per_token, layer_numbers, unused_expert_params
 from kimi_k3.model_state import merge_model
 from kimi_k3.run_dir import (
@@ -175,10 +175,12 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
     low_grads = (grad_accum_dtype == "bfloat16" and accum_steps > 1 and compute_dtype is not None
                  and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16))
 
-    def loss_sum(params, model_state, tokens, segment_ids, denom, copies):
+    def loss_sum(params, model_state, tokens, segment_ids, denom, copies, grad_sums=None):
         if copies is not None:
             params = with_copies(params, copies)
         model = merge_model(graphdef, params, rest, model_state)
+        if grad_sums is not None:
+            set_gradient_sums(model, grad_sums)
         s, n = next_token_loss(model, tokens, segment_ids)
         stats = moe_stats(model)
         balance = sum((v for p, v in stats.items() if p[-1] == "balance_loss"), jnp.zeros(()))
@@ -208,10 +210,17 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
                 return jax.lax.with_sharding_constraint(micro_batches(x, order), micro_spec)
 
             def body(carry, mb):
-                (_, (n, l, st)), g = grad_fn(diff_params, model_state, mb[0], mb[1], denom,
-                                             copies)
                 acc_l, acc_n, acc_st, acc_g = carry
-                acc_g = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc_g, g)
+                # The experts' gradients come back with the running sums already added
+                # (layers/moe.py's GradientSum): inside the weight-gradient kernels where they
+                # can be, so a micro-batch's gradient of them is never held on its own.
+                (_, (n, l, st)), g = grad_fn(diff_params, model_state, mb[0], mb[1], denom,
+                                             copies, acc_g if moe is not None else None)
+                acc_g = jax.tree_util.tree_map_with_path(
+                    lambda path, a, b: (b.astype(a.dtype) if _is_expert_matrix(path)
+                                        else a + b.astype(a.dtype)),
+                    acc_g, g) if moe is not None else jax.tree.map(
+                    lambda a, b: a + b.astype(a.dtype), acc_g, g)
                 acc_st = jax.tree.map(jnp.add, acc_st, st)  # loads and drops add up
                 return (acc_l + l, acc_n + n, acc_st, acc_g), None
 
@@ -253,6 +262,25 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
         return new_state, metrics
 
     return train_step
+
+
+def _is_expert_matrix(path) -> bool:
+    """Whether a parameter's tree path is a routed expert matrix (``Experts.wi`` / ``.wo``)."""
+    names = [getattr(k, "key", None) for k in path]
+    return len(names) >= 2 and names[-2] == "experts" and names[-1] in ("wi", "wo")
+
+
+def set_gradient_sums(model, sums: dict) -> None:
+    """Gives each ``Experts`` module of ``model`` its matrices' running gradient sums from
+    ``sums`` (a tree like the parameters), as its ``GradientSum``s: the gradient the forward
+    and backward pass then returns for those matrices is the sum plus its own."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Experts):
+            here = sums
+            for key in path:
+                here = here[key]
+            node.wi_sum.set_value(jax.lax.stop_gradient(here["wi"]))
+            node.wo_sum.set_value(jax.lax.stop_gradient(here["wo"]))
 
 
 def moe_layer_paths(spec, abstract_stats: dict) -> tuple:

@@ -157,10 +157,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array, block_group: jax.Array, rows: jax.Array 
 
 def wgrad(a: jax.Array, b: jax.Array, block_start: jax.Array, block_end: jax.Array,
           rows_a: jax.Array | None = None, rows_b: jax.Array | None = None, *,
-          out_dtype=f32, tiles: GmmTiles = DEFAULT_TILES,
+          out_dtype=f32, tiles: GmmTiles = DEFAULT_TILES, acc: jax.Array | None = None,
           interpret: bool | None = None) -> jax.Array:
     """out [G, K, N] = per group g, sum over its blocks [block_start_g, block_end_g) of
-    a[p]^T b[p]; a [R_a, K] gathered by ``rows_a`` or in the layout, b likewise."""
+    a[p]^T b[p]; a [R_a, K] gathered by ``rows_a`` or in the layout, b likewise.
+
+    ``acc`` [G, K, N]: out = acc + that sum, in ``acc``'s dtype, written over ``acc``'s buffer
+    (each tile read into the float32 accumulator before the products, rounded once at the
+    end): a running sum of gradients over micro-batches without a gradient of its own."""
     G = block_start.shape[0]
     BM = tiles.block_m
     K, N = a.shape[1], b.shape[1]
@@ -171,7 +175,10 @@ def wgrad(a: jax.Array, b: jax.Array, block_start: jax.Array, block_end: jax.Arr
     rows_b = rows_b if gb else jnp.zeros((BM,), jnp.int32)
     interpret = _interpret(interpret)
 
-    def kernel(start_ref, end_ref, rows_a_ref, rows_b_ref, a_ref, b_ref, out_ref):
+    summed = acc is not None
+
+    def kernel(start_ref, end_ref, rows_a_ref, rows_b_ref, a_ref, b_ref, *refs):
+        acc_ref, out_ref = refs if summed else (None, refs[0])
         # The group is the grid's slowest axis (on the GPU the first is CUDA's fastest): the
         # tiles of one group, which read the same rows, run side by side and share the L2.
         i, j, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -186,21 +193,26 @@ def wgrad(a: jax.Array, b: jax.Array, block_start: jax.Array, block_end: jax.Arr
             return acc_BKxBN + jax.lax.dot_general(
                 x_BMxBK, y_BMxBN, (((0,), (0,)), ((), ())), preferred_element_type=f32)
 
-        acc = jax.lax.fori_loop(start_ref[g], end_ref[g], step, jnp.zeros((BK, BN), f32))
-        out_ref[g, k_cols, n_cols] = acc.astype(out_ref.dtype)
+        start = (acc_ref[g, k_cols, n_cols].astype(f32) if summed
+                 else jnp.zeros((BK, BN), f32))
+        total = jax.lax.fori_loop(start_ref[g], end_ref[g], step, start)
+        out_ref[g, k_cols, n_cols] = total.astype(out_ref.dtype)
 
+    operands = (block_start, block_end, rows_a, rows_b, a, b) + ((acc,) if summed else ())
+    if summed and acc.shape != (G, K, N):
+        raise ValueError(f"wgrad: acc must be [G, K, N] = {(G, K, N)}, got {acc.shape}")
     return pl.pallas_call(
         kernel,
         grid=(K // BK, N // BN, G),
-        in_specs=[_whole(block_start), _whole(block_end), _whole(rows_a), _whole(rows_b),
-                  _whole(a), _whole(b)],
+        in_specs=[_whole(x) for x in operands],
         out_specs=_whole_shape((G, K, N)),
-        out_shape=_out_struct((G, K, N), out_dtype, block_start, block_end, rows_a, rows_b, a, b),
+        out_shape=_out_struct((G, K, N), acc.dtype if summed else out_dtype, *operands),
+        input_output_aliases={len(operands) - 1: 0} if summed else {},
         interpret=interpret,
         compiler_params=None if interpret else device.triton_compiler_params(
             tiles.wgrad_warps, tiles.wgrad_stages),
         name="gmm_wgrad",
-    )(block_start, block_end, rows_a, rows_b, a, b)
+    )(*operands)
 
 
 def _out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:

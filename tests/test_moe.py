@@ -9,9 +9,11 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kimi_k3 import mesh as mesh_lib
 from kimi_k3 import metrics as metrics_lib
 from kimi_k3 import train_lib
 from kimi_k3.config import MoeSpec, default_model_config, model_spec, run_spec
@@ -46,7 +49,7 @@ def make_layer(spec: MoeSpec, p: dict) -> MoE:
     state = nnx.state(layer)
     values = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.to_pure_dict(state))
     values["router"]["kernel"], values["bias"] = p["Wr"], p["b"]
-    values["experts"] = {"wi": p["wi"], "wo": p["wo"]}
+    values["experts"].update(wi=p["wi"], wo=p["wo"])
     if spec.num_shared:
         values["shared"] = {"wi": {"kernel": p["shared_wi"]}, "wo": {"kernel": p["shared_wo"]}}
     if spec.latent_dim:
@@ -415,3 +418,93 @@ def test_expert_matmul_auto_is_blocked_on_gpu_and_dense_refuses_all_to_all():
         choose_expert_matmul("blocked", tokens_move=False, dims=(2048, 12), backend="cpu")
     with pytest.raises(ValueError, match="expert_matmul='dense' cannot run with all-to-all"):
         choose_expert_matmul("dense", tokens_move=True, backend="gpu")
+
+
+def test_micro_batches_sum_the_experts_gradients_as_one_pass_does():
+    """configs/moe_tiny.py, two layers, in 4 micro-batches against one pass over the batch:
+    the same parameters after two steps. Each micro-batch's expert gradient comes back with
+    the running sum added (GradientSum; here onto the weights' gradients, the ragged form;
+    the blocked kernels' own addition: the test below)."""
+    config = load_config("moe_tiny.py")
+    config.model.moe.expert_matmul = "ragged"
+    config.model.moe.expert_dim = 24
+    config.model.num_layers, config.model.kda_per_mla, config.model.moe.first_k_dense = 2, 1, 0
+    config.data.seq_len, config.data.global_batch_size = 32, 4
+    config.checkpoint.enabled = False
+    rng = np.random.default_rng()
+    batches = [{"tokens": rng.integers(1, 256, (4, 32)).astype(np.int32),
+                "segment_ids": np.sort(rng.integers(1, 3, (4, 32)), axis=1).astype(np.int32)}
+               for _ in range(2)]
+    mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+    seen = []
+    real = train_lib.set_gradient_sums
+    params = {}
+    for micro in (4, 1):
+        config.train.microbatch_size = micro
+        setup = train_lib.build(config, mesh)
+        state = setup.init_state()
+        with mock.patch.object(train_lib, "set_gradient_sums",
+                               lambda model, sums, m=micro: (seen.append(m), real(model, sums))):
+            for b in batches:
+                with setup.context():
+                    state, _ = setup.train_step(state, train_lib.global_batch(
+                        b, setup.batch_sharding, 4))
+        params[micro] = jax.device_get(state["params"])
+    assert seen == [1]  # traced once, for the micro-batched step only
+    for path, a in jax.tree_util.tree_leaves_with_path(params[4]):
+        b = params[1]
+        for k in path:
+            b = b[k.key]
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("mesh", ["none", "one_device"])
+def test_gradient_sums_come_back_added_to_the_experts_gradients(rng, mesh):
+    """A blocked layer given GradientSums S: the gradients of wi and wo are S + those of the
+    same layer without them (added inside the weight-gradient kernels: with no mesh, and on a
+    mesh of one device, through shard_map); every other gradient and the output unchanged."""
+    from kimi_k3 import sharding
+
+    spec = moe_spec(expert_dim=16, shared_dim=16, expert_matmul="blocked")
+    layer = nnx.jit(lambda: MoE(D, spec, rngs=nnx.Rngs(jax.random.key(4, impl="rbg"))))()
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    x = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+    R = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+    experts = nnx.to_pure_dict(params)["experts"]
+    S = {k: jnp.asarray(rng.normal(size=v.shape), v.dtype) for k, v in experts.items()}
+
+    @jax.jit
+    def grads(params, x, sums):
+        def loss(params):
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            if sums is not None:
+                model.experts.wi_sum.set_value(sums["wi"])
+                model.experts.wo_sum.set_value(sums["wo"])
+            y = model(x)
+            return jnp.sum(y * R), y
+        (_, y), g = jax.value_and_grad(loss, has_aux=True)(params)
+        return y, nnx.to_pure_dict(g)
+
+    def both():
+        # The sums go into the two weight-gradient kernels, whose outputs overwrite them.
+        text = str(jax.make_jaxpr(grads)(params, x, S))
+        assert len(re.findall(r"input_output_aliases=\(\(\d+, 0\),\)", text)) == 2
+        return grads(params, x, None), grads(params, x, S)
+
+    if mesh == "none":
+        (y0, g0), (y1, g1) = both()
+    else:
+        one = mesh_lib.make_mesh(load_config("tiny.py").mesh, jax.devices()[:1])
+        with jax.set_mesh(one), sharding.axis_rules(sharding.make_rules(one)):
+            (y0, g0), (y1, g1) = both()
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+    for path, a in jax.tree_util.tree_leaves_with_path(g1):
+        keys = [k.key for k in path]
+        b = g0
+        for k in keys:
+            b = b[k]
+        want = np.asarray(b, np.float64)
+        if keys[-2:] in (["experts", "wi"], ["experts", "wo"]):
+            want = want + np.asarray(S[keys[-1]], np.float64)
+        np.testing.assert_allclose(np.asarray(a), want, rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))

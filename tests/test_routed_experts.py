@@ -101,6 +101,34 @@ def test_wgrad_sums_each_experts_rows(rng):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_wgrad_adds_into_an_accumulator_it_overwrites(rng, dtype):
+    """wgrad(acc=...) = acc + the groups' sums, rounded once to acc's dtype, the kernel's
+    output aliased to acc; experts nobody chose keep acc as it was."""
+    R, K, E, D, N = int(rng.integers(20, 50)), 3, 4, 32, 48
+    ids = jnp.asarray(draw(rng, R, K, E, D, N)[1])
+    lay = re_lib.blocked_layout(ids, E, TILES.block_m)
+    M = lay.rows.shape[0]
+    a = jnp.asarray(rng.normal(size=(M, D)), dtype)
+    b = jnp.asarray(rng.normal(size=(R, N)), dtype)
+    acc = jnp.asarray(rng.normal(size=(E, D, N)) * 10, dtype)
+    want = (np.asarray(acc, np.float64) + np.asarray(gk.wgrad(
+        a, b, lay.block_start, lay.block_end, rows_b=lay.rows, tiles=TILES), np.float64))
+    fn = lambda acc: gk.wgrad(a, b, lay.block_start, lay.block_end, rows_b=lay.rows,
+                              tiles=TILES, acc=acc)
+    (call,) = [e for e in jax.make_jaxpr(fn)(acc).eqns if e.primitive.name == "pallas_call"]
+    assert dict(call.params["input_output_aliases"]) == {len(call.invars) - 1: 0}
+    out = jax.jit(fn, donate_argnums=0)(jnp.array(acc))
+    assert out.dtype == dtype
+    one_ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=one_ulp, atol=1e-4)
+    nobody = np.setdiff1d(np.arange(E), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(out)[nobody], np.asarray(acc)[nobody])
+    with pytest.raises(ValueError, match=r"acc must be \[G, K, N\]"):
+        gk.wgrad(a, b, lay.block_start, lay.block_end, rows_b=lay.rows, tiles=TILES,
+                 acc=acc[:, :, :-1])
+
+
 def test_gmm_refuses_more_row_blocks_than_cuda_allows_on_a_grid_axis():
     """On the GPU gmm's row blocks are the grid's second axis, which CUDA caps at 65,535: past
     it the error names the count and the tile to grow (shapes only, nothing runs)."""
@@ -166,6 +194,35 @@ def test_blocked_equals_sorted_and_the_float64_definition(rng, remat):
     for name, a, b in zip(("x", "w", "wi", "wo"), g_b, g_s, strict=True):
         scale = np.abs(np.asarray(b)).max()
         assert np.abs(np.asarray(a) - np.asarray(b)).max() < 1e-4 * scale, name
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_blocked_with_sums_returns_each_sum_plus_the_gradient(rng, remat):
+    """routed_blocked(sums=(S_i, S_o)): the same output, the same gradients of x and the
+    routing weights, and S + dW for the expert matrices (the float64 sum of the gradient
+    without sums and S); no gradient reaches the sums themselves."""
+    R, K, E, D, F = int(rng.integers(20, 45)), 3, 5, 32, 16
+    x, ids, w, wi, wo = draw(rng, R, K, E, D, F)
+    dy = jnp.asarray(rng.normal(size=(R, D)), jnp.float32)
+    args = [jnp.asarray(a, jnp.float32) for a in (x, w, wi, wo)]
+    sums = (jnp.asarray(rng.normal(size=wi.shape), jnp.float32),
+            jnp.asarray(rng.normal(size=wo.shape), jnp.float32))
+    ids_j = jnp.asarray(ids)
+
+    def loss(x, w, wi, wo, sums):
+        y = re_lib.routed_blocked(x, ids_j, w, wi, wo, tiles=TILES, remat=remat, sums=sums)
+        return jnp.sum(y * dy)
+
+    with jax.default_matmul_precision("highest"):
+        plain = jax.grad(loss, argnums=(0, 1, 2, 3))(*args, None)
+        summed = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args, sums)
+    for name, a, b in zip(("x", "w"), summed[:2], plain[:2], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    for name, a, b, s0 in zip(("wi", "wo"), summed[2:4], plain[2:4], sums, strict=True):
+        want = np.asarray(b, np.float64) + np.asarray(s0, np.float64)
+        np.testing.assert_allclose(np.asarray(a), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert all(not np.any(np.asarray(g)) for g in summed[4])
 
 
 def test_blocked_in_bf16_is_near_float32(rng):

@@ -101,6 +101,13 @@ class ExpertBias(nnx.Variable):
     (:func:`update_bias`) and checkpoints it with the parameters."""
 
 
+class GradientSum(nnx.Variable):
+    """The running sum of earlier micro-batches' gradients of an expert matrix, like it: set by
+    the trainer for one forward and backward pass (``train_lib.make_train_step``), empty ([0])
+    otherwise. With it set, the gradient the layer returns for that matrix is the sum plus
+    this micro-batch's (``routed_experts.routed_blocked``'s ``sums``)."""
+
+
 class MoeStat(nnx.Variable):
     """A measurement of the last forward pass, written by the layer for the trainer to read:
     ``load`` [E] (tokens per expert), ``dropped`` (token-expert assignments over capacity),
@@ -218,17 +225,19 @@ def _first_choices(ids_RxK, w_RxK, Kl: int):
             jnp.take_along_axis(w_RxK, first_RxKl, -1))
 
 
-def _local_experts(x_RxD, ids_RxK, w_RxK, wi, wo, matmul: str, remat: bool):
+def _local_experts(x_RxD, ids_RxK, w_RxK, wi, wo, matmul: str, remat: bool, grad_sums=None):
     """This device's experts on rows ``x`` with local ids (E_l: none here) and weights:
-    y [R, D] float32 (``kimi_k3.ops.routed_experts``)."""
+    y [R, D] float32 (``kimi_k3.ops.routed_experts``). ``grad_sums``: the blocked kernels'
+    gradient sums (``GradientSum``)."""
     if matmul == "blocked":
-        return routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "blocked", remat=remat)
+        return routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "blocked", remat=remat,
+                              sums=grad_sums)
     return routed_experts(x_RxD, ids_RxK, w_RxK, wi, wo, "sorted",
                           "xla" if matmul == "ragged" else matmul)
 
 
 def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str = "ragged",
-              remat: bool = False, exchange: str = "all_tokens"):
+              remat: bool = False, exchange: str = "all_tokens", grad_sums=None):
     """Every assignment kept. wi, wo hold this device's E_l experts; with P > 1 devices on the
     expert ``axes``, tokens travel by all-to-all (``exchange``: "all_tokens", or "ragged":
     :func:`_dropless_ragged`); with P = 1, ``idx`` holds local expert ids, or E_l for a choice
@@ -251,7 +260,7 @@ def _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, matmul: str = "rag
     else:
         x_RxD, ids_RxK, w_RxK = x_NxD, idx_NxK, w_NxK
     ids_RxK, w_RxK = _first_choices(ids_RxK, w_RxK, min(K, E_l))
-    out_RxD = _local_experts(x_RxD, ids_RxK, w_RxK, wi, wo, matmul, remat)
+    out_RxD = _local_experts(x_RxD, ids_RxK, w_RxK, wi, wo, matmul, remat, grad_sums)
     if P > 1:
         back_PxNxD = jax.lax.all_to_all(out_RxD.astype(x_NxD.dtype).reshape(P, N, -1), axes, 0, 0)
         return back_PxNxD.astype(jnp.float32).sum(0)
@@ -347,8 +356,8 @@ def _with_capacity(x_NxD, idx_NxK, w_NxK, wi, wo, *, P: int, axes, capacity: int
     return out_NxD, dropped_N
 
 
-def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes, dispatch: str,
-            ffn_axes, matmul: str, typed: bool = True, fp8: bool = False):
+def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, grad_sums=None, *, spec: MoeSpec, P: int, axes,
+            dispatch: str, ffn_axes, matmul: str, typed: bool = True, fp8: bool = False):
     """The routed experts on one device's tokens: (output [B, T, D] in x's dtype, dropped
     choices per token [B, T] float32). ``dispatch``: as ``sharding.ExpertLayout`` says;
     ``matmul``: ``choose_expert_matmul``'s choice; ``typed``: inside a ``shard_map`` that
@@ -382,13 +391,33 @@ def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, *, spec: MoeSpec, P: int, axes,
                                      wo.astype(x_BxTxD.dtype), fp8)
         else:
             out_NxD = _dropless(x_NxD, idx_NxK, w_NxK, wi, wo, P=P, axes=axes, matmul=matmul,
-                                remat=spec.remat_experts, exchange=spec.ep_exchange)
+                                remat=spec.remat_experts, exchange=spec.ep_exchange,
+                                grad_sums=grad_sums)
         dropped_N = jnp.zeros((B * T,), jnp.float32)
     if sums:
         out_NxD = jax.lax.psum(out_NxD, sums)
     if dispatch == "psum":
         dropped_N = jax.lax.psum(dropped_N, axes)
     return out_NxD.reshape(B, T, D).astype(x_BxTxD.dtype), dropped_N.reshape(B, T)
+
+
+@jax.custom_vjp
+def _plus_sum(w, total):
+    """w, whose gradient comes back as ``total`` + its own (``GradientSum`` outside the
+    kernels)."""
+    return w
+
+
+_plus_sum.defvjp(lambda w, total: (w, total), lambda total, g: (total.astype(g.dtype) + g, None))
+
+
+def _place_sums(wi, wo, sums, in_kernels: bool):
+    """(wi, wo, sums for the kernels): the experts' ``GradientSum``s go into the blocked
+    kernels' weight gradients where ``in_kernels``, else onto the weights' own gradients."""
+    if sums is None or in_kernels:
+        return wi, wo, sums
+    return _plus_sum(wi, jax.lax.stop_gradient(sums[0])), _plus_sum(
+        wo, jax.lax.stop_gradient(sums[1])), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,6 +435,13 @@ class Experts(nnx.Module):
         wo = jax.random.normal(rngs.params(), (E, F, D), jnp.float32) / math.sqrt(F)
         self.wi = sharding.param(wi.astype(param_dtype), WI_NAMES)
         self.wo = sharding.param(wo.astype(param_dtype), WO_NAMES)
+        self.wi_sum = GradientSum(jnp.zeros((0,), param_dtype))
+        self.wo_sum = GradientSum(jnp.zeros((0,), param_dtype))
+
+    def sums(self):
+        """(wi's, wo's) ``GradientSum`` when the trainer has set them, else None."""
+        wi_sum, wo_sum = self.wi_sum[...], self.wo_sum[...]
+        return None if wi_sum.size == 0 else (wi_sum, wo_sum)
 
 
 class MoE(nnx.Module):
@@ -445,6 +481,7 @@ class MoE(nnx.Module):
             s_BxTxE, idx_BxTxK, w_BxTxK = route(x_BxTxD, self.router.kernel[...],
                                                 self.bias[...], spec, self.dtype)
         wi, wo = self.experts.wi[...], self.experts.wo[...]
+        sums = self.experts.sums()
         # The routed experts' input in their width De: D, or LatentMoE's l.
         xe_BxTxDe = x_BxTxD
         if self.latent_down is not None:
@@ -455,9 +492,10 @@ class MoE(nnx.Module):
         if layout is None:  # no mesh in context: one device holds every expert
             matmul = "capacity" if spec.capacity_factor > 0 else choose_expert_matmul(
                 spec.expert_matmul, tokens_move=False, dims=(De, F), dtype=xe_BxTxDe.dtype)
-            ye_BxTxDe, dropped_BxT = _routed(xe_BxTxDe, idx_BxTxK, w_BxTxK, wi, wo, spec=spec,
-                                             P=1, axes=(), dispatch="local", ffn_axes=(),
-                                             matmul=matmul, fp8=self.fp8)
+            wi, wo, sums = _place_sums(wi, wo, sums, matmul == "blocked")
+            ye_BxTxDe, dropped_BxT = _routed(xe_BxTxDe, idx_BxTxK, w_BxTxK, wi, wo, sums,
+                                             spec=spec, P=1, axes=(), dispatch="local",
+                                             ffn_axes=(), matmul=matmul, fp8=self.fp8)
         else:
             tok, ex = layout.tokens, (layout.experts or None)
             ffn = layout.ffn or None
@@ -472,11 +510,17 @@ class MoE(nnx.Module):
                                    dispatch=layout.dispatch, ffn_axes=layout.ffn, matmul=matmul,
                                    typed=typed, fp8=self.fp8)
             tokens_3d = PartitionSpec(*tok, None)
+            # In the kernels only on one device: shard_map sums a weight's gradients over the
+            # devices that share it, and would sum the running sum with them.
+            wi, wo, sums = _place_sums(wi, wo, sums, matmul == "blocked"
+                                       and math.prod(layout.mesh.shape.values()) == 1)
+            weight_specs = (PartitionSpec(ex, None, None, ffn), PartitionSpec(ex, ffn, None))
+            args = (xe_BxTxDe, idx_BxTxK, w_BxTxK, wi, wo) + (() if sums is None else (sums,))
+            specs = (tokens_3d, tokens_3d, tokens_3d, *weight_specs) + (
+                () if sums is None else (weight_specs,))
             ye_BxTxDe, dropped_BxT = jax.shard_map(
-                fn, mesh=layout.mesh, check_vma=typed,
-                in_specs=(tokens_3d, tokens_3d, tokens_3d, PartitionSpec(ex, None, None, ffn),
-                          PartitionSpec(ex, ffn, None)),
-                out_specs=(tokens_3d, tok))(xe_BxTxDe, idx_BxTxK, w_BxTxK, wi, wo)
+                fn, mesh=layout.mesh, check_vma=typed, in_specs=specs,
+                out_specs=(tokens_3d, tok))(*args)
         y_BxTxD = ye_BxTxDe
         if self.latent_up is not None:
             with jax.named_scope("moe_latent"):

@@ -136,12 +136,12 @@ def _swiglu_parts(h_Mx2F: jax.Array, F: int):
     return g, u, jax.nn.sigmoid(g)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blocked(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, tiles, remat):
-    return _blocked_fwd(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, tiles, remat)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _blocked(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, sums, tiles, remat):
+    return _blocked_fwd(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, sums, tiles, remat)[0]
 
 
-def _blocked_fwd(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, tiles, remat):
+def _blocked_fwd(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, sums, tiles, remat):
     dt = x_RxD.dtype
     F = wo_ExFxD.shape[1]
     M = layout.rows.shape[0]
@@ -157,7 +157,7 @@ def _blocked_fwd(x_RxD, w_RxK, wi_ExDx2F, wo_ExFxD, layout, tiles, remat):
         z_MxD = gmm_kernels.gmm(aw_MxF, wo_ExFxD.astype(dt), layout.block_group, tiles=tiles)
     with jax.named_scope("moe_combine"):
         y_RxD = _gather_sum(z_MxD, layout.pos)
-    return y_RxD, (x_RxD, w_M, wi_ExDx2F, wo_ExFxD, None if remat else h_Mx2F, layout)
+    return y_RxD, (x_RxD, w_M, wi_ExDx2F, wo_ExFxD, None if remat else h_Mx2F, layout, sums)
 
 
 def _blocked_bwd(tiles, remat, res, dy_RxD):
@@ -166,7 +166,8 @@ def _blocked_bwd(tiles, remat, res, dy_RxD):
 
 
 def _blocked_bwd_kernels(tiles, remat, res, dy_RxD):
-    x_RxD, w_M, wi_ExDx2F, wo_ExFxD, h_Mx2F, layout = res
+    x_RxD, w_M, wi_ExDx2F, wo_ExFxD, h_Mx2F, layout, sums = res
+    sum_wi, sum_wo = sums if sums is not None else (None, None)
     dt = x_RxD.dtype
     if remat:
         h_Mx2F = gmm_kernels.gmm(x_RxD, wi_ExDx2F.astype(dt), layout.block_group, layout.rows,
@@ -181,7 +182,8 @@ def _blocked_bwd_kernels(tiles, remat, res, dy_RxD):
     a_MxF = g * s * u
     aw_MxF = (a_MxF * w_M[:, None]).astype(dt)
     dwo = gmm_kernels.wgrad(aw_MxF, dy_RxD, layout.block_start, layout.block_end,
-                            rows_b=layout.rows, out_dtype=wo_ExFxD.dtype, tiles=tiles)
+                            rows_b=layout.rows, out_dtype=wo_ExFxD.dtype, tiles=tiles,
+                            acc=sum_wo)
     daw_MxF = daw_MxF.astype(jnp.float32)
     dw_M = jnp.sum(daw_MxF * a_MxF, axis=1)
     dw_RxK = jnp.take(dw_M, layout.pos.reshape(-1), mode="fill", fill_value=0).reshape(R, K)
@@ -196,9 +198,10 @@ def _blocked_bwd_kernels(tiles, remat, res, dy_RxD):
     with jax.named_scope("moe_combine"):
         dx_RxD = _gather_sum(dxg_MxD, layout.pos).astype(dt)
     dwi = gmm_kernels.wgrad(x_RxD, dh_Mx2F, layout.block_start, layout.block_end,
-                            rows_a=layout.rows, out_dtype=wi_ExDx2F.dtype, tiles=tiles)
+                            rows_a=layout.rows, out_dtype=wi_ExDx2F.dtype, tiles=tiles,
+                            acc=sum_wi)
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), layout)
-    return dx_RxD, dw_RxK.astype(w_M.dtype), dwi, dwo, zeros
+    return dx_RxD, dw_RxK.astype(w_M.dtype), dwi, dwo, zeros, None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
@@ -218,26 +221,38 @@ def _varying_alike(*arrays):
 
 
 def routed_blocked(x_RxD, ids_RxK, w_RxK, wi, wo,
-                   tiles: gmm_kernels.GmmTiles = gmm_kernels.DEFAULT_TILES, remat: bool = False):
+                   tiles: gmm_kernels.GmmTiles = gmm_kernels.DEFAULT_TILES, remat: bool = False,
+                   sums=None):
     """``impl="blocked"`` (module docstring). The weights keep their dtype for their gradients
     (float32 parameters get float32 dW, summed in the kernel's float32 accumulator). ``remat``:
-    keep x, not h, for the backward pass, which computes h again (one more matmul)."""
+    keep x, not h, for the backward pass, which computes h again (one more matmul).
+
+    ``sums``: (S_i like wi, S_o like wo), running sums of earlier micro-batches' gradients,
+    not differentiated. The gradients returned for wi and wo are then S_i + dW_i and S_o + dW_o,
+    added inside the weight-gradient kernels into the sums' own buffers (``wgrad(acc=...)``):
+    a micro-batch's gradient of the experts is never held apart from its sum. Only where
+    nothing sums these gradients again afterwards (one device)."""
     E, D, _, F = wi.shape
     with jax.named_scope("moe_dispatch"):
         layout = blocked_layout(ids_RxK, E, tiles.block_m)
         layout = jax.tree.map(jax.lax.stop_gradient, layout)
     x_RxD, w_RxK, wi, wo = _varying_alike(x_RxD, w_RxK.astype(jnp.float32), wi, wo,
                                           *jax.tree.leaves(layout))[:4]
-    return _blocked(x_RxD, w_RxK, wi.reshape(E, D, 2 * F), wo, layout, tiles, remat)
+    if sums is not None:
+        sums = (jax.lax.stop_gradient(sums[0]).reshape(E, D, 2 * F),
+                jax.lax.stop_gradient(sums[1]))
+    return _blocked(x_RxD, w_RxK, wi.reshape(E, D, 2 * F), wo, layout, sums, tiles, remat)
 
 
 def routed_experts(x_RxD: jax.Array, ids_RxK: jax.Array, w_RxK: jax.Array, wi: jax.Array,
                    wo: jax.Array, impl: str = "sorted", matmul: str = "xla",
-                   remat: bool = False) -> jax.Array:
+                   remat: bool = False, sums=None) -> jax.Array:
     """y [R, D] float32 (module docstring). ``impl``: "sorted" (with ``matmul`` "xla" |
-    "mosaic_gpu") or "blocked" (``remat``: see ``routed_blocked``)."""
+    "mosaic_gpu") or "blocked" (``remat``, ``sums``: see ``routed_blocked``)."""
     if impl not in ROUTED_IMPLS:
         raise ValueError(f"routed_experts: impl must be one of {ROUTED_IMPLS}, got {impl!r}")
     if impl == "sorted":
+        if sums is not None:
+            raise ValueError("routed_experts: gradient sums need impl='blocked'")
         return routed_sorted(x_RxD, ids_RxK, w_RxK, wi, wo, matmul)
-    return routed_blocked(x_RxD, ids_RxK, w_RxK, wi, wo, remat=remat)
+    return routed_blocked(x_RxD, ids_RxK, w_RxK, wi, wo, remat=remat, sums=sums)
