@@ -52,7 +52,7 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from kimi_k3.layers.moe import ExpertBias, MoeStat
+from kimi_k3.layers.moe import ZEROED_STATE, ExpertBias
 from kimi_k3.model import HybridLM
 from kimi_k3.model_state import ModelInit
 from kimi_k3.run_dir import absolute_path, find_run_folder
@@ -598,11 +598,12 @@ def restore_model_for_eval(config, path: str, config_name: str = "--config",
     nnx.replace_by_pure_dict(abs_params, out["params"])
     if "model_state" in item:
         nnx.replace_by_pure_dict(abs_biases, out["model_state"])
-    # The rest: measurements a forward pass overwrites (zeros will do), anything else as the
-    # initialiser makes it.
-    abs_stats, abs_other = nnx.split_state(abs_rest, MoeStat, ...)
+    # The rest: measurements a forward pass overwrites and empty gradient sums (zeros will
+    # do), anything else as the initialiser makes it.
+    abs_stats, abs_other = nnx.split_state(abs_rest, ZEROED_STATE, ...)
     stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=device), abs_stats)
-    other = (jax.jit(lambda: nnx.split(_fresh_model(config), nnx.Param, ExpertBias, MoeStat, ...)[4])()
+    other = (jax.jit(lambda: nnx.split(_fresh_model(config), nnx.Param, ExpertBias, ZEROED_STATE,
+                                       ...)[4])()
              if jax.tree.leaves(abs_other) else abs_other)
     return nnx.merge(graphdef, abs_params, abs_biases, stats, other), step
 

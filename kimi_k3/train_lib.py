@@ -66,7 +66,7 @@ from kimi_k3 import sharding as sharding_lib
 from kimi_k3.config import ConfigError, RunSpec, check_context, kda_chunk, opt_spec, run_spec
 from kimi_k3.layers.attention import documents_per_row
 from kimi_k3.layers.dense import low_copies, precast, with_copies
-from kimi_k3.layers.moe import Experts, MoeStat, update_bias
+from kimi_k3.layers.moe import ZEROED_STATE, Experts, MoeStat, update_bias
 from kimi_k3.model import flops_per_token, layer_numbers, unused_expert_params
 from kimi_k3.model_state import merge_model
 from kimi_k3.run_dir import (
@@ -165,7 +165,9 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
     gradient with respect to the float32 weights and sums them in float32; "bfloat16" takes it
     with respect to the weights rounded once to the compute dtype (``low_copies``: the matrices
     only) and sums it in that dtype, half the memory of both. The optimizer then sees the sum
-    in float32 and updates the float32 weights either way.
+    in float32 and updates the float32 weights either way. A mixture's expert matrices get
+    their running sums handed in (``set_gradient_sums``) and come back summed: the
+    blocked kernels add each micro-batch's products into them.
     """
     micro_spec = NamedSharding(mesh, PartitionSpec(None, *mesh_lib.batch_sharding(mesh).spec))
     moe = model_spec.moe if model_spec is not None else None
@@ -518,14 +520,14 @@ def build(config, mesh, model_fn=None) -> Setup:
     jit_init = jax.jit(lambda: init_state()[0], out_shardings=state_shardings,
                        compiler_options=run_once_compiler_options(_platform(mesh)))
     # The rest of the model's state: a constant of the steps. Measurements (MoeStat) are
-    # overwritten by every forward pass, so zeros will do; anything else comes from the
-    # initialiser (compiled for it alone).
-    abs_stats, abs_other = nnx.split_state(abs_rest, MoeStat, ...)
+    # overwritten by every forward pass and gradient sums start empty, so zeros will do
+    # (ZEROED_STATE); anything else comes from the initialiser (compiled for it alone).
+    abs_stats, abs_other = nnx.split_state(abs_rest, ZEROED_STATE, ...)
     stats = jax.tree.map(lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype), repl), abs_stats)
     other = abs_other
     if jax.tree.leaves(abs_other):
         with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
-            other = jax.jit(lambda: nnx.split_state(init_state()[1], MoeStat, ...)[1],
+            other = jax.jit(lambda: nnx.split_state(init_state()[1], ZEROED_STATE, ...)[1],
                             out_shardings=jax.tree.map(lambda _: repl, abs_other))()
     rest = nnx.merge_state(stats, other)
 

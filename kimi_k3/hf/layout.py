@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_k3.config import ModelSpec, model_spec
-from kimi_k3.layers.moe import ExpertBias, MoeStat
+from kimi_k3.layers.moe import ZEROED_STATE, ExpertBias
 from kimi_k3.model import HybridLM
 
 LAYOUTS = ("released", "transformers")
@@ -261,17 +261,18 @@ def _keys(path) -> tuple:
 
 def model_from_params(model_config, params: dict, biases: dict) -> HybridLM:
     """A HybridLM holding ``params`` and ``biases`` (pure dicts); its other state (the MoE
-    measurements a forward pass overwrites) zeros."""
+    measurements a forward pass overwrites, the empty gradient sums) zeros."""
     spec = model_spec(model_config)
     abstract = nnx.eval_shape(lambda: HybridLM(spec, rngs=nnx.Rngs(0)))
     graphdef, abs_params, abs_biases, abs_rest = nnx.split(abstract, nnx.Param, ExpertBias, ...)
     nnx.replace_by_pure_dict(abs_params, params)
     if biases:
         nnx.replace_by_pure_dict(abs_biases, biases)
-    abs_stats, abs_other = nnx.split_state(abs_rest, MoeStat, ...)
+    abs_stats, abs_other = nnx.split_state(abs_rest, ZEROED_STATE, ...)
     if jax.tree.leaves(abs_other):
         raise ValueError("kimi_k3.hf: HybridLM holds state that is neither a parameter, a "
-                         "routing bias nor a MoE measurement; the importer does not know it")
+                         "routing bias, a MoE measurement nor a gradient sum; the importer "
+                         "does not know it")
     device = jax.devices()[0]
     stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=device), abs_stats)
     return nnx.merge(graphdef, abs_params, abs_biases, stats, abs_other)

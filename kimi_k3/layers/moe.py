@@ -114,6 +114,12 @@ class MoeStat(nnx.Variable):
     ``balance_loss`` (alpha L_bal, 0 when off)."""
 
 
+# The model state that zeros stand for when a model is put together from its parameters
+# (training, a checkpoint, an import): measurements a forward pass overwrites, and gradient
+# sums that stay empty until the trainer sets them.
+ZEROED_STATE = (MoeStat, GradientSum)
+
+
 # ---------------------------------------------------------------------------------------------
 # Routing
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +368,8 @@ def _routed(x_BxTxD, idx_BxTxK, w_BxTxK, wi, wo, grad_sums=None, *, spec: MoeSpe
     choices per token [B, T] float32). ``dispatch``: as ``sharding.ExpertLayout`` says;
     ``matmul``: ``choose_expert_matmul``'s choice; ``typed``: inside a ``shard_map`` that
     checks which axes values vary over; ``fp8``: the capacity buffers' and the "dense" form's
-    products in FP8 (the config allows no other form with it)."""
+    products in FP8 (the config allows no other form with it); ``grad_sums``: the experts'
+    ``GradientSum`` pair, for the blocked kernels to add their weight gradients into."""
     B, T, D = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(B * T, D)
     idx_NxK, w_NxK = idx_BxTxK.reshape(B * T, -1), w_BxTxK.reshape(B * T, -1)
