@@ -421,14 +421,15 @@ def test_expert_matmul_auto_is_blocked_on_gpu_and_dense_refuses_all_to_all():
 
 
 def test_micro_batches_sum_the_experts_gradients_as_one_pass_does():
-    """configs/moe_tiny.py, two layers, in 4 micro-batches against one pass over the batch:
+    """configs/moe_tiny.py as two scanned MLA layers, in 4 micro-batches against one pass:
     the same parameters after two steps. Each micro-batch's expert gradient comes back with
     the running sum added (GradientSum; here onto the weights' gradients, the ragged form;
     the blocked kernels' own addition: the test below)."""
     config = load_config("moe_tiny.py")
     config.model.moe.expert_matmul = "ragged"
     config.model.moe.expert_dim = 24
-    config.model.num_layers, config.model.kda_per_mla, config.model.moe.first_k_dense = 2, 1, 0
+    # "MM": one scanned layer, repeated twice, so each GradientSum is a stack of two.
+    config.model.num_layers, config.model.kda_per_mla, config.model.moe.first_k_dense = 2, 0, 0
     config.data.seq_len, config.data.global_batch_size = 32, 4
     config.checkpoint.enabled = False
     rng = np.random.default_rng()
