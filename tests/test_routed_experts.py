@@ -150,7 +150,7 @@ def test_the_kernels_lower_for_the_gpu_with_a_groups_tiles_side_by_side():
     """Lowered for CUDA here (Triton, the gathered rows as masked loads: a form interpret mode
     lacks), with grids that run tiles reading the same rows side by side (CUDA's x, the first
     axis, moves fastest): gmm's is (column tiles, row blocks), the weight gradient's (K / BK,
-    N / BN, G)."""
+    N / BN, G); the weight gradient with a running sum aliases its output to it."""
     E, R, D, N = 4, 40, 32, 64
     ids = jnp.asarray(np.random.default_rng(0).integers(0, E, (R, 2)).astype(np.int32))
     lay = re_lib.blocked_layout(ids, E, TILES.block_m)
@@ -169,6 +169,13 @@ def test_the_kernels_lower_for_the_gpu_with_a_groups_tiles_side_by_side():
                    x, b, lay.block_start, lay.block_end, lay.rows)
     assert (f"grid_x = {D // TILES.wgrad_block_k} : i32, grid_y = "
             f"{N // TILES.wgrad_block_n} : i32, grid_z = {E}") in text
+    # With a running sum: the Triton call writes its output over the sum's buffer.
+    acc = jax.ShapeDtypeStruct((E, D, N), jnp.bfloat16)
+    text = lowered(lambda x, b, s, e, r, acc: gk.wgrad(x, b, s, e, rows_a=r, tiles=TILES,
+                                                        interpret=False, acc=acc),
+                   x, b, lay.block_start, lay.block_end, lay.rows, acc)
+    (call,) = [ln for ln in text.splitlines() if "xla.gpu.triton" in ln]
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<" in call
 
 
 @pytest.mark.parametrize("remat", [False, True])
