@@ -57,7 +57,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_k3 import checkpoint as ckpt_lib
-from kimi_k3 import compile_cache, optim
+from kimi_k3 import compile_cache, optim, plan
 from kimi_k3 import data as data_lib
 from kimi_k3 import internals as internals_lib
 from kimi_k3 import mesh as mesh_lib
@@ -218,11 +218,10 @@ def make_train_step(graphdef, rest, tx, schedule, accum_steps: int, mesh, model_
                 # can be, so a micro-batch's gradient of them is never held on its own.
                 (_, (n, l, st)), g = grad_fn(diff_params, model_state, mb[0], mb[1], denom,
                                              copies, acc_g if moe is not None else None)
+                summed = lambda path: moe is not None and _is_expert_matrix(path)
                 acc_g = jax.tree_util.tree_map_with_path(
-                    lambda path, a, b: (b.astype(a.dtype) if _is_expert_matrix(path)
-                                        else a + b.astype(a.dtype)),
-                    acc_g, g) if moe is not None else jax.tree.map(
-                    lambda a, b: a + b.astype(a.dtype), acc_g, g)
+                    lambda path, a, b: b.astype(a.dtype) if summed(path)
+                    else a + b.astype(a.dtype), acc_g, g)
                 acc_st = jax.tree.map(jnp.add, acc_st, st)  # loads and drops add up
                 return (acc_l + l, acc_n + n, acc_st, acc_g), None
 
@@ -427,8 +426,6 @@ def plan_microbatch(config, mesh, microbatch: int = 0, check: bool = True,
     unknown (CPU). With ``check``, a step the planner says cannot fit is refused here, before
     anything compiles: a ConfigError with the estimate, the device's memory and what would
     fit (``plan.knobs``)."""
-    from kimi_k3 import plan
-
     limit = device_memory_bytes() if limit is None else limit
     B = int(config.data.global_batch_size)
     if limit is None:
@@ -458,8 +455,6 @@ def near_miss(config, mesh, chosen: int, limit: int | None = None) -> int | None
     """The micro-batch above the planner's ``chosen`` that its plan puts past
     ``plan.MEMORY_HEADROOM`` of the device but within all of it (``plan.near_miss``), or None:
     ``build`` lets XLA's compiled figure decide that one."""
-    from kimi_k3 import plan
-
     limit = device_memory_bytes() if limit is None else limit
     if limit is None:
         return None
@@ -541,14 +536,11 @@ def build(config, mesh, model_fn=None) -> Setup:
     if near is not None:
         # The plan says maybe; the compiled step says exactly. The run's own call of this step
         # then finds the program in JAX's in-process cache: nothing compiles twice.
-        from kimi_k3 import plan
-
         limit = device_memory_bytes()
         candidate = step_of(near)
-        x_BxT = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding)
         with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
             need = compiled_bytes(candidate.lower(
-                abstract_state, {"tokens": x_BxT, "segment_ids": x_BxT}).compile())
+                abstract_state, _abstract_batch(B, T, batch_sharding)).compile())
         fits = need + plan.RESERVE_BYTES <= limit
         logging.info("memory plan: the step of %d rows per micro-batch needs %.1f GiB by XLA's "
                      "buffer assignment, + %.1f GiB reserve of %.1f GiB: %s", near,
@@ -591,8 +583,12 @@ class Precompiled:
 def abstract_batch(setup: Setup) -> dict:
     """A global batch in shapes alone, as ``global_batch`` makes it: {"tokens", "segment_ids"},
     int32 [B, T] ShapeDtypeStructs placed by ``setup.batch_sharding``."""
-    B, T = setup.spec.data.global_batch_size, setup.spec.data.seq_len
-    x_BxT = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=setup.batch_sharding)
+    return _abstract_batch(setup.spec.data.global_batch_size, setup.spec.data.seq_len,
+                           setup.batch_sharding)
+
+
+def _abstract_batch(B: int, T: int, sharding) -> dict:
+    x_BxT = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding)
     return {"tokens": x_BxT, "segment_ids": x_BxT}
 
 
