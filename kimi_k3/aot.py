@@ -56,6 +56,7 @@ import ml_collections
 import numpy as np
 from absl import flags
 from flax import nnx, traverse_util
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_k3 import cli, eval_scoring, generate, train_lib
@@ -327,13 +328,28 @@ def compile_report(what: str, lower, chip_bytes: int | None) -> Report:
         return Report(what, 0, "", time.perf_counter() - t0, chip_bytes, error=cli.one_line(err))
     chips, lowering = mesh.size, time.perf_counter() - t0
     try:
-        compiled = lowered.compile()
+        with without_persistent_cache():
+            compiled = lowered.compile()
     except Exception as err:
         return Report(what, chips, layout, time.perf_counter() - t0, chip_bytes, lowering,
                       error=cli.one_line(err))
     seconds = time.perf_counter() - t0
     return Report(what, chips, layout, seconds, chip_bytes, lowering,
                   memory=memory_per_chip(compiled), kernels=custom_kernels(compiled.as_text()))
+
+
+@contextlib.contextmanager
+def without_persistent_cache():
+    """JAX's persistent compilation cache off for the compiles inside, as it was after. A program
+    compiled for chips this machine does not have is never run here, and the cache cannot give
+    it back: JAX reads the entry, fails to load it without those chips' client and warns on
+    every later compile of the same program. So it is not written."""
+    compilation_cache.reset_cache()  # JAX decides once whether the cache is on; ask again
+    try:
+        with jax_setting("jax_enable_compilation_cache", False):
+            yield
+    finally:
+        compilation_cache.reset_cache()
 
 
 @contextlib.contextmanager

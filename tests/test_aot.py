@@ -13,12 +13,19 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kimi_k3 import aot, plan
 from kimi_k3.config import ConfigError, run_spec
+from kimi_k3.runtime import jax_setting
 from kimi_k3.train_state import state_layout
 from tests.helpers import REPO, env, load_config
 
@@ -178,6 +185,31 @@ def test_the_command_prints_each_program_and_names_a_bad_flag(jax_cache):
     assert bad.returncode == 2 and bad.stdout == "", (bad.returncode, bad.stdout)
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith(
         "python -m kimi_k3.aot: error: --topology: libtpu does not describe 'v5e:3x3'"), bad.stderr
+
+
+def test_a_topology_compile_writes_nothing_to_the_cache_and_leaves_it_on(tmp_path, rng):
+    """A program compiled for TPU chips this machine lacks is not written to JAX's persistent
+    cache (reading it back fails without the chips and warns at every later compile), twice
+    without a warning; a CPU program compiled afterwards in the same process is written."""
+    folder = tmp_path / "cache"
+    scale = float(rng.uniform(1.0, 2.0))  # a program no earlier test has compiled
+    mesh = aot.mesh_over(aot._one_axis("data", 4), aot.topology_devices("v5e:2x2"))
+    x = jax.ShapeDtypeStruct((4, 256), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    compilation_cache.reset_cache()  # JAX reads its cache settings once: again, with these
+    try:
+        with jax_setting("jax_compilation_cache_dir", str(folder)), \
+                jax_setting("jax_persistent_cache_min_compile_time_secs", 0.0), \
+                warnings.catch_warnings():
+            warnings.simplefilter("error")  # JAX's "Error reading persistent compilation cache"
+            for _ in range(2):  # a new jit each time: not found in this process's own caches
+                lower = lambda: (jax.jit(lambda x: jnp.tanh(x * scale) @ x.T).lower(x), mesh, "")
+                r = aot.compile_report("tpu", lower, None)
+                assert r.error is None and r.memory is not None, r.error
+            assert not folder.exists() or not list(folder.iterdir())
+            jax.jit(lambda v: jnp.sin(v * scale)).lower(np.ones(3, np.float32)).compile()
+            assert len(list(folder.iterdir())) == 1
+    finally:
+        compilation_cache.reset_cache()
 
 
 def test_kernels_under_a_mesh_run_on_each_devices_rows_and_heads(jax_cache, rng):
