@@ -59,12 +59,12 @@ def run_once_compiles():
         yield
 
 
-# Subprocesses compile tiny programs: XLA's CPU backend optimisations cost more time than they
-# save there (the sharded checks take about half as long without them; their tolerances hold),
-# and so do its MLIR fusion emitters (the older elemental ones compile far faster;
-# tests/conftest.py chooses them for the test processes too).
+# The tests' processes, and the subprocesses they start, compile far more than they run:
+# XLA's LLVM optimisations (backend level 0) and its MLIR fusion emitters (the older elemental
+# ones compile far faster) cost more time than they save. LLVM's "expensive passes" stay on:
+# turning them off as well made the suite slower, not faster
+# (tests/conftest.py sets the same for the test processes).
 SUBPROCESS_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true "
                         "--xla_cpu_use_fusion_emitters=false")
 
 
