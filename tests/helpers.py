@@ -63,19 +63,20 @@ def run_once_compiles():
 # XLA's LLVM optimisations (backend level 0) and its MLIR fusion emitters (the older elemental
 # ones compile far faster) cost more time than they save. LLVM's "expensive passes" stay on:
 # turning them off as well made the suite slower, not faster
-# (tests/conftest.py sets the same for the test processes).
-SUBPROCESS_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-                        "--xla_cpu_use_fusion_emitters=false")
+# (tests/conftest.py sets the same for the test processes). A subprocess whose time goes to
+# running many steps (a training loop) takes STEPS_XLA_FLAGS: the LLVM optimisations on.
+STEPS_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false --xla_cpu_use_fusion_emitters=false"
+SUBPROCESS_XLA_FLAGS = f"{STEPS_XLA_FLAGS} --xla_backend_optimization_level=0"
 
 
-def env(cache: str, devices: int = 1) -> dict:
+def env(cache: str, devices: int = 1, xla_flags: str = SUBPROCESS_XLA_FLAGS) -> dict:
     """The environment of a CPU subprocess with ``devices`` devices, sharing the session's
     compilation cache."""
     e = dict(os.environ)
     e.update(
         JAX_PLATFORMS="cpu",
         JAX_NUM_CPU_DEVICES=str(devices),
-        XLA_FLAGS=SUBPROCESS_XLA_FLAGS,
+        XLA_FLAGS=xla_flags,
         JAX_COMPILATION_CACHE_DIR=cache,
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

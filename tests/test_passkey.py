@@ -17,7 +17,7 @@ import pytest
 
 from kimi_k3 import passkey, plots
 from kimi_k3.data import TextTokenizer
-from tests.helpers import REPO, env
+from tests.helpers import REPO, STEPS_XLA_FLAGS, env
 
 TASK = passkey.PasskeyTask(digits=5)  # bytes
 DIGIT_0, DIGIT_9 = ord("0"), ord("9")
@@ -223,8 +223,7 @@ def test_a_tiny_model_trained_on_short_haystacks_finds_the_needle(tmp_path, jax_
              "--piece_len=128", "--train_steps=200",
              f"--train_lengths={TASK.min_context_length()},128"]
     p = subprocess.run([sys.executable, "benchmarks/passkey.py", *flags], cwd=REPO,
-                       env={**env(jax_cache), "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false "
-                            "--xla_cpu_use_fusion_emitters=false"},
+                       env=env(jax_cache, xla_flags=STEPS_XLA_FLAGS),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads((tmp_path / "passkey.json").read_text())
