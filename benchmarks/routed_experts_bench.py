@@ -125,8 +125,9 @@ def mosaic_cases(x, lay, wi2, wo, h, a, dy, BM):
 
 
 def kernel_rows(x, ids, wi, wo, tiles, reps, which="all", ceilings=None):
-    """The blocked kernels one by one at these shapes (those whose name holds ``which``, or
-    all), each against its equal-group einsum (timed once per shape into ``ceilings``)."""
+    """The blocked kernels one by one at these shapes (all, or those whose name holds one of
+    ``which``'s comma-separated texts; the Mosaic GPU ones only for "all" or a text naming
+    "mosaic"), each against its equal-group einsum (timed once per shape into ``ceilings``)."""
     ceilings = {} if ceilings is None else ceilings
     N, D = x.shape
     E, _, _, F = wi.shape
@@ -151,11 +152,13 @@ def kernel_rows(x, ids, wi, wo, tiles, reps, which="all", ceilings=None):
         "wgrad a,dy->dWo": (lambda: gk.wgrad(a, dy, lay.block_start, lay.block_end,
                                              rows_b=lay.rows, tiles=tiles), (A, F, D)),
     }
-    if go.mosaic_gpu_fits(D, F, x.dtype) is None and jax.default_backend() == "gpu":
+    texts = which.split(",")
+    mosaic = which == "all" or any("mosaic" in t for t in texts)
+    if mosaic and go.mosaic_gpu_fits(D, F, x.dtype) is None and jax.default_backend() == "gpu":
         cases.update(mosaic_cases(x, lay, wi2, wo, h, a, dy, tiles.block_m))
     rows = []
     for name, (fn, (A_, K_, N_)) in cases.items():
-        if which != "all" and which not in name:
+        if which != "all" and not any(t in name for t in texts):
             continue
         try:
             f, _ = timing.compile_jax(jax.jit(fn))
@@ -193,8 +196,9 @@ def main(argv=None) -> None:
                     help="'capacity': buffers of ceil(c N k / E) rows per expert")
     ap.add_argument("--skew", action="store_true", help="experts drawn with weight 1/(e+1)")
     ap.add_argument("--kernels", nargs="?", const="all", default="",
-                    help="also time each blocked kernel (or those whose name holds this text, "
-                         "e.g. wgrad), for every --tiles")
+                    help="also time each blocked kernel (or those whose name holds one of these "
+                         "comma-separated texts, e.g. gmm,wgrad; the Mosaic GPU ones only "
+                         "for all or mosaic), for every --tiles")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU sizes: seconds")
     a = ap.parse_args(argv)
@@ -257,19 +261,26 @@ def main(argv=None) -> None:
 
 
 def parse_tiles(spec: str, ap) -> gk.GmmTiles:
-    """``bm,bn,bk,warps,stages`` (the weight gradient's tiles alike) or those five then
-    ``wgrad_bk,wgrad_bn,wgrad_warps,wgrad_stages``."""
+    """``bm,bn,bk,warps,stages`` (the weight gradient's tiles alike), or those five then
+    ``wgrad_bk,wgrad_bn,wgrad_warps,wgrad_stages`` and optionally ``wgrad_bm`` (the weight
+    gradient's rows per step; bm when not given)."""
     v = [int(s) for s in spec.split(",")]
     if len(v) == 5:
         v += [v[1], v[1], v[3], v[4]]
-    if len(v) != 9:
-        ap.error(f"--tiles={spec!r}: give 5 or 9 comma-separated integers")
-    return gk.GmmTiles(*v)
+    if len(v) == 9:
+        v += [v[0]]
+    if len(v) != 10:
+        ap.error(f"--tiles={spec!r}: give 5, 9 or 10 comma-separated integers")
+    try:
+        return gk.GmmTiles(*v)
+    except ValueError as e:
+        ap.error(f"--tiles={spec!r}: {e}")
 
 
 def tile_label(t: gk.GmmTiles) -> str:
     return (f"{t.block_m}x{t.block_n}x{t.block_k} w{t.warps} s{t.stages}; wgrad "
-            f"{t.wgrad_block_k}x{t.wgrad_block_n} w{t.wgrad_warps} s{t.wgrad_stages}")
+            f"{t.wgrad_block_k}x{t.wgrad_block_n} w{t.wgrad_warps} s{t.wgrad_stages} "
+            f"by {t.wgrad_block_m} rows")
 
 
 if __name__ == "__main__":

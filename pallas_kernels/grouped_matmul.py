@@ -41,9 +41,11 @@ class GmmTiles:
     """Launch parameters: ``block_m`` rows per block of the layout (the layout's own block, set
     when the layout is built), output tiles of ``block_n`` columns, ``block_k``-deep steps of
     the contraction, Triton warps and pipeline stages; ``wgrad_*`` the same for the weight
-    gradient's [block_k, block_n] output tiles."""
+    gradient's [block_k, block_n] output tiles, whose contraction over a group's rows steps
+    ``wgrad_block_m`` rows at a time (a divisor of ``block_m``: the products want tall row
+    blocks, the weight gradient's transposed operands short steps)."""
 
-    block_m: int = 64
+    block_m: int = 128
     block_n: int = 256
     block_k: int = 64
     warps: int = 8
@@ -52,6 +54,12 @@ class GmmTiles:
     wgrad_block_n: int = 128
     wgrad_warps: int = 4
     wgrad_stages: int = 3
+    wgrad_block_m: int = 64
+
+    def __post_init__(self):
+        if self.wgrad_block_m <= 0 or self.block_m % self.wgrad_block_m:
+            raise ValueError(f"GmmTiles: wgrad_block_m = {self.wgrad_block_m} must be a positive "
+                             f"divisor of block_m = {self.block_m}")
 
 
 DEFAULT_TILES = GmmTiles()
@@ -166,7 +174,8 @@ def wgrad(a: jax.Array, b: jax.Array, block_start: jax.Array, block_end: jax.Arr
     (each tile read into the float32 accumulator before the products, rounded once at the
     end): a running sum of gradients over micro-batches without a gradient of its own."""
     G = block_start.shape[0]
-    BM = tiles.block_m
+    BM, SM = tiles.block_m, tiles.wgrad_block_m
+    steps = BM // SM  # contraction steps per block of the layout
     K, N = a.shape[1], b.shape[1]
     BK = _tile(K, tiles.wgrad_block_k, "K")
     BN = _tile(N, tiles.wgrad_block_n, "N")
@@ -184,18 +193,18 @@ def wgrad(a: jax.Array, b: jax.Array, block_start: jax.Array, block_end: jax.Arr
         i, j, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         k_cols, n_cols = pl.ds(i * BK, BK), pl.ds(j * BN, BN)
 
-        def step(blk, acc_BKxBN):
-            rows = pl.ds(blk * BM, BM)
-            x_BMxBK = (_load_rows(a_ref, rows_a_ref[rows], k_cols, not interpret) if ga
+        def step(s, acc_BKxBN):
+            rows = pl.ds(s * SM, SM)
+            x_SMxBK = (_load_rows(a_ref, rows_a_ref[rows], k_cols, not interpret) if ga
                        else a_ref[rows, k_cols])
-            y_BMxBN = (_load_rows(b_ref, rows_b_ref[rows], n_cols, not interpret) if gb
+            y_SMxBN = (_load_rows(b_ref, rows_b_ref[rows], n_cols, not interpret) if gb
                        else b_ref[rows, n_cols])
             return acc_BKxBN + jax.lax.dot_general(
-                x_BMxBK, y_BMxBN, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+                x_SMxBK, y_SMxBN, (((0,), (0,)), ((), ())), preferred_element_type=f32)
 
         start = (acc_ref[g, k_cols, n_cols].astype(f32) if summed
                  else jnp.zeros((BK, BN), f32))
-        total = jax.lax.fori_loop(start_ref[g], end_ref[g], step, start)
+        total = jax.lax.fori_loop(start_ref[g] * steps, end_ref[g] * steps, step, start)
         out_ref[g, k_cols, n_cols] = total.astype(out_ref.dtype)
 
     operands = (block_start, block_end, rows_a, rows_b, a, b) + ((acc,) if summed else ())

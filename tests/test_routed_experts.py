@@ -17,8 +17,10 @@ from kimi_k3.layers.dense import low_copies
 from kimi_k3.ops import routed_experts as re_lib
 from pallas_kernels import grouped_matmul as gk
 
-TILES = gk.GmmTiles(block_m=16, block_n=32, block_k=16, warps=4, stages=1, wgrad_block_k=16,
-                    wgrad_block_n=32, wgrad_warps=4, wgrad_stages=1)
+# Blocks of 32 rows that the weight gradient contracts 16 rows at a time, as the default tiles
+# step through theirs in halves.
+TILES = gk.GmmTiles(block_m=32, block_n=32, block_k=16, warps=4, stages=1, wgrad_block_k=16,
+                    wgrad_block_n=32, wgrad_warps=4, wgrad_stages=1, wgrad_block_m=16)
 
 
 def routed_numpy(x, ids, w, wi, wo):
@@ -129,11 +131,19 @@ def test_wgrad_adds_into_an_accumulator_it_overwrites(rng, dtype):
                  acc=acc[:, :, :-1])
 
 
+def test_tiles_refuse_weight_gradient_steps_that_do_not_divide_the_block():
+    for bad in (0, 48, 256):
+        with pytest.raises(ValueError, match=rf"wgrad_block_m = {bad} must be a positive divisor "
+                                             r"of block_m = 128"):
+            gk.GmmTiles(block_m=128, wgrad_block_m=bad)
+    assert gk.GmmTiles(block_m=128, wgrad_block_m=32).wgrad_block_m == 32
+
+
 def test_gmm_refuses_more_row_blocks_than_cuda_allows_on_a_grid_axis():
     """On the GPU gmm's row blocks are the grid's second axis, which CUDA caps at 65,535: past
     it the error names the count and the tile to grow (shapes only, nothing runs)."""
     NB, K, N = 65_536, 32, 64
-    tiles = gk.GmmTiles(block_m=16, block_n=32, block_k=16, warps=4, stages=1)
+    tiles = gk.GmmTiles(block_m=16, block_n=32, block_k=16, warps=4, stages=1, wgrad_block_m=16)
     x = jax.ShapeDtypeStruct((NB * 16, K), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4, K, N), jnp.bfloat16)
     groups = jax.ShapeDtypeStruct((NB,), jnp.int32)
