@@ -17,10 +17,11 @@ again to resume (a second Ctrl-C stops at once, without saving).
 
 import os
 
-# A training process owns its accelerator: let JAX's allocator take 95% of a GPU's memory
-# (JAX's own default is 75%; the memory planner judges a step against what JAX may use). Set
+import kimi_k3
+
+# A training process owns its accelerator (kimi_k3.TRAINER_MEM_FRACTION of a GPU's memory). Set
 # XLA_PYTHON_CLIENT_MEM_FRACTION yourself to choose otherwise.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", kimi_k3.TRAINER_MEM_FRACTION)
 
 from absl import flags
 from ml_collections import config_flags

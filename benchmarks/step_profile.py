@@ -31,13 +31,15 @@ Perfetto / TensorBoard.
 
 The micro-batch is the one ``train.py`` would run (``train_lib.build`` of the config itself:
 with ``train.microbatch_size = 0`` the planner's choice, and a near miss of the plan decided by
-the compiled step). Compiling ahead: ``--compile_only`` builds the setup as the profile does,
-compiles the initialiser and the train step from shapes alone
-(``train_lib.compile_ahead``: no train state allocated, so several can share a card with
-``XLA_PYTHON_CLIENT_PREALLOCATE=false``), prints a line per program and exits. With the same
-``--compilation_cache=DIR`` (kimi_k3/compile_cache.py) the profile then reads every one of them
-from DIR; its header says whether the step came from the cache and what the cache did in the
-process (programs read; programs compiled and written):
+the compiled step), on the share of a GPU's memory train.py lets JAX take
+(``kimi_k3.TRAINER_MEM_FRACTION``, unless XLA_PYTHON_CLIENT_MEM_FRACTION is set).
+
+Compiling ahead: ``--compile_only`` builds the setup as the profile does, compiles the
+initialiser and the train step from shapes alone (``train_lib.compile_ahead``: no train state
+allocated, so several can share a card with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``), prints a
+line per program and exits. With the same ``--compilation_cache=DIR`` (kimi_k3/compile_cache.py)
+the profile then reads every one of them from DIR; its header says whether the step came from
+the cache and what the cache did in the process (programs read; programs compiled and written):
 
     python benchmarks/step_profile.py --config=configs/1b.py --compilation_cache=/tmp/jc \
         --compile_only
@@ -57,6 +59,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for benchmarks/
+
+import kimi_k3
+
+# train.py's step on train.py's share of the GPU (set before JAX starts its GPU client).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", kimi_k3.TRAINER_MEM_FRACTION)
 
 from benchmarks import timing, trace_parts
 from benchmarks.trace_parts import (

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kimi_k3
 from tests.helpers import TINY, env, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -787,3 +788,21 @@ def test_step_profile_reads_the_step_its_compile_only_run_wrote(tmp_path, jax_ca
              "--compile_only compiles one run's programs, not --variant's runs")):
         p = run(*args)
         assert p.returncode != 0 and message in p.stderr, (args, p.stderr[-2000:])
+
+
+@pytest.mark.parametrize("script,preset", [("train.py", None), ("benchmarks/step_profile.py", None),
+                                           ("benchmarks/step_profile.py", "0.5")])
+def test_the_profile_runs_the_step_on_the_trainers_share_of_the_gpu(tmp_path, script, preset):
+    """train.py and step_profile.py give JAX's allocator the same share of a GPU
+    (kimi_k3.TRAINER_MEM_FRACTION) before JAX starts, so the profile's planner picks train.py's
+    micro-batch; a fraction the user set is kept."""
+    e = env(str(tmp_path))
+    e.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    if preset:
+        e["XLA_PYTHON_CLIENT_MEM_FRACTION"] = preset
+    code = (f"import os, runpy; runpy.run_path({str(REPO / script)!r}, run_name='not_main'); "
+            "print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))")
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == (preset or kimi_k3.TRAINER_MEM_FRACTION)
