@@ -345,11 +345,10 @@ REGISTRY: dict[str, Benchmark] = {
             stdout="attn_res_bench.md"),),
         writes=("attn_res_bench.md",)),
     "routed_experts": Benchmark(
-        "Mixture of experts: the routed experts of one moe_1b row, blocked kernels against the "
-        "equal-group einsum ceiling",
-        (py("benchmarks/routed_experts_bench.py", "--tokens=4096", "--tiles=64,256,64,8,3,128,128,4,3",
-            "--impls=blocked,sorted_mosaic,capacity,ceiling", "--kernels", timeout_s=240,
-            stdout="routed_experts.md"),),
+        "Mixture of experts: the routed experts of moe_1b's two-row micro-batch, blocked kernels "
+        "against the equal-group einsum ceiling",
+        (py("benchmarks/routed_experts_bench.py", "--tokens=8192", "--impls=blocked,ceiling",
+            "--kernels=gmm,wgrad", timeout_s=240, stdout="routed_experts.md"),),
         card=HOPPER, writes=("routed_experts.md",)),
     "moe_train": Benchmark(
         "Mixture of experts: the training step of configs/moe_1b.py as written, profiled, then "
