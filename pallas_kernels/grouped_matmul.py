@@ -15,8 +15,9 @@ Each block holds one expert's rows, so it is one dense [BM, K] x [K, N] tile pro
 
 Gathering inside the kernel is why these exist: the dispatch never writes the [tokens x top_k,
 D] copy of its input (or, in the backward pass, of the output's cotangent); each tile loads its
-BM rows straight from the token matrix. The loop over K (gmm) or over the group's blocks
-(wgrad) accumulates in float32; outputs are in the inputs' dtype (gmm) or ``out_dtype``.
+BM rows straight from the token matrix. The loop over K (gmm) or over the group's rows, a
+``wgrad_block_m`` slice of a block at a time (wgrad), accumulates in float32; outputs are in
+the inputs' dtype (gmm) or ``out_dtype``.
 
     gmm grid (N / BN, NB);  wgrad grid (K / BK, N / BN, G)
 """
