@@ -145,10 +145,6 @@ SHARED = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 # A compilation cache shared by an entry's commands: what its prepare commands compile (several
 # processes at once, their allocators growing on demand) its measured commands read.
 JAX_CACHE = "--compilation_cache={work}/jax_cache"
-# moe_train: the step profiles with 95% of the card for JAX; the compile-only runs keep that
-# fraction (the allocator's limit, which the micro-batch estimate reads: the same micro-batch,
-# the same program) and share the card.
-MOE_TRAIN_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
 DECODE_CARD = "an H100 (the card of BENCHMARKS.md's decoding table)"
 DECODE_FILES = ("decode.md", "decode.csv", "decode_ms_per_token.png")
@@ -356,14 +352,13 @@ REGISTRY: dict[str, Benchmark] = {
         tuple(py("benchmarks/step_profile.py", f"--config=configs/{name}.py", "--steps=2",
                  "--trace_steps=1", f"--trace_dir={{work}}/trace_{name}",
                  f"--out={{out}}/profile_{name}.md", f"--ops_out={{out}}/ops_{name}.csv",
-                 JAX_CACHE, timeout_s=330, env=MOE_TRAIN_ENV)
+                 JAX_CACHE, timeout_s=330)
               for name in ("moe_1b", "1b")),
         card="an H100 (the 80 GB card moe_1b must fit)",
         writes=("profile_moe_1b.md", "profile_1b.md", "ops_moe_1b.csv", "ops_1b.csv"),
         wheels=TRAIN,
         prepare=tuple(py("benchmarks/step_profile.py", f"--config=configs/{name}.py",
-                         "--compile_only", JAX_CACHE, timeout_s=420,
-                         env={**MOE_TRAIN_ENV, **SHARED})
+                         "--compile_only", JAX_CACHE, timeout_s=420, env=SHARED)
                       for name in ("moe_1b", "1b"))),
     "moe_state_loss": Benchmark(
         "Mixture of experts: loss with bf16 moments and gradient sums against float32 state, "

@@ -1,12 +1,10 @@
 import os
 
+from tests.xla_flags import SUBPROCESS_XLA_FLAGS
+
 # Tests run on the CPU in float32; keep XLA from grabbing every core per process under xdist.
-# Most of a test's time is compiling: XLA:CPU's older elemental emitters compile the tests'
-# programs much faster than its MLIR fusion emitters (the default) and run them as fast, and
-# its LLVM backend at optimisation level 0 compiles faster than it loses in running
-# (tests/helpers.py's SUBPROCESS_XLA_FLAGS choose the same).
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+# Most of a test's time is compiling: the flags that compile fast (tests/xla_flags.py).
+os.environ.setdefault("XLA_FLAGS", SUBPROCESS_XLA_FLAGS)
 # The Mosaic GPU interpreter runs each warpgroup of a CTA as its own CPU computation, blocked
 # at barriers while the other proceeds, inside the kernel's own computation: a kernel of two
 # warpgroups holds three of XLA:CPU's executor threads at once. Their pool has as many threads

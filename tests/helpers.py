@@ -22,6 +22,7 @@ from kimi_k3.config import add_training_defaults, default_model_config
 from kimi_k3.model import HybridLM
 from kimi_k3.runtime import RUN_ONCE_COMPILER_OPTIONS, jax_setting
 from pallas_kernels import device
+from tests.xla_flags import SUBPROCESS_XLA_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -59,19 +60,9 @@ def run_once_compiles():
         yield
 
 
-# The tests' processes, and the subprocesses they start, compile far more than they run:
-# XLA's LLVM optimisations (backend level 0) and its MLIR fusion emitters (the older elemental
-# ones compile far faster) cost more time than they save. LLVM's "expensive passes" stay on:
-# turning them off as well made the suite slower, not faster
-# (tests/conftest.py sets the same for the test processes). A subprocess whose time goes to
-# running many steps (a training loop) takes STEPS_XLA_FLAGS: the LLVM optimisations on.
-STEPS_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false --xla_cpu_use_fusion_emitters=false"
-SUBPROCESS_XLA_FLAGS = f"{STEPS_XLA_FLAGS} --xla_backend_optimization_level=0"
-
-
 def env(cache: str, devices: int = 1, xla_flags: str = SUBPROCESS_XLA_FLAGS) -> dict:
     """The environment of a CPU subprocess with ``devices`` devices, sharing the session's
-    compilation cache."""
+    compilation cache, with ``xla_flags`` (tests/xla_flags.py)."""
     e = dict(os.environ)
     e.update(
         JAX_PLATFORMS="cpu",

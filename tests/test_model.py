@@ -479,7 +479,7 @@ def test_sharded_model_on_a_4_device_mesh_matches_one_device():
         """
     )
     # Four devices; XLA's CPU backend optimisations off, as for the other subprocess checks
-    # (tests.test_train.SUBPROCESS_XLA_FLAGS): a tiny program, compiled more than it runs.
+    # (tests/xla_flags.py): a tiny program, compiled more than it runs.
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_FLAGS=f"{SUBPROCESS_XLA_FLAGS} --xla_force_host_platform_device_count=4")
     env.pop("JAX_NUM_CPU_DEVICES", None)

@@ -17,7 +17,8 @@ import pytest
 
 from kimi_k3 import passkey, plots
 from kimi_k3.data import TextTokenizer
-from tests.helpers import REPO, STEPS_XLA_FLAGS, env
+from tests.helpers import REPO, env
+from tests.xla_flags import STEPS_XLA_FLAGS
 
 TASK = passkey.PasskeyTask(digits=5)  # bytes
 DIGIT_0, DIGIT_9 = ord("0"), ord("9")
